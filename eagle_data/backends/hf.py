@@ -1,0 +1,107 @@
+"""HF transformers reference backend: one prefill forward, forward hooks on decoder layers.
+
+Capture: a forward hook on ``model.model.layers[k]`` for each aux id ``k`` (its output is
+HF ``hidden_states[k + 1]``) and one on ``model.model.norm`` (the final post-norm state).
+Only the base model runs (no ``lm_head``: logits are not needed and would cost
+``T x V`` memory), and ``output_hidden_states`` stays off.
+
+Batching: right padding with an attention mask (causal, so real tokens never attend to
+padding and results do not depend on batch composition beyond kernel rounding).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .base import BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def _decoder_parts(model):
+    """(layers ModuleList, final norm) of a decoder-only HF model."""
+    base = getattr(model, "model", None) or getattr(model, "transformer", None)
+    layers = getattr(base, "layers", None) or getattr(base, "h", None)
+    norm = getattr(base, "norm", None) or getattr(base, "ln_f", None) or getattr(base, "final_layernorm", None)
+    if layers is None or norm is None:
+        raise ValueError(f"{type(model).__name__}: cannot find decoder layers and final norm")
+    return base, layers, norm
+
+
+class HFBackend:
+    """Reference capture with HF ``AutoModelForCausalLM``.
+
+    Args:
+        model_path: local HF model folder.
+        aux_layer_ids: three ids in the SGLang/EAGLE-3 convention; ``None`` -> default.
+        dtype: ``"bfloat16"`` (default) or ``"float32"``; also the stored dtype.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+        attn_implementation: ``"sdpa"`` (default) or ``"eager"``.
+        trust_remote_code: off by default.
+        model: an already-built model (tests); ``model_path`` is then only recorded.
+    """
+
+    def __init__(self, model_path: str | Path, aux_layer_ids: Sequence[int] | None = None,
+                 dtype: str = "bfloat16", device: str = "cpu", attn_implementation: str = "sdpa",
+                 trust_remote_code: bool = False, model=None):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.device = torch.device(device)
+        if model is None:
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(
+                str(model_path), dtype=_DTYPES[dtype], attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code)
+        self.model = model.to(device=self.device, dtype=_DTYPES[dtype]).eval()
+        self.base, layers, norm = _decoder_parts(self.model)
+        cfg = self.model.config
+        n = len(layers)
+        ids = validate_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids is not None else default_aux_layer_ids(n)
+        self.info = BackendInfo("hf", str(model_path), int(cfg.hidden_size), n, int(cfg.vocab_size),
+                                dtype, ids, {"attn_implementation": attn_implementation,
+                                             "device": str(self.device)})
+        self._store: dict[str, torch.Tensor] = {}
+        self._handles = [layers[k].register_forward_hook(self._hook(f"aux{j}")) for j, k in enumerate(ids)]
+        self._handles.append(norm.register_forward_hook(self._hook("final")))
+
+    def _hook(self, name: str):
+        def fn(_mod, _inp, out):
+            self._store[name] = out[0] if isinstance(out, tuple) else out
+        return fn
+
+    @torch.inference_mode()
+    def capture(self, batch: Sequence[tuple[str, torch.Tensor]]) -> list[Captured]:
+        """See :meth:`eagle_data.backends.base.Backend.capture`. One forward for the batch."""
+        if not batch:
+            return []
+        lens = [int(ids.shape[0]) for _, ids in batch]
+        b, t = len(batch), max(lens)
+        input_ids = torch.zeros(b, t, dtype=torch.long)
+        attn = torch.zeros(b, t, dtype=torch.long)
+        for i, (_, ids) in enumerate(batch):
+            input_ids[i, : lens[i]] = ids
+            attn[i, : lens[i]] = 1
+        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
+        self._store.clear()
+        self.base(input_ids=input_ids, attention_mask=attn if b > 1 else None, use_cache=False)
+        missing = {"aux0", "aux1", "aux2", "final"} - set(self._store)
+        if missing:
+            raise RuntimeError(f"forward hooks did not fire for {sorted(missing)}")
+        aux = torch.cat([self._store["aux0"], self._store["aux1"], self._store["aux2"]], dim=-1)
+        fin = self._store["final"]
+        assert aux.shape[:2] == (b, t) and fin.shape[:2] == (b, t), (aux.shape, fin.shape)
+        aux, fin = aux.cpu(), fin.cpu()
+        self._store.clear()
+        return [Captured(key, aux[i, :n].clone(), fin[i, :n].clone())
+                for i, ((key, _), n) in enumerate(zip(batch, lens))]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,169 @@
+"""The on-disk schema of eagle-data shards, declared once.
+
+A dataset directory holds:
+
+* ``{rank:05d}-{shard:06d}.tar``: WebDataset shards. Each sample is two tar members
+  sharing one key (``KEY.safetensors`` and ``KEY.json``), so stock
+  ``webdataset.WebDataset`` and ``datasets.load_dataset("webdataset", ...)`` group them.
+* ``index.parquet``: one row per sample (see :data:`INDEX_COLUMNS`).
+* ``manifest.json``: run configuration, model facts, per-shard sha256/bytes/counts,
+  skip counts by reason, package versions. ``schema_version`` is checked by every reader.
+
+Per sample tensors (inside ``KEY.safetensors``, no pickle anywhere; safetensors stores
+bf16 as raw bits, so it round-trips bit-exactly):
+
+==================== ============ ========= ==========================================
+name                 shape        dtype     meaning
+==================== ============ ========= ==========================================
+``input_ids``        [T]          int64     ONE tokenisation of the rendered chat text
+``loss_mask``        [T]          uint8     1 iff token carries assistant text/end-of-turn
+``aux_hidden_states``[T, 3*H]     bf16/f32  outputs of decoder layers ``aux_layer_ids``
+                                            (low→high, concatenated on the last dim)
+``hidden_states``    [T, H]       bf16/f32  final hidden state AFTER the final norm
+                                            (what ``lm_head`` consumes)
+==================== ============ ========= ==========================================
+
+Layer-id convention (:data:`LAYER_ID_CONVENTION`): aux id ``k`` is the output of decoder
+layer ``k`` (0-based), i.e. HF ``output_hidden_states[k + 1]``; this is what SGLang's
+``eagle_config.eagle_aux_hidden_state_layer_ids`` means in a draft config it serves
+(SGLang's ``set_eagle3_layers_to_capture`` captures the *input* of layer ``k + 1``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+SCHEMA_VERSION = 1
+LAYER_ID_CONVENTION = "output_of_decoder_layer_k=hf_hidden_states[k+1]"
+FINAL_STATE_NORM = "post"  # hidden_states are taken after the model's final norm
+
+TENSOR_EXT = "safetensors"
+META_EXT = "json"
+MANIFEST_NAME = "manifest.json"
+INDEX_NAME = "index.parquet"
+
+TENSOR_FIELDS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
+INT_DTYPES = {"input_ids": torch.int64, "loss_mask": torch.uint8}
+HIDDEN_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+#: index.parquet columns: name -> meaning
+INDEX_COLUMNS = {
+    "key": "sample key (no '.'), unique across shards and ranks",
+    "shard": "shard file name relative to the dataset directory",
+    "source_id": "id of the conversation in the source dataset",
+    "source_row": "row number in the source dataset",
+    "num_turns": "number of messages after normalisation",
+    "num_tokens": "T, tokens stored",
+    "num_loss_tokens": "tokens with loss_mask == 1",
+    "truncated": "True if the rendered chat was cut at max_length",
+    "loss_token_ids": "sorted distinct token ids with loss_mask == 1 (draft-vocab histogram)",
+    "loss_token_counts": "how often each of loss_token_ids occurs under the loss mask",
+}
+
+
+def sample_key(dataset_tag: str, row: int) -> str:
+    """Stable sample key from (dataset, source row). Never contains '.'.
+
+    Raises:
+        ValueError: ``dataset_tag`` contains '.', '/' or whitespace.
+    """
+    if not dataset_tag or any(c in dataset_tag for c in "./ \t\n"):
+        raise ValueError(f"dataset tag {dataset_tag!r} must be non-empty without '.', '/' or spaces")
+    return f"{dataset_tag}_{row:09d}"
+
+
+def encode_sample(key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    """Pack one sample as a webdataset dict ``{"__key__", "safetensors", "json"}``.
+
+    Args:
+        key: sample key, must not contain '.' (webdataset splits keys at the first dot).
+        tensors: the four :data:`TENSOR_FIELDS` (see module docstring for shapes/dtypes).
+        meta: JSON-serialisable metadata.
+
+    Raises:
+        ValueError: bad key, missing field or inconsistent shapes.
+    """
+    if "." in key or "/" in key:
+        raise ValueError(f"sample key {key!r} must not contain '.' or '/'")
+    validate_tensors(tensors, where=key)
+    payload = {k: tensors[k].contiguous() for k in TENSOR_FIELDS}
+    return {
+        "__key__": key,
+        TENSOR_EXT: st_save(payload, metadata={"schema_version": str(SCHEMA_VERSION)}),
+        META_EXT: json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8"),
+    }
+
+
+def decode_tensors(data: bytes, where: str = "?") -> dict[str, torch.Tensor]:
+    """Decode ``KEY.safetensors`` bytes into the four tensors (bit-exact, no pickle).
+
+    Raises:
+        ValueError: unreadable bytes, missing fields or inconsistent shapes; names ``where``.
+    """
+    try:
+        tensors = st_load(data)
+    except Exception as e:  # safetensors raises its own error types
+        raise ValueError(f"sample {where}: cannot decode safetensors payload: {e}") from e
+    validate_tensors(tensors, where=where)
+    return tensors
+
+
+def validate_tensors(tensors: dict[str, torch.Tensor], where: str = "?") -> None:
+    """Check fields, dtypes and ``rows == len(input_ids) == len(loss_mask)``.
+
+    Raises:
+        ValueError: naming the sample ``where`` and the offending field.
+    """
+    missing = [k for k in TENSOR_FIELDS if k not in tensors]
+    if missing:
+        raise ValueError(f"sample {where}: missing field(s) {missing}")
+    for name, dtype in INT_DTYPES.items():
+        if tensors[name].dtype != dtype or tensors[name].dim() != 1:
+            raise ValueError(f"sample {where}: {name} must be 1-D {dtype}, got "
+                             f"{tuple(tensors[name].shape)} {tensors[name].dtype}")
+    t = tensors["input_ids"].shape[0]
+    aux, fin = tensors["aux_hidden_states"], tensors["hidden_states"]
+    if fin.dim() != 2 or aux.dim() != 2:
+        raise ValueError(f"sample {where}: hidden states must be 2-D [T, *]")
+    if not (tensors["loss_mask"].shape[0] == aux.shape[0] == fin.shape[0] == t):
+        raise ValueError(
+            f"sample {where}: row mismatch: input_ids {t}, loss_mask {tensors['loss_mask'].shape[0]}, "
+            f"aux_hidden_states {aux.shape[0]}, hidden_states {fin.shape[0]}")
+    if aux.shape[1] % fin.shape[1] != 0:
+        raise ValueError(f"sample {where}: aux width {aux.shape[1]} is not a multiple of H={fin.shape[1]}")
+    if aux.dtype != fin.dtype:
+        raise ValueError(f"sample {where}: aux dtype {aux.dtype} != final dtype {fin.dtype}")
+
+
+def check_manifest_compat(manifest: dict[str, Any], expect: dict[str, Any] | None = None,
+                          where: str = "manifest") -> None:
+    """Refuse data whose schema or model facts differ from what the caller expects.
+
+    Args:
+        manifest: a parsed ``manifest.json``.
+        expect: optional ``{"hidden_size", "aux_layer_ids", "dtype", ...}`` to match.
+
+    Raises:
+        ValueError: schema version, layer convention, final norm or an expected field differs.
+    """
+    v = manifest.get("schema_version")
+    if v != SCHEMA_VERSION:
+        raise ValueError(f"{where}: schema_version {v!r}, this eagle_data reads {SCHEMA_VERSION}")
+    if manifest.get("layer_id_convention") != LAYER_ID_CONVENTION:
+        raise ValueError(f"{where}: layer_id_convention {manifest.get('layer_id_convention')!r} "
+                         f"!= {LAYER_ID_CONVENTION!r}")
+    if manifest.get("final_state_norm") != FINAL_STATE_NORM:
+        raise ValueError(f"{where}: final_state_norm {manifest.get('final_state_norm')!r} != 'post'")
+    for k, want in (expect or {}).items():
+        if want is None:
+            continue
+        got = manifest.get(k)
+        if isinstance(want, (list, tuple)):
+            want, got = list(want), list(got or [])
+        if got != want:
+            raise ValueError(f"{where}: {k} is {got!r}, expected {want!r}")

@@ -1,0 +1,190 @@
+"""Atomic shard writing on top of ``webdataset.ShardWriter``.
+
+Each shard is written as ``{rank:05d}-{shard:06d}.tar.tmp`` through a hashing file
+wrapper (sha256 + bytes computed while writing, no re-read), fsync'd, renamed to ``.tar``,
+and only then recorded: its index rows go to ``index/{shard}.parquet`` and the rank's
+progress file ``progress-{rank:05d}.json`` is rewritten atomically (tmp + fsync + rename).
+So a listed shard is never partial; a ``.tmp`` left by a crash is deleted on resume and
+its samples are redone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import webdataset as wds
+
+from .schema import encode_sample
+
+INDEX_DIR = "index"
+_INDEX_SCHEMA = pa.schema([
+    ("key", pa.string()), ("shard", pa.string()), ("source_id", pa.string()),
+    ("source_row", pa.int64()), ("num_turns", pa.int32()), ("num_tokens", pa.int32()),
+    ("num_loss_tokens", pa.int32()), ("truncated", pa.bool_()),
+    ("loss_token_ids", pa.list_(pa.int32())), ("loss_token_counts", pa.list_(pa.int32())),
+])
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via tmp + fsync + rename (readers see old or new, never partial)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode("utf-8"))
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _HashingFile:
+    """Write-only file wrapper computing sha256 and byte count on the fly."""
+
+    def __init__(self, path: str):
+        self.f = open(path, "wb")
+        self.h = hashlib.sha256()
+        self.n = 0
+
+    def write(self, b) -> int:
+        self.h.update(b)
+        self.n += len(b)
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
+
+    def tell(self) -> int:
+        return self.n
+
+    def close(self):
+        if not self.f.closed:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+
+
+def index_row(key: str, shard: str, meta: dict[str, Any], input_ids: torch.Tensor,
+              loss_mask: torch.Tensor) -> dict[str, Any]:
+    """One ``index.parquet`` row, incl. the sparse histogram of supervised token ids."""
+    sup = input_ids[loss_mask.bool()]
+    ids, counts = torch.unique(sup, return_counts=True)  # sorted ascending
+    return {"key": key, "shard": shard, "source_id": str(meta["source_id"]),
+            "source_row": int(meta["source_row"]), "num_turns": int(meta["num_turns"]),
+            "num_tokens": int(input_ids.shape[0]), "num_loss_tokens": int(sup.shape[0]),
+            "truncated": bool(meta["truncated"]),
+            "loss_token_ids": ids.to(torch.int32).tolist(), "loss_token_counts": counts.to(torch.int32).tolist()}
+
+
+def write_index_part(path: Path, rows: list[dict[str, Any]]) -> None:
+    table = pa.Table.from_pylist(rows, schema=_INDEX_SCHEMA)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ShardSink:
+    """Writes encoded samples into atomic shards and reports each published shard.
+
+    Args:
+        out_dir: dataset directory.
+        rank: this process's rank (shard names ``{rank:05d}-{shard:06d}.tar``).
+        start_shard: first shard number (resume continues after the last published one).
+        max_samples / max_bytes: shard size limits (``webdataset.ShardWriter`` maxcount/maxsize).
+        on_publish: called with the shard record
+            ``{"name", "num_samples", "bytes", "sha256", "keys"}`` after the shard and its
+            index part are durable on disk.
+    """
+
+    def __init__(self, out_dir: str | Path, rank: int = 0, start_shard: int = 0,
+                 max_samples: int = 1000, max_bytes: float = 3e9,
+                 on_publish: Callable[[dict[str, Any]], None] | None = None):
+        self.out = Path(out_dir)
+        (self.out / INDEX_DIR).mkdir(parents=True, exist_ok=True)
+        self.on_publish = on_publish
+        self._file: _HashingFile | None = None
+        self._rows: list[dict[str, Any]] = []
+        self.published: list[dict[str, Any]] = []
+        self.bytes_written = 0
+        self._writer = wds.ShardWriter(
+            str(self.out / f"{rank:05d}-%06d.tar.tmp"), maxcount=max_samples, maxsize=max_bytes,
+            post=self._publish, start_shard=start_shard, verbose=0, opener=self._open,
+            encoder=False, mtime=0.0)
+
+    def _open(self, fname: str) -> _HashingFile:
+        self._file = _HashingFile(fname)
+        return self._file
+
+    def write(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Append one sample (see :func:`eagle_data.schema.encode_sample`)."""
+        sample = encode_sample(key, tensors, meta)
+        # ShardWriter publishes the previous shard (via _publish) before it writes into a new
+        # one, so the row is appended after write() and always lands with its own shard.
+        self._writer.write(sample)
+        name = Path(self._writer.fname).name.removesuffix(".tmp")
+        self._rows.append(index_row(key, name, meta, tensors["input_ids"], tensors["loss_mask"]))
+
+    def _publish(self, tmp_fname: str) -> None:
+        f = self._file
+        assert f is not None
+        f.close()
+        tmp = Path(tmp_fname)
+        final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+        rows, self._rows = self._rows, []
+        if not rows:  # ShardWriter opens a stream eagerly; an empty shard is never published
+            tmp.unlink(missing_ok=True)
+            return
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        write_index_part(self.out / INDEX_DIR / (final.name.removesuffix(".tar") + ".parquet"), rows)
+        rec = {"name": final.name, "num_samples": len(rows), "bytes": f.n, "sha256": f.h.hexdigest(),
+               "num_tokens": sum(r["num_tokens"] for r in rows), "keys": [r["key"] for r in rows]}
+        self.bytes_written += f.n
+        self.published.append(rec)
+        if self.on_publish is not None:
+            self.on_publish(rec)
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._file.n if self._file is not None else 0
+
+    def close(self) -> None:
+        """Publish the last shard (if non-empty)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def abort(self) -> None:
+        """Drop the shard being written (its samples are redone on resume)."""
+        if self._writer is not None and self._file is not None:
+            name = self._writer.fname
+            try:
+                self._file.f.close()
+            finally:
+                Path(name).unlink(missing_ok=True)
+            self._writer = None
+            self._rows = []
