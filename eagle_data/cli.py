@@ -11,7 +11,6 @@ import sys
 from typing import Any, Optional
 
 from rich.console import Console
-from rich.table import Table
 
 
 def extract(
@@ -129,14 +128,36 @@ def merge(path: str) -> None:
     print(json.dumps({k: m[k] for k in ("num_samples", "num_tokens", "total_bytes", "skip_counts")}, indent=1))
 
 
-COMMANDS = [extract, inspect, merge]
+#: modules that add subcommands: each defines ``COMMANDS: dict[str, function | dict[str, function]]``
+#: (a nested dict is a command group, e.g. ``{"bench": {"loader": bench_loader}}``).
+COMMAND_MODULES = ("cli_data", "cli_train", "cli_verify", "cli_bench")
+
+
+def commands() -> dict[str, Any]:
+    """All subcommands: this module's plus those of :data:`COMMAND_MODULES` (groups merged)."""
+    import importlib
+
+    cmds: dict[str, Any] = {"extract": extract, "inspect": inspect, "merge": merge}
+    for name in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(f"{__package__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__package__}.{name}":
+                raise
+            continue
+        for k, v in mod.COMMANDS.items():
+            if isinstance(v, dict) and isinstance(cmds.get(k), dict):
+                cmds[k] = {**cmds[k], **v}
+            else:
+                cmds[k] = v
+    return cmds
 
 
 def main(argv: list[str] | None = None) -> None:
     from jsonargparse import CLI
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    CLI(COMMANDS, args=argv if argv is not None else sys.argv[1:])
+    CLI(commands(), args=argv if argv is not None else sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv and install eagle-data with the given extras (default: dev). Idempotent.
+#   bash scripts/setup.sh            -> .[dev]
+#   bash scripts/setup.sh dev,sglang -> .[dev,sglang]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-dev}"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=".venv/.installed-$(echo "$extras" | tr ',' '-')-$(sha256sum pyproject.toml | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -m pip install --quiet -e ".[${extras}]" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import eagle_data, torch, webdataset, datasets, lightning" 
+  touch "$stamp"
+fi

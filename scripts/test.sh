@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up (with the sglang extra, which runs SGLang on CPU) and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh dev,sglang
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,38 @@
+"""Every extraction YAML in configs/ parses with the CLI's own parser (typed, no unknown keys)."""
+
+from pathlib import Path
+
+import pytest
+from jsonargparse import capture_parser
+
+from eagle_data import cli
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("extract_*.yaml"))
+
+
+def test_there_are_configs():
+    assert len(CONFIGS) >= 3
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_extract_config_parses(path):
+    parser = capture_parser(lambda: cli.main(["extract", "--config", str(path)]))
+    ns = parser.parse_args(["extract", "--config", str(path)])
+    assert ns.extract.out and ns.extract.backend in ("hf", "sglang")
+    assert ns.extract.dtype in ("bfloat16", "float32")
+
+
+def test_unknown_key_is_rejected(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("out: x\nmax_lenght: 5\n")
+    parser = capture_parser(lambda: cli.main(["extract", "--config", str(bad)]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["extract", "--config", str(bad)])
+
+
+def test_cli_help_lists_commands(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    for name in ("extract", "inspect", "merge"):
+        assert name in out

@@ -1,0 +1,132 @@
+"""End-to-end extraction with a tiny random Llama on local JSONL (ShareGPT + OpenAI + bad records)."""
+
+import json
+import tarfile
+
+import pytest
+import torch
+import webdataset as wds
+
+import eagle_data
+from eagle_data.backends.hf import HFBackend
+from eagle_data.extract import ExtractConfig, run_extract
+from eagle_data.manifest import read_manifest
+from eagle_data.schema import SCHEMA_VERSION, check_manifest_compat, decode_tensors
+from eagle_data.writer import ShardSink
+
+from templates import TEMPLATES_DIR, family_tokenizer
+from tiny import AUX, tiny_llama
+
+GOOD = [
+    {"id": "s.0", "conversations": [{"from": "human", "value": "Hello there, how are you?"},
+                                    {"from": "gpt", "value": "I am fine, thank you."}]},
+    {"id": "o.1", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                               {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
+                               {"role": "assistant", "content": "6, the quick brown fox says."}]},
+]
+BAD = [
+    {"id": "b1", "conversations": [{"from": "human", "value": "x"}]},
+    {"id": "b2", "conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]},
+    {"id": "b3", "conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": ""}]},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    tiny_llama().save_pretrained(d)
+    family_tokenizer(TEMPLATES_DIR / "smollm2.jinja").save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    rows = [GOOD[i % 2] for i in range(10)] + BAD
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+def cfg(out, model_dir, data_file, **kw):
+    base = dict(out=str(out), model=str(model_dir), data=str(data_file), num_samples=None, dtype="float32",
+                aux_layer_ids=AUX, shard_max_samples=4, batch_tokens=256, progress=False)
+    return ExtractConfig(**{**base, **kw})
+
+
+def test_extract_end_to_end(tmp_path, model_dir, data_file):
+    out = tmp_path / "ds"
+    m = run_extract(cfg(out, model_dir, data_file))
+    check_manifest_compat(m, {"hidden_size": 64, "aux_layer_ids": AUX, "dtype": "float32"})
+    assert m["schema_version"] == SCHEMA_VERSION and m["num_samples"] == 10
+    assert m["skip_counts"] == {"empty_assistant": 1, "no_assistant_turn": 1, "unknown_role": 1}
+    assert [s["num_samples"] for s in m["shards"]] == [4, 4, 2]
+    assert read_manifest(out)["num_samples"] == 10
+    idx = eagle_data.load_index(out)
+    assert len(idx) == 10 and sorted(idx["source_row"]) == list(range(10))
+    assert all("." not in k for k in idx["key"]) and set(idx["source_id"]) == {"s.0", "o.1"}
+    # stock webdataset groups KEY.safetensors + KEY.json into one sample
+    shards = [str(out / s["name"]) for s in m["shards"]]
+    samples = list(wds.WebDataset(shards, shardshuffle=False))
+    assert len(samples) == 10 and all(set(s) >= {"__key__", "safetensors", "json"} for s in samples)
+    ref = tiny_llama()
+    for s in samples:
+        t = decode_tensors(s["safetensors"], s["__key__"])
+        meta = json.loads(s["json"])
+        row = idx[idx["key"].index(s["__key__"])]
+        assert meta["num_tokens"] == row["num_tokens"] == t["input_ids"].shape[0]
+        assert int(t["loss_mask"].sum()) == row["num_loss_tokens"] == sum(row["loss_token_counts"])
+        with torch.no_grad():
+            hs = ref(t["input_ids"][None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(t["aux_hidden_states"][:, 64:128], hs[AUX[1] + 1][0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(t["hidden_states"], hs[-1][0], rtol=1e-4, atol=1e-5)
+
+
+def test_hf_datasets_loads_shards(tmp_path, model_dir, data_file):
+    import datasets
+
+    out = tmp_path / "ds"
+    m = run_extract(cfg(out, model_dir, data_file, num_samples=4))
+    ds = datasets.load_dataset("webdataset", data_files=[str(out / s["name"]) for s in m["shards"]], split="train")
+    assert len(ds) == m["num_samples"]
+    t = decode_tensors(ds[0]["safetensors"], ds[0]["__key__"])
+    assert t["hidden_states"].shape[1] == 64
+
+
+def test_rerun_resumes_and_config_change_refused(tmp_path, model_dir, data_file):
+    out = tmp_path / "ds"
+    first = run_extract(cfg(out, model_dir, data_file))
+    again = run_extract(cfg(out, model_dir, data_file))
+    assert again["run_stats"]["new_samples"] == 0 and again["num_samples"] == first["num_samples"]
+    with pytest.raises(ValueError, match=r"max_length"):
+        run_extract(cfg(out, model_dir, data_file, max_length=64))
+
+
+def test_bf16_roundtrip_bit_exact_through_a_shard(tmp_path):
+    vals = torch.tensor([1.5, 70144.0, -0.0078125], dtype=torch.bfloat16)
+    aux = vals.repeat(2, 2)  # [T=2, 3*H=6]
+    fin = vals[:2].repeat(2, 1)  # [T=2, H=2]
+    tensors = {"input_ids": torch.tensor([5, 7]), "loss_mask": torch.tensor([0, 1], dtype=torch.uint8),
+               "aux_hidden_states": aux, "hidden_states": fin}
+    sink = ShardSink(tmp_path, rank=0)
+    sink.write("k_0", tensors, {"source_id": "x", "source_row": 0, "num_turns": 2, "truncated": False})
+    sink.close()
+    (rec,) = sink.published
+    with tarfile.open(tmp_path / rec["name"]) as tf:
+        assert sorted(tf.getnames()) == ["k_0.json", "k_0.safetensors"]
+        back = decode_tensors(tf.extractfile("k_0.safetensors").read())
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k].view(torch.uint8) if v.is_floating_point() else back[k],
+                                                        v.view(torch.uint8) if v.is_floating_point() else v)
+    assert back["aux_hidden_states"][0].tolist() == [1.5, 70144.0, -0.0078125] * 2
+
+
+def test_bad_key_and_row_mismatch_refused(tmp_path):
+    sink = ShardSink(tmp_path)
+    good = {"input_ids": torch.tensor([1, 2]), "loss_mask": torch.tensor([0, 1], dtype=torch.uint8),
+            "aux_hidden_states": torch.zeros(2, 6), "hidden_states": torch.zeros(2, 2)}
+    with pytest.raises(ValueError, match="must not contain"):
+        sink.write("a.b", good, {})
+    with pytest.raises(ValueError, match="row mismatch"):
+        sink.write("ab", {**good, "hidden_states": torch.zeros(3, 2)}, {})
+    sink.close()
+    assert sink.published == [] and not list(tmp_path.glob("*.tar*"))
