@@ -5,7 +5,13 @@ wrapper (sha256 + bytes computed while writing, no re-read), fsync'd, renamed to
 and only then recorded: its index rows go to ``index/{shard}.parquet`` and the rank's
 progress file ``progress-{rank:05d}.json`` is rewritten atomically (tmp + fsync + rename).
 So a listed shard is never partial; a ``.tmp`` left by a crash is deleted on resume and
-its samples are redone.
+its samples are redone. A shard (or index part) renamed but not yet listed when the process
+died is not listed either: resume deletes it (see :func:`eagle_data.manifest.repair_rank`).
+
+Every temporary file is named ``NAME.<pid>.tmp`` (or ``.tar.tmp`` for shards, whose name is
+already unique per rank), so concurrent writers of the same file (several ranks merging the
+manifest at once) never share a temporary, and every write path removes its temporary when
+it fails (``ENOSPC``...). Errors are ``OSError`` as raised by the OS.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tarfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,7 +31,7 @@ import webdataset as wds
 from .schema import encode_sample
 
 INDEX_DIR = "index"
-_INDEX_SCHEMA = pa.schema([
+INDEX_SCHEMA = pa.schema([
     ("key", pa.string()), ("shard", pa.string()), ("source_id", pa.string()),
     ("source_row", pa.int64()), ("num_turns", pa.int32()), ("num_tokens", pa.int32()),
     ("num_loss_tokens", pa.int32()), ("truncated", pa.bool_()),
@@ -32,14 +39,28 @@ _INDEX_SCHEMA = pa.schema([
 ])
 
 
+def tmp_name(path: Path) -> Path:
+    """The temporary next to ``path`` used by this process: ``NAME.<pid>.tmp``."""
+    return path.with_name(f"{path.name}.{os.getpid()}.tmp")
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via tmp + fsync + rename (readers see old or new, never partial)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``data`` to ``path`` via tmp + fsync + rename (readers see old or new, never partial).
+
+    Raises:
+        OSError: the write failed (e.g. ``ENOSPC``); ``path`` is unchanged and the temporary removed.
+    """
+    path = Path(path)
+    tmp = tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -98,13 +119,27 @@ def index_row(key: str, shard: str, meta: dict[str, Any], input_ids: torch.Tenso
             "loss_token_ids": ids.to(torch.int32).tolist(), "loss_token_counts": counts.to(torch.int32).tolist()}
 
 
+def write_parquet_atomic(path: Path, table: pa.Table) -> None:
+    """``pq.write_table`` via tmp + fsync + rename.
+
+    Raises:
+        OSError: the write failed; ``path`` is unchanged and the temporary removed.
+    """
+    tmp = tmp_name(path)
+    try:
+        pq.write_table(table, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
 def write_index_part(path: Path, rows: list[dict[str, Any]]) -> None:
-    table = pa.Table.from_pylist(rows, schema=_INDEX_SCHEMA)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write one shard's index rows (schema :data:`INDEX_SCHEMA`) atomically."""
+    write_parquet_atomic(path, pa.Table.from_pylist(rows, schema=INDEX_SCHEMA))
 
 
 class ShardSink:
@@ -116,8 +151,12 @@ class ShardSink:
         start_shard: first shard number (resume continues after the last published one).
         max_samples / max_bytes: shard size limits (``webdataset.ShardWriter`` maxcount/maxsize).
         on_publish: called with the shard record
-            ``{"name", "num_samples", "bytes", "sha256", "keys"}`` after the shard and its
-            index part are durable on disk.
+            ``{"name", "num_samples", "bytes", "sha256", "num_tokens", "keys"}`` after the shard
+            and its index part are durable on disk. If it raises, the shard and its index part
+            are deleted again (it was never published) and the error propagates.
+
+    Errors of the file system (``OSError``, e.g. ``ENOSPC``) propagate from :meth:`write` and
+    :meth:`close`; the caller then calls :meth:`abort`, which removes the shard in progress.
     """
 
     def __init__(self, out_dir: str | Path, rank: int = 0, start_shard: int = 0,
@@ -140,7 +179,14 @@ class ShardSink:
         return self._file
 
     def write(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Append one sample (see :func:`eagle_data.schema.encode_sample`)."""
+        """Append one sample (see :func:`eagle_data.schema.encode_sample`).
+
+        Raises:
+            ValueError: bad key or tensors (nothing written).
+            OSError: writing failed; call :meth:`abort`.
+        """
+        if self._writer is None:
+            raise RuntimeError("ShardSink is closed")
         sample = encode_sample(key, tensors, meta)
         # ShardWriter publishes the previous shard (via _publish) before it writes into a new
         # one, so the row is appended after write() and always lands with its own shard.
@@ -158,33 +204,48 @@ class ShardSink:
         if not rows:  # ShardWriter opens a stream eagerly; an empty shard is never published
             tmp.unlink(missing_ok=True)
             return
+        part = self.out / INDEX_DIR / (final.name.removesuffix(".tar") + ".parquet")
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        write_index_part(self.out / INDEX_DIR / (final.name.removesuffix(".tar") + ".parquet"), rows)
-        rec = {"name": final.name, "num_samples": len(rows), "bytes": f.n, "sha256": f.h.hexdigest(),
-               "num_tokens": sum(r["num_tokens"] for r in rows), "keys": [r["key"] for r in rows]}
+        try:
+            _fsync_dir(final.parent)
+            write_index_part(part, rows)
+            rec = {"name": final.name, "num_samples": len(rows), "bytes": f.n, "sha256": f.h.hexdigest(),
+                   "num_tokens": sum(r["num_tokens"] for r in rows), "keys": [r["key"] for r in rows]}
+            if self.on_publish is not None:
+                self.on_publish(rec)
+        except BaseException:
+            # not recorded -> not published: remove what was renamed (resume would, too)
+            final.unlink(missing_ok=True)
+            part.unlink(missing_ok=True)
+            raise
         self.bytes_written += f.n
         self.published.append(rec)
-        if self.on_publish is not None:
-            self.on_publish(rec)
 
     @property
     def pending_bytes(self) -> int:
-        return self._file.n if self._file is not None else 0
+        return self._file.n if self._file is not None and not self._file.f.closed else 0
 
     def close(self) -> None:
-        """Publish the last shard (if non-empty)."""
+        """Publish the last shard (if non-empty).
+
+        Raises:
+            OSError: writing failed; call :meth:`abort`.
+        """
         if self._writer is not None:
             self._writer.close()
             self._writer = None
 
     def abort(self) -> None:
-        """Drop the shard being written (its samples are redone on resume)."""
-        if self._writer is not None and self._file is not None:
-            name = self._writer.fname
+        """Drop the shard being written (its samples are redone on resume). Never raises
+        ``OSError`` (closing a file on a full disk fails again; the file is deleted anyway)."""
+        if self._writer is None:
+            return
+        name, self._writer = self._writer.fname, None
+        self._rows = []
+        if self._file is not None:
             try:
                 self._file.f.close()
-            finally:
-                Path(name).unlink(missing_ok=True)
-            self._writer = None
-            self._rows = []
+            except OSError:
+                pass
+        if name:
+            Path(name).unlink(missing_ok=True)

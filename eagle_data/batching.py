@@ -1,0 +1,144 @@
+"""Deterministic shuffling, batch plans with equal counts per slot, and EAGLE-3 collation.
+
+Every rank x worker *slot* yields exactly the same number of batches per epoch, so the
+DataLoader's round-robin over workers is regular (batch ``j`` of a rank comes from worker
+``j % num_workers``) and DDP collectives never wait for a rank that ran out of data.
+
+* fixed batch size ``B``: every slot yields ``ceil(max_slot_samples / B)`` batches; a slot with
+  one sample less ends with a batch one smaller (sizes from :func:`fixed_sizes`). No sample is
+  dropped or repeated, except when ``B == 1`` and ``N % slots != 0``: then the last
+  ``N % slots`` positions of the epoch's permuted stream are dropped (warned; they differ
+  each epoch).
+* token budget: batches are planned from per-sample lengths (``index.parquet``
+  ``num_tokens``, read once) by :func:`token_plan`; slots with fewer batches than the
+  largest split their largest batches (never exceeding the budget) until counts are equal.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+
+def shuffle_stream(src: Iterable[Any], bufsize: int, rng: random.Random) -> Iterator[Any]:
+    """Buffered shuffle whose decisions depend only on ``rng`` and the stream length (so the
+    same order can be replayed on positions: ``shuffle_stream(range(n), ...)``)."""
+    if bufsize <= 1:
+        yield from src
+        return
+    buf: list[Any] = []
+    for x in src:
+        if len(buf) < bufsize:
+            buf.append(x)
+            continue
+        i = rng.randrange(bufsize)
+        yield buf[i]
+        buf[i] = x
+    rng.shuffle(buf)
+    yield from buf
+
+
+def fixed_sizes(num_samples: int, num_batches: int, batch_size: int) -> list[int]:
+    """Split ``num_samples`` into exactly ``num_batches`` batches of at most ``batch_size``
+    (full batches first, every batch non-empty).
+
+    Raises:
+        ValueError: impossible (``num_samples < num_batches`` or ``> num_batches * batch_size``).
+    """
+    if not num_batches <= num_samples <= num_batches * batch_size:
+        raise ValueError(f"cannot split {num_samples} samples into {num_batches} batches of <= {batch_size}")
+    out, left = [], num_samples
+    for i in range(num_batches):
+        s = min(batch_size, left - (num_batches - i - 1))
+        out.append(s)
+        left -= s
+    return out
+
+
+def pack_window(idx: Sequence[int], lengths: Sequence[int], max_tokens: int, max_batch_size: int
+                ) -> list[list[int]]:
+    """Sort one window by length and greedily cut batches with ``B * max(T) <= max_tokens``
+    (a sample longer than the budget forms a batch alone)."""
+    order = sorted(idx, key=lambda i: lengths[i])
+    out: list[list[int]] = []
+    batch: list[int] = []
+    longest = 0
+    for i in order:
+        t = lengths[i]
+        if batch and (max(longest, t) * (len(batch) + 1) > max_tokens or len(batch) >= max_batch_size):
+            out.append(batch)
+            batch, longest = [], 0
+        batch.append(i)
+        longest = max(longest, t)
+    if batch:
+        out.append(batch)
+    return out
+
+
+def token_plan(lengths: Sequence[int], bufsize: int, rng: random.Random, window: int, max_tokens: int,
+               max_batch_size: int) -> list[list[int]]:
+    """Batches (lists of slot-local positions) of one slot: shuffle replayed on positions,
+    then :func:`pack_window` over consecutive windows of ``window`` shuffled positions."""
+    order = list(shuffle_stream(range(len(lengths)), bufsize, rng))
+    out: list[list[int]] = []
+    for a in range(0, len(order), window):
+        out += pack_window(order[a:a + window], lengths, max_tokens, max_batch_size)
+    return out
+
+
+def split_to(plan: list[list[int]], target: int, lengths: Sequence[int]) -> list[list[int]]:
+    """Split the batch with the most padded tokens in two until ``len(plan) == target``.
+
+    Raises:
+        ValueError: no batch of 2+ samples is left to split.
+    """
+    plan = [list(b) for b in plan]
+    while len(plan) < target:
+        cands = [(len(b) * max(lengths[i] for i in b), -k) for k, b in enumerate(plan) if len(b) > 1]
+        if not cands:
+            raise ValueError(f"cannot make {target} batches from {sum(map(len, plan))} samples; "
+                             "use fewer ranks/workers or a smaller max_tokens")
+        k = -max(cands)[1]
+        b = plan[k]
+        plan[k:k + 1] = [b[:len(b) // 2], b[len(b) // 2:]]
+    return plan
+
+
+def num_fixed_batches(sizes: Sequence[int], batch_size: int) -> int:
+    """Batches per slot for fixed batch size (see module doc)."""
+    return math.ceil(max(sizes) / batch_size)
+
+
+def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size: int, aux_width: int,
+            dtype: torch.dtype, num_skipped: int = 0) -> dict[str, Any]:
+    """Pad decoded samples to the longest one.
+
+    Returns:
+        ``input_ids`` [B, T] int64 (pad 0), ``attention_mask`` [B, T] bool, ``loss_mask``
+        [B, T] bool (False on padding), ``aux_hidden_states`` [B, T, 3H] and ``hidden_states``
+        [B, T, H] in the stored dtype (bf16 bit-exact; zeros on padding), ``keys`` list[str].
+        ``B == 0`` (``T == 0``) only when every sample of a batch was skipped by ``on_error="skip"``.
+    """
+    b = len(samples)
+    t = max((s["input_ids"].shape[0] for s in samples), default=0)
+    out = {"input_ids": torch.zeros(b, t, dtype=torch.int64),
+           "attention_mask": torch.zeros(b, t, dtype=torch.bool),
+           "loss_mask": torch.zeros(b, t, dtype=torch.bool),
+           # empty + explicit tail zeroing: each page of the big tensors is written once
+           "aux_hidden_states": torch.empty(b, t, aux_width, dtype=dtype),
+           "hidden_states": torch.empty(b, t, hidden_size, dtype=dtype)}
+    for i, s in enumerate(samples):
+        n = s["input_ids"].shape[0]
+        out["input_ids"][i, :n] = s["input_ids"]
+        out["attention_mask"][i, :n] = True
+        out["loss_mask"][i, :n] = s["loss_mask"].bool()
+        for k in ("aux_hidden_states", "hidden_states"):
+            out[k][i, :n] = s[k]
+            out[k][i, n:] = 0
+    out["keys"] = list(keys)
+    if num_skipped:
+        out["_skipped"] = num_skipped
+    return out

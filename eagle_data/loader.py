@@ -1,0 +1,98 @@
+"""``EagleDataLoader``: a ``torch.utils.data.DataLoader`` over :class:`EagleShardDataset` that
+owns epochs, mid-epoch resume and skip counts.
+
+Resume is exact for any ``num_workers`` because every worker yields the same number of batches
+per epoch (see :mod:`eagle_data.batching`), so the DataLoader's in-order round-robin is regular:
+rank batch ``j`` is batch ``j // K`` of worker ``j % K``. Counting delivered batches in the main
+process therefore tells every worker how many of its batches to skip. ``state_dict`` /
+``load_state_dict`` make it a Lightning "stateful" loader (saved in checkpoints).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from torch.utils.data import DataLoader
+
+from .dataset import EagleShardDataset
+
+
+def _identity(x):
+    return x
+
+
+class EagleDataLoader(DataLoader):
+    """DataLoader for :class:`EagleShardDataset` (the dataset already batches).
+
+    Each ``iter()`` is one epoch: the epoch given by :meth:`set_epoch`, else the one restored by
+    :meth:`load_state_dict` (continuing mid-epoch), else the previous epoch + 1 (first: 0).
+    Workers are never persistent (each epoch's plan is pickled into fresh workers).
+
+    Args:
+        dataset: the batches' source.
+        num_workers: DataLoader worker processes (0: read in the main process).
+        pin_memory: pin batch tensors (``keys`` stays a list).
+        prefetch_factor: batches prefetched per worker (default 2 when ``num_workers > 0``).
+        timeout, multiprocessing_context: as in ``DataLoader``.
+    """
+
+    def __init__(self, dataset: EagleShardDataset, num_workers: int = 0, pin_memory: bool = False,
+                 prefetch_factor: int | None = None, timeout: float = 0, multiprocessing_context: Any = None):
+        super().__init__(dataset, batch_size=None, collate_fn=_identity, num_workers=num_workers,
+                         pin_memory=pin_memory, prefetch_factor=prefetch_factor if num_workers else None,
+                         timeout=timeout, multiprocessing_context=multiprocessing_context,
+                         persistent_workers=False)
+        dataset.num_workers = max(1, num_workers)
+        self.epoch = -1            # epoch of the current / last iteration
+        self.batches = 0           # batches delivered in ``epoch``
+        self.num_skipped = 0       # samples skipped by on_error="skip" (all epochs)
+        self._next: tuple[int, int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` run ``epoch`` from its start (unless a restored state is
+        pending for the same epoch, which wins)."""
+        if self._next is None or self._next[0] != epoch:
+            self._next = (epoch, 0)
+
+    def __len__(self) -> int:
+        """Batches per rank in the upcoming epoch (identical on every rank)."""
+        ep = self._next[0] if self._next is not None else self.epoch + 1
+        return self.dataset.batches_per_rank(epoch=ep)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        ds: EagleShardDataset = self.dataset
+        epoch, skip = self._next if self._next is not None else (self.epoch + 1, 0)
+        self._next = None
+        total = ds.batches_per_rank(epoch=epoch)
+        if skip >= total:
+            epoch, skip = epoch + 1, 0
+        # Freeze topology in the main process (workers may not see torch.distributed).
+        ds.rank, ds.world_size = ds.rank_world()
+        ds.set_epoch(epoch, skip)
+        self.epoch, self.batches = epoch, skip
+        for batch in super().__iter__():
+            self.num_skipped += batch.pop("_skipped", 0)
+            self.batches += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "batches", "seed", "num_workers", "world_size"}`` of this rank."""
+        return {"epoch": self.epoch, "batches": self.batches, "seed": self.dataset.seed,
+                "num_workers": self.num_workers, "world_size": self.dataset.rank_world()[1],
+                "num_skipped": self.num_skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after ``state["batches"]`` batches of ``state["epoch"]`` (next ``iter()``).
+
+        Raises:
+            ValueError: seed, worker count or world size differ (the plan would differ).
+        """
+        for k, now in (("seed", self.dataset.seed), ("num_workers", self.num_workers),
+                       ("world_size", self.dataset.rank_world()[1])):
+            if k in state and state[k] != now:
+                raise ValueError(f"cannot resume: saved {k}={state[k]}, now {now} (the epoch plan would differ)")
+        self.num_skipped = int(state.get("num_skipped", 0))
+        if state["epoch"] < 0:
+            self._next = None
+            return
+        self._next = (int(state["epoch"]), int(state["batches"]))

@@ -1,0 +1,220 @@
+"""EagleShardDataset / EagleDataLoader: exact-once epochs under simulated DDP x workers, resume,
+bit-exact bf16, error policy, sources and compat checks, HF datasets reading."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_data.dataset import EagleShardDataset, decode_hf_example
+from eagle_data.loader import EagleDataLoader
+from eagle_data.synthetic import write_synthetic
+
+
+@pytest.fixture(scope="module")
+def ds30(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ds30")
+    write_synthetic(d, [10, 10, 10])
+    return d
+
+
+def run_epoch(loader):
+    return [b["keys"] for b in loader]
+
+
+def ranks(src, world=2, workers=2, seed=0, **kw):
+    kw.setdefault("batch_size", 4)
+    return [EagleDataLoader(EagleShardDataset(src, rank=r, world_size=world, seed=seed, **kw), num_workers=workers)
+            for r in range(world)]
+
+
+MODES = [{"batch_size": 4}, {"batch_size": 3, "shuffle_buffer": 1}, {"batch_size": None, "max_tokens": 20}]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_exact_once_ddp_x_workers(ds30, mode):
+    loaders = ranks(ds30, **mode)
+    orders = []
+    for epoch in range(3):
+        per_rank = [run_epoch(dl) for dl in loaders]
+        assert len({len(b) for b in per_rank}) == 1, "ranks must yield equal batch counts"
+        assert all(len(dl) == len(per_rank[0]) for dl in loaders)
+        keys = [k for b in per_rank for batch in b for k in batch]
+        assert Counter(keys) == Counter(f"syn_{g:09d}" for g in range(30))
+        assert not set(sum(per_rank[0], [])) & set(sum(per_rank[1], []))
+        orders.append(keys)
+    assert orders[0] != orders[1] != orders[2] != orders[0]
+    again = ranks(ds30, **mode)
+    assert [k for dl in again for b in run_epoch(dl) for k in b] == orders[0]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ten_samples_two_shards_two_ranks(tmp_path, workers):
+    write_synthetic(tmp_path, [5, 5])
+    per_rank = [[k for b in run_epoch(dl) for k in b] for dl in ranks(tmp_path, workers=workers, batch_size=2)]
+    assert [len(set(k)) for k in per_rank] == [5, 5] and [len(k) for k in per_rank] == [5, 5]
+    assert set(per_rank[0]).isdisjoint(per_rank[1])
+
+
+def test_batch_size_one_uneven_drops_documented_tail(tmp_path):
+    write_synthetic(tmp_path, [5, 6])
+    per_rank = [run_epoch(dl) for dl in ranks(tmp_path, workers=0, batch_size=1)]
+    assert [len(b) for b in per_rank] == [5, 5]  # 11 % 2 = 1 position dropped this epoch
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_mid_epoch(ds30, mode, workers):
+    full = [k for b in run_epoch(ranks(ds30, world=1, workers=workers, **mode)[0]) for k in b]
+    for k in (1, 3):
+        dl = ranks(ds30, world=1, workers=workers, **mode)[0]
+        seen = []
+        for i, b in enumerate(dl):
+            seen += b["keys"]
+            if i + 1 == k:
+                break
+        state = json.loads(json.dumps(dl.state_dict()))
+        dl2 = ranks(ds30, world=1, workers=workers, **mode)[0]
+        dl2.load_state_dict(state)
+        rest = [k2 for b in dl2 for k2 in b["keys"]]
+        assert seen + rest == full
+        nxt = [k2 for b in dl2 for k2 in b["keys"]]  # then the next epoch, complete
+        assert sorted(nxt) == sorted(full) and nxt != full
+
+
+def test_resume_at_epoch_end_starts_next_epoch(ds30):
+    dl = ranks(ds30, world=1, workers=0)[0]
+    e0 = run_epoch(dl)
+    e1 = run_epoch(dl)
+    dl2 = ranks(ds30, world=1, workers=0)[0]
+    dl2.load_state_dict(ranks(ds30, world=1, workers=0)[0].state_dict() | {"epoch": 0, "batches": len(e0)})
+    assert run_epoch(dl2) == e1
+
+
+def test_bf16_bit_exact_after_decode_and_collate(tmp_path):
+    vals = torch.tensor([1.5, 70144.0, -0.0078125, -0.0], dtype=torch.bfloat16)
+    ref = {}
+
+    def values(g):
+        h = (vals.roll(g).repeat(2)[None, :] * (1 + torch.arange(3 + g % 3)[:, None])).to(torch.bfloat16)
+        ref[f"syn_{g:09d}"] = h
+        return h
+    write_synthetic(tmp_path, [3, 3], values=values, length=lambda g: 3 + g % 3)
+    dl = EagleDataLoader(EagleShardDataset(tmp_path, batch_size=4), num_workers=0, pin_memory=False)
+    n = 0
+    for b in dl:
+        assert b["hidden_states"].dtype == torch.bfloat16 and b["input_ids"].dtype == torch.int64
+        assert b["attention_mask"].dtype == torch.bool and b["loss_mask"].dtype == torch.bool
+        for i, k in enumerate(b["keys"]):
+            h = ref[k]
+            t = h.shape[0]
+            got = b["hidden_states"][i, :t]
+            assert torch.equal(got.view(torch.int16), h.view(torch.int16))
+            assert torch.equal(b["aux_hidden_states"][i, :t].view(torch.int16), h.repeat(1, 3).view(torch.int16))
+            assert b["attention_mask"][i].sum() == t and not b["loss_mask"][i, t:].any()
+            assert (b["input_ids"][i, :t] == int(k[4:])).all()
+            n += 1
+    assert n == 6
+
+
+def test_max_length_truncates(ds30):
+    b = next(iter(EagleDataLoader(EagleShardDataset(ds30, batch_size=30, max_length=5))))
+    assert b["input_ids"].shape == (30, 5) and b["hidden_states"].shape == (30, 5, 8)
+    assert b["aux_hidden_states"].shape == (30, 5, 24)
+
+
+def _truncate(path: Path, frac=0.6):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * frac)])
+
+
+def test_truncated_tar_raises_with_name_and_skip_counts(tmp_path):
+    write_synthetic(tmp_path, [10, 10])
+    _truncate(tmp_path / "00000-000001.tar")
+    with pytest.raises(ValueError, match="00000-000001.tar"):
+        run_epoch(EagleDataLoader(EagleShardDataset(tmp_path, batch_size=4)))
+    for workers in (0, 2):
+        dl = EagleDataLoader(EagleShardDataset(tmp_path, batch_size=4, on_error="skip"), num_workers=workers)
+        keys = [k for b in run_epoch(dl) for k in b]
+        assert len(keys) == len(set(keys)) and 0 < 20 - len(keys) == dl.num_skipped
+        assert all(int(k[4:]) < 10 or int(k[4:]) < 16 for k in keys)
+
+
+def test_missing_member_raises_with_key(tmp_path):
+    import tarfile
+    write_synthetic(tmp_path, [3])
+    src = tmp_path / "00000-000000.tar"
+    with tarfile.open(src) as t:
+        members = [(m, t.extractfile(m).read()) for m in t.getmembers()]
+    with tarfile.open(src, "w") as t:
+        for m, data in members:
+            if m.name != "syn_000000001.json":
+                import io
+                t.addfile(m, io.BytesIO(data))
+    with pytest.raises(ValueError, match="syn_000000001"):
+        run_epoch(EagleDataLoader(EagleShardDataset(tmp_path, batch_size=2)))
+    dl = EagleDataLoader(EagleShardDataset(tmp_path, batch_size=2, on_error="skip"))
+    assert sorted(k for b in run_epoch(dl) for k in b) == ["syn_000000000", "syn_000000002"]
+    assert dl.num_skipped == 1
+
+
+def test_sources_brace_manifest_and_multiple_dirs(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_synthetic(a, [4, 4, 4])
+    write_synthetic(b, [2], rank=0)
+    kinds = [f"{a}/00000-{{000000..000001}}.tar", str(a / "manifest.json"), [str(a), f"file://{b}"],
+             [f"pipe:cat {a}/00000-000002.tar"]]
+    counts = [8, 12, 14, 4]
+    for src, n in zip(kinds, counts):
+        man = str(a / "manifest.json") if "pipe:" in str(src) else None
+        keys = [k for bt in EagleDataLoader(EagleShardDataset(src, batch_size=3, manifest=man)) for k in bt["keys"]]
+        assert len(keys) == n  # dirs a and b share key names, so only count
+    with pytest.raises(ValueError, match="give manifest"):
+        EagleShardDataset(f"pipe:cat {a}/00000-000002.tar", batch_size=2)
+
+
+def test_compat_refusals(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_synthetic(a, [2])
+    write_synthetic(b, [2], hidden_size=16)
+    with pytest.raises(ValueError, match="hidden_size"):
+        EagleShardDataset([a, b], batch_size=2)
+    with pytest.raises(ValueError, match="hidden_size is 8, expected 4096"):
+        EagleShardDataset(a, batch_size=2, hidden_size=4096)
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        EagleShardDataset(a, batch_size=2, aux_layer_ids=[2, 3, 4])
+    with pytest.raises(ValueError, match="dtype"):
+        EagleShardDataset(a, batch_size=2, dtype="float32")
+    m = json.loads((a / "manifest.json").read_text())
+    (a / "manifest.json").write_text(json.dumps(m | {"schema_version": 99}))
+    with pytest.raises(ValueError, match="schema_version"):
+        EagleShardDataset(a, batch_size=2)
+    with pytest.raises(ValueError, match="merge"):
+        EagleShardDataset(tmp_path / "nothing", batch_size=2)
+    with pytest.raises(ValueError, match="cannot feed"):
+        next(iter(EagleDataLoader(EagleShardDataset(b, batch_size=2, world_size=4, rank=0))))
+
+
+def test_pin_memory_and_no_pickle_decoders(ds30):
+    dl = EagleDataLoader(EagleShardDataset(ds30, batch_size=5), num_workers=0, pin_memory=torch.cuda.is_available())
+    b = next(iter(dl))
+    assert set(b) == {"input_ids", "attention_mask", "loss_mask", "aux_hidden_states", "hidden_states", "keys"}
+
+
+def test_hf_datasets_webdataset_read_and_decode(ds30):
+    import datasets
+
+    files = sorted(str(p) for p in Path(ds30).glob("*.tar"))
+    hf = datasets.load_dataset("webdataset", data_files=files, split="train")
+    assert len(hf) == 30
+    ex = decode_hf_example(hf[7])
+    g = int(ex["key"][4:])
+    assert (ex["input_ids"] == g).all() and ex["hidden_states"].dtype == torch.bfloat16
+    assert ex["aux_hidden_states"].shape == (ex["input_ids"].shape[0], 24) and ex["meta"]["source_row"] == g
+    dec = hf.with_transform(lambda b: {"n": [decode_hf_example({"safetensors": s, "__key__": k})["input_ids"].shape[0]
+                                             for s, k in zip(b["safetensors"], b["__key__"])]})
+    assert dec[0]["n"] == 4 + int(hf[0]["__key__"][4:]) % 5
