@@ -32,11 +32,12 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_atte
             num_key_value_heads=2, vocab_size=600)
 
 
-def build_model(shape: str, dtype: torch.dtype, device: str):
+def build_model(shape: str, dtype: torch.dtype, device: str, vocab_size: int | None = None):
     """Random-weight Llama of a named shape ("llama3.1-8b" or "tiny"), built on ``device``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**(LLAMA31_8B if shape == "llama3.1-8b" else TINY))
+    cfg = LlamaConfig(**{**(LLAMA31_8B if shape == "llama3.1-8b" else TINY),
+                         **({"vocab_size": vocab_size} if vocab_size else {})})
     cfg._attn_implementation = "sdpa"
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
