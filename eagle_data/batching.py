@@ -112,9 +112,31 @@ def num_fixed_batches(sizes: Sequence[int], batch_size: int) -> int:
     return math.ceil(max(sizes) / batch_size)
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor):
+    """The bits of ``t`` as a numpy array (no copy). The big copies of the collate go through
+    numpy: a single-threaded memcpy, where torch would split each copy over its intra-op
+    threads (an OpenMP team that costs several times the copy itself when the cores are busy,
+    e.g. with the trainer and the loader workers on the same CPUs)."""
+    return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
+
+
+def empty_shared(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised tensor in shared memory (what a DataLoader worker would copy it into)."""
+    n = math.prod(shape) * dtype.itemsize
+    st = torch.UntypedStorage._new_shared(max(n, 1))
+    return torch.empty(0, dtype=dtype).set_(st, 0, tuple(shape))
+
+
 def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size: int, aux_width: int,
-            dtype: torch.dtype, num_skipped: int = 0) -> dict[str, Any]:
-    """Pad decoded samples to the longest one.
+            dtype: torch.dtype, num_skipped: int = 0, shared: bool = False) -> dict[str, Any]:
+    """Pad decoded samples to the longest one (each sample is copied once, into one tensor per
+    field; a single sample outside ``shared`` mode is returned as views, no copy).
+
+    Args:
+        shared: allocate the batch in shared memory (DataLoader workers: saves torch's copy).
 
     Returns:
         ``input_ids`` [B, T] int64 (pad 0), ``attention_mask`` [B, T] bool, ``loss_mask``
@@ -124,20 +146,29 @@ def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size
     """
     b = len(samples)
     t = max((s["input_ids"].shape[0] for s in samples), default=0)
-    out = {"input_ids": torch.zeros(b, t, dtype=torch.int64),
-           "attention_mask": torch.zeros(b, t, dtype=torch.bool),
-           "loss_mask": torch.zeros(b, t, dtype=torch.bool),
-           # empty + explicit tail zeroing: each page of the big tensors is written once
-           "aux_hidden_states": torch.empty(b, t, aux_width, dtype=dtype),
-           "hidden_states": torch.empty(b, t, hidden_size, dtype=dtype)}
-    for i, s in enumerate(samples):
-        n = s["input_ids"].shape[0]
-        out["input_ids"][i, :n] = s["input_ids"]
-        out["attention_mask"][i, :n] = True
-        out["loss_mask"][i, :n] = s["loss_mask"].bool()
-        for k in ("aux_hidden_states", "hidden_states"):
-            out[k][i, :n] = s[k]
-            out[k][i, n:] = 0
+    if b == 1 and not shared:
+        s = samples[0]
+        out = {"input_ids": s["input_ids"][None], "attention_mask": torch.ones(1, t, dtype=torch.bool),
+               "loss_mask": s["loss_mask"].bool()[None],
+               "aux_hidden_states": s["aux_hidden_states"][None], "hidden_states": s["hidden_states"][None]}
+    else:
+        new = empty_shared if shared else (lambda shape, dt: torch.empty(shape, dtype=dt))
+        out = {"input_ids": new((b, t), torch.int64), "attention_mask": new((b, t), torch.bool),
+               "loss_mask": new((b, t), torch.bool), "aux_hidden_states": new((b, t, aux_width), dtype),
+               "hidden_states": new((b, t, hidden_size), dtype)}
+        # every page of every field is written exactly once: sample rows, then the padding tail
+        for i, s in enumerate(samples):
+            n = s["input_ids"].shape[0]
+            out["input_ids"][i, :n] = s["input_ids"]
+            out["input_ids"][i, n:] = 0
+            out["attention_mask"][i, :n] = True
+            out["attention_mask"][i, n:] = False
+            out["loss_mask"][i, :n] = s["loss_mask"]
+            out["loss_mask"][i, n:] = False
+            for k in ("aux_hidden_states", "hidden_states"):
+                dst = _bits(out[k][i])
+                dst[:n] = _bits(s[k])
+                dst[n:] = 0
     out["keys"] = list(keys)
     if num_skipped:
         out["_skipped"] = num_skipped

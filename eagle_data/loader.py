@@ -21,6 +21,39 @@ def _identity(x):
     return x
 
 
+_MALLOC_TUNED = False
+
+
+def tune_malloc() -> bool:
+    """Keep freed large blocks in this process's glibc heap for reuse (``M_MMAP_THRESHOLD`` and
+    ``M_TRIM_THRESHOLD`` = 1 GiB) instead of unmapping them on ``free``: every batch and every
+    member buffer is tens of MB, and faulting in fresh pages costs more than the copy that fills
+    them. The heap then stays at its peak size (about ``shuffle_buffer`` samples + a few
+    batches). No-op (False) where glibc's ``mallopt`` is unavailable."""
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED:
+        return True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        _MALLOC_TUNED = bool(libc.mallopt(-3, 1 << 30)) & bool(libc.mallopt(-1, 1 << 30))  # MMAP, TRIM
+    except (OSError, AttributeError):
+        return False
+    return _MALLOC_TUNED
+
+
+class _WorkerInit:
+    def __init__(self, tune: bool, user: Any = None):
+        self.tune, self.user = tune, user
+
+    def __call__(self, worker_id: int) -> None:
+        if self.tune:
+            tune_malloc()
+        if self.user is not None:
+            self.user(worker_id)
+
+
 class EagleDataLoader(DataLoader):
     """DataLoader for :class:`EagleShardDataset` (the dataset already batches).
 
@@ -33,15 +66,20 @@ class EagleDataLoader(DataLoader):
         num_workers: DataLoader worker processes (0: read in the main process).
         pin_memory: pin batch tensors (``keys`` stays a list).
         prefetch_factor: batches prefetched per worker (default 2 when ``num_workers > 0``).
-        timeout, multiprocessing_context: as in ``DataLoader``.
+        timeout, multiprocessing_context, worker_init_fn: as in ``DataLoader``.
+        tune_malloc: call :func:`tune_malloc` in the workers (and, with ``num_workers=0``, in
+            this process when iterating): large buffers are then reused instead of being
+            unmapped and faulted in again (about 2x faster collation on VMs).
     """
 
     def __init__(self, dataset: EagleShardDataset, num_workers: int = 0, pin_memory: bool = False,
-                 prefetch_factor: int | None = None, timeout: float = 0, multiprocessing_context: Any = None):
+                 prefetch_factor: int | None = None, timeout: float = 0, multiprocessing_context: Any = None,
+                 worker_init_fn: Any = None, tune_malloc: bool = True):
         super().__init__(dataset, batch_size=None, collate_fn=_identity, num_workers=num_workers,
                          pin_memory=pin_memory, prefetch_factor=prefetch_factor if num_workers else None,
                          timeout=timeout, multiprocessing_context=multiprocessing_context,
-                         persistent_workers=False)
+                         worker_init_fn=_WorkerInit(tune_malloc, worker_init_fn), persistent_workers=False)
+        self.tune_malloc = tune_malloc
         dataset.num_workers = max(1, num_workers)
         self.epoch = -1            # epoch of the current / last iteration
         self.batches = 0           # batches delivered in ``epoch``
@@ -69,6 +107,8 @@ class EagleDataLoader(DataLoader):
         # Freeze topology in the main process (workers may not see torch.distributed).
         ds.rank, ds.world_size = ds.rank_world()
         ds.set_epoch(epoch, skip)
+        if self.tune_malloc and self.num_workers == 0:
+            tune_malloc()
         self.epoch, self.batches = epoch, skip
         for batch in super().__iter__():
             self.num_skipped += batch.pop("_skipped", 0)
