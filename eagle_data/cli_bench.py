@@ -32,4 +32,31 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
             json.dump(res, f, indent=1)
 
 
-COMMANDS = {"bench": {"extract": bench_extract}}
+def bench_train(path: str, target_model: str, max_tokens: int = 16384, max_length: int = 2048, steps: int = 40,
+                warmup: int = 5, num_workers: int = 4, draft_vocab_size: int = 32000, device: str = "cuda",
+                precision: str = "bf16", json_out: Optional[str] = None) -> None:
+    """Drafter step time with the DataModule vs the same batch held on the device; data-wait fraction.
+
+    Args:
+        path: dataset directory (shards + manifest + index).
+        target_model: target HF folder (embed_tokens / lm_head are read from it).
+        max_tokens: token budget per batch.
+        max_length: truncate samples to this many tokens.
+        steps: timed steps (after warm-up) per loop.
+        warmup: untimed steps first.
+        num_workers: DataLoader workers.
+        draft_vocab_size: N.
+        device: "cuda" or "cpu".
+        precision: "bf16" (autocast) or "fp32".
+        json_out: also write the figures to this JSON file.
+    """
+    from eagle_train.bench import bench_train as run
+
+    res = run(path, target_model, max_tokens, max_length, steps, warmup, num_workers, draft_vocab_size, device,
+              precision)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+COMMANDS = {"bench": {"extract": bench_extract, "train": bench_train}}
