@@ -34,6 +34,7 @@ def extract(
     sort_window: int = 256,
     shard_max_samples: int = 1000,
     shard_max_bytes: float = 2e9,
+    write_queue: int = 16,
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
     on_bad_sample: str = "skip",
@@ -67,6 +68,7 @@ def extract(
         sort_window: samples sorted by length within windows of this size before batching.
         shard_max_samples: samples per shard at most.
         shard_max_bytes: bytes per shard (approximate upper bound).
+        write_queue: captured samples waiting for the background shard writer at most (bounds host memory).
         rank: this process's rank (default: $RANK or 0); takes source rows with row % world_size == rank.
         world_size: number of ranks (default: $WORLD_SIZE or 1).
         on_bad_sample: "skip" (count + log, default) or "raise".
@@ -84,7 +86,7 @@ def extract(
         template_vars=template_vars or {}, backend=backend, device=device, dtype=dtype,
         storage_dtype=storage_dtype, aux_layer_ids=aux_layer_ids, batch_tokens=batch_tokens,
         max_batch_size=max_batch_size, sort_window=sort_window, shard_max_samples=shard_max_samples,
-        shard_max_bytes=shard_max_bytes,
+        shard_max_bytes=shard_max_bytes, write_queue=write_queue,
         rank=int(os.environ.get("RANK", 0)) if rank is None else rank,
         world_size=int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size,
         on_bad_sample=on_bad_sample, trust_remote_code=trust_remote_code,
@@ -157,7 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     from jsonargparse import CLI
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    CLI(commands(), args=argv if argv is not None else sys.argv[1:])
+    try:
+        CLI(commands(), args=argv if argv is not None else sys.argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C / ExtractionInterrupted: state is consistent, rerun resumes
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

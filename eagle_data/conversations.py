@@ -13,6 +13,9 @@ Optionally a top-level ``"system"`` string. Roles are normalised with :data:`ROL
 Rules: optional leading system message, then strictly alternating user/assistant turns
 starting with user (leading assistant turns are dropped, as FastChat/SpecForge do for
 ShareGPT continuations); a trailing user turn is dropped; at least one non-empty assistant message; every content a string.
+A record that is not a JSON object is skipped (``not_an_object``); text that cannot be
+encoded as UTF-8 (lone surrogates, e.g. from a ``"\\ud800"`` escape) is skipped
+(``invalid_unicode``), since shards, metadata and the index store UTF-8.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class DropCounter:
         self.counts[skip.reason] += 1
         n = sum(self.counts.values())
         msg = "skip row %d (id %s): %s%s" % (skip.row, skip.source_id, skip.reason,
-                                              f": {skip.detail}" if skip.detail else "")
+                                              f": {skip.detail[:300]}" if skip.detail else "")
         if n <= self.log_first:
             log.warning(msg)
         else:
@@ -92,10 +95,27 @@ class ErrorPolicy:
         self.counter.add(skip)
 
 
-def normalize_record(row: int, record: dict[str, Any]) -> Conversation | Skip:
-    """Validate one raw record. Returns a :class:`Conversation` or a :class:`Skip`."""
+def _utf8_ok(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def normalize_record(row: int, record: Any) -> Conversation | Skip:
+    """Validate one raw record. Returns a :class:`Conversation` or a :class:`Skip`.
+
+    ``record`` may already be a :class:`Skip` (a source row that could not be read); it is returned.
+    """
+    if isinstance(record, Skip):
+        return record
+    if not isinstance(record, dict):
+        return Skip(row, str(row), "not_an_object", f"record is {type(record).__name__}, not a JSON object")
     sid = record.get("id")
     sid = str(sid) if sid is not None else str(row)
+    if not _utf8_ok(sid):
+        return Skip(row, sid.encode("utf-8", "backslashreplace").decode(), "invalid_unicode", "field 'id'")
     if isinstance(record.get("conversations"), list):
         turns, rkey, ckey = record["conversations"], "from", "value"
     elif isinstance(record.get("messages"), list):
@@ -107,6 +127,8 @@ def normalize_record(row: int, record: dict[str, Any]) -> Conversation | Skip:
     if system is not None:
         if not isinstance(system, str):
             return Skip(row, sid, "non_string_content", f"field 'system' is {type(system).__name__}")
+        if not _utf8_ok(system):
+            return Skip(row, sid, "invalid_unicode", "field 'system' is not encodable as UTF-8")
         if system.strip():
             messages.append({"role": "system", "content": system})
     for i, turn in enumerate(turns):
@@ -120,6 +142,8 @@ def normalize_record(row: int, record: dict[str, Any]) -> Conversation | Skip:
         if not isinstance(content, str):
             return Skip(row, sid, "non_string_content",
                         f"turn {i} field '{ckey}' is {type(content).__name__}")
+        if not _utf8_ok(content):
+            return Skip(row, sid, "invalid_unicode", f"turn {i} field '{ckey}' is not encodable as UTF-8")
         if role == "system":
             if messages:
                 return Skip(row, sid, "misplaced_system", f"turn {i} is a system message after other turns")

@@ -2,14 +2,33 @@
 pass per sample -> atomic WebDataset shards + index + manifest.
 
 Stages are generators; :func:`run_extract` wires them, owns resume and signal handling.
+
+Reliability contract (see also :mod:`eagle_data.writer` and :mod:`eagle_data.manifest`):
+
+* work split: rank ``r`` of ``w`` takes source rows ``row % w == r``; keys are ``TAG_ROW``,
+  so ranks need no coordination and their keys are disjoint;
+* a shard is listed in ``progress-{rank}.json`` only after it and its index part are durable;
+  on resume, whatever is not listed (temporaries, renamed-but-unrecorded shards) is deleted
+  and its samples are redone; finished shards are skipped by key without being read;
+* SIGTERM/SIGINT: the shard in progress is discarded (never half-published). Signals take
+  effect at once inside data loading and the forward pass, else after the sample being
+  written (one arriving after the last shard lets the run and the merge complete). Then a
+  SIGTERM whose previous handler was the default kills the process as usual; otherwise
+  :class:`ExtractionInterrupted` is raised;
+* a full disk (``ENOSPC``/``EDQUOT``) stops the run with an ``OSError`` saying so; published
+  shards stay valid and rerunning the command resumes.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
+import os
 import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -18,10 +37,12 @@ import torch
 from tqdm.auto import tqdm
 
 from .chat import ChatRenderer, TokenizedSample, tokenize
-from .conversations import ErrorPolicy, normalize
-from .manifest import check_resume, config_hash, load_progress, merge, progress_path, weights_fingerprint
-from .schema import HIDDEN_DTYPES
+from .conversations import ErrorPolicy, Skip, normalize
+from .manifest import (check_resume, config_hash, load_progress, lock_rank, merge, progress_path, repair_rank,
+                       weights_fingerprint)
+from .schema import HIDDEN_DTYPES, MANIFEST_NAME, sample_key
 from .sources import iter_records, resolve
+from .async_sink import AsyncShardWriter
 from .writer import ShardSink, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -50,6 +71,7 @@ class ExtractConfig:
     sort_window: int = 256
     shard_max_samples: int = 1000
     shard_max_bytes: float = 2e9
+    write_queue: int = 16
     rank: int = 0
     world_size: int = 1
     on_bad_sample: str = "skip"
@@ -90,29 +112,130 @@ def _file_sha256(p: Path) -> str | None:
     return hashlib.sha256(p.read_bytes()).hexdigest() if p.exists() else None
 
 
-class _Stop(Exception):
-    pass
+class ExtractionInterrupted(KeyboardInterrupt):
+    """SIGTERM/SIGINT stopped :func:`run_extract`; the shard in progress was discarded and
+    rerunning the same command resumes. ``signum`` is the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"extraction interrupted by signal {signum}")
+        self.signum = signum
+
+
+class _Signals:
+    """SIGTERM/SIGINT -> remember; raise :class:`ExtractionInterrupted` only inside
+    :meth:`interruptible` blocks (forward pass, data loading), never while a shard is being
+    written or published; elsewhere :meth:`check` raises at the next safe point."""
+
+    def __init__(self):
+        self.sig: int | None = None
+        self.old: dict[int, Any] = {}
+        self._live = False
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                if signal.getsignal(s) is not signal.SIG_IGN:
+                    self.old[s] = signal.signal(s, self._on)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+    def _on(self, signum, _frame):
+        self.sig = signum
+        if self._live:
+            self._live = False
+            raise ExtractionInterrupted(signum)
+
+    def check(self) -> None:
+        if self.sig is not None:
+            raise ExtractionInterrupted(self.sig)
+
+    @contextmanager
+    def interruptible(self):
+        self.check()
+        self._live = True
+        try:
+            yield
+        finally:
+            self._live = False
+
+    def redeliver(self, sig: int) -> None:
+        """After cleanup: a SIGTERM nobody handled before terminates the process as usual."""
+        if self.old.get(sig) is signal.SIG_DFL:
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+
+
+def _interruptible_iter(it: Iterable, sigs: _Signals) -> Iterator:
+    it = iter(it)
+    while True:
+        with sigs.interruptible():
+            try:
+                x = next(it)
+            except StopIteration:
+                return
+        yield x
+
+
+def _check_vocab(samples: Iterable[TokenizedSample], vocab_size: int, policy: ErrorPolicy) -> Iterator[TokenizedSample]:
+    """Stage: skip (``token_id_out_of_range``) samples the model cannot embed."""
+    for s in samples:
+        top = int(s.input_ids.max()) if s.num_tokens else -1
+        if top >= vocab_size or (s.num_tokens and int(s.input_ids.min()) < 0):
+            policy.handle(Skip(s.row, s.source_id, "token_id_out_of_range",
+                               f"token id {top} outside the model's vocabulary of {vocab_size}"))
+            continue
+        yield s
+
+
+def _check_config(cfg: ExtractConfig) -> str:
+    """Returns the storage dtype. Raises ValueError naming a bad setting."""
+    if not (isinstance(cfg.world_size, int) and cfg.world_size >= 1 and isinstance(cfg.rank, int)
+            and 0 <= cfg.rank < cfg.world_size):
+        raise ValueError(f"rank {cfg.rank!r} must be in [0, world_size={cfg.world_size!r})")
+    for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)!r}")
+    storage = cfg.storage_dtype or cfg.dtype
+    if storage not in HIDDEN_DTYPES:
+        raise ValueError(f"storage_dtype must be one of {sorted(HIDDEN_DTYPES)}, got {storage!r}")
+    return storage
 
 
 def run_extract(cfg: ExtractConfig, backend=None, tokenizer=None) -> dict[str, Any]:
     """Run (or resume) an extraction. Returns the manifest if this run completed the dataset,
-    else this rank's progress record.
+    else ``{"progress": <this rank's progress record>, "run_stats": ...}``.
 
     ``backend``/``tokenizer`` may be given pre-built (tests); otherwise they are made from
-    ``cfg.model`` (``"smollm2"`` = the embedded default, or a local HF folder).
+    ``cfg.model`` (``"smollm2"`` = the embedded default, or a local HF folder). The backend
+    is closed on return.
 
     Raises:
-        ValueError: bad settings, or an existing output written with another configuration.
+        ValueError: bad settings; an existing output written with another configuration;
+            the rank is already being extracted by another live process.
+        OSError: the file system failed; for a full disk the message says so and that
+            rerunning resumes.
+        ExtractionInterrupted: SIGINT (or a SIGTERM with a non-default previous handler);
+            a SIGTERM with the default handler terminates the process after cleanup.
     """
+    storage = _check_config(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = lock_rank(out, cfg.rank)
+    try:
+        return _run(cfg, storage, out, backend, tokenizer)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _run(cfg: ExtractConfig, storage: str, out: Path, backend, tokenizer) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from .backends import make_backend
 
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    storage = cfg.storage_dtype or cfg.dtype
-    if storage not in HIDDEN_DTYPES:
-        raise ValueError(f"storage_dtype must be one of {sorted(HIDDEN_DTYPES)}, got {storage!r}")
     if cfg.model == "smollm2":
         from .assets import smollm2_model_dir
         model_path = str(smollm2_model_dir())
@@ -123,9 +246,25 @@ def run_extract(cfg: ExtractConfig, backend=None, tokenizer=None) -> dict[str, A
     renderer = ChatRenderer.from_path(tokenizer, cfg.chat_template, date=cfg.template_date,
                                       variables=cfg.template_vars)
     tag = cfg.dataset_tag or resolve(cfg.data)[2]
+    sample_key(tag, 0)  # validates the tag (ValueError) before any work
     if backend is None:
         backend = make_backend(cfg.backend, model_path=model_path, aux_layer_ids=cfg.aux_layer_ids,
                                dtype=cfg.dtype, device=cfg.device, **cfg.backend_kwargs)
+    try:
+        return _extract(cfg, storage, out, backend, renderer, model_path, tag)
+    finally:
+        backend.close()
+
+
+def _abort(writer: AsyncShardWriter | None, sink: ShardSink | None) -> None:
+    """Stop the writer thread (queued samples dropped) and discard the shard in progress."""
+    if writer is not None:
+        writer.abort()
+    elif sink is not None:
+        sink.abort()
+
+
+def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str, Any]:
     info = backend.info
     run_cfg = {**asdict(cfg), "model_path": model_path, "dataset_tag": tag, "storage_dtype": storage,
                "aux_layer_ids": list(info.aux_layer_ids),
@@ -138,102 +277,139 @@ def run_extract(cfg: ExtractConfig, backend=None, tokenizer=None) -> dict[str, A
                    "aux_layer_ids": list(info.aux_layer_ids), "dtype": storage, "compute_dtype": info.dtype,
                    "backend_extra": info.extra}
 
-    # ---- resume ---------------------------------------------------------------------------
+    # ---- resume: the progress file is the truth; the directory is made to agree with it ------
+    prog = progress_path(out, cfg.rank)
     prev = load_progress(out, cfg.rank)
     if prev is not None:
-        check_resume(prev, run_cfg, str(progress_path(out, cfg.rank)))
-    for stale in out.glob(f"{cfg.rank:05d}-*.tar.tmp"):
-        log.warning("removing interrupted shard %s (its samples are redone)", stale.name)
-        stale.unlink()
+        check_resume(prev, run_cfg, str(prog))
     state = prev or {"config": run_cfg, "config_hash": config_hash(run_cfg), "rank": cfg.rank,
                      "world_size": cfg.world_size, "model": model_facts, "shards": [], "skipped": {},
                      "finished": False}
+    if repair_rank(out, cfg.rank, state) and (out / MANIFEST_NAME).exists():
+        (out / MANIFEST_NAME).unlink()  # no longer describes the directory; merged again at the end
     state["finished"] = False
     done = {k for s in state["shards"] for k in s["keys"]}
-    skipped: dict[str, str] = state["skipped"]  # str(row) -> reason
+    skipped_before = set(state["skipped"])  # str(row) -> reason
     next_shard = 1 + max((int(s["name"][6:12]) for s in state["shards"]), default=-1)
     published_tokens = sum(s["num_tokens"] for s in state["shards"])
+    atomic_write_json(prog, state)
 
     policy = ErrorPolicy(cfg.on_bad_sample)
     pending_skips: dict[str, str] = {}
     _orig_handle = policy.handle
 
+    lock = threading.Lock()  # on_publish runs in the shard-writer thread
+
     def handle(skip):
-        _orig_handle(skip)
-        pending_skips[str(skip.row)] = skip.reason
+        with lock:
+            _orig_handle(skip)
+            pending_skips[str(skip.row)] = skip.reason
     policy.handle = handle  # type: ignore[method-assign]
 
-    def on_publish(rec):
-        state["shards"].append(rec)
-        state["skipped"].update(pending_skips)
-        pending_skips.clear()
-        atomic_write_json(progress_path(out, cfg.rank), state)
+    def on_publish(rec):  # commit shard + skips seen so far in one atomic progress write
+        with lock:
+            new = {**state, "shards": [*state["shards"], rec], "skipped": {**state["skipped"], **pending_skips}}
+            atomic_write_json(prog, new)
+            state.update(new)
+            pending_skips.clear()
 
-    sink = ShardSink(out, cfg.rank, next_shard, cfg.shard_max_samples, cfg.shard_max_bytes, on_publish)
-    atomic_write_json(progress_path(out, cfg.rank), state)
-
-    # ---- pipeline ---------------------------------------------------------------------------
+    # ---- pipeline (finished and skipped rows are dropped before any tokenisation) ------------
     records = ((r, rec) for r, rec in iter_records(cfg.data, cfg.split, cfg.rank, cfg.world_size, cfg.num_samples)
-               if str(r) not in skipped)
-    samples = (s for s in tokenize(normalize(records, policy), renderer, tag, cfg.max_length, policy)
-               if s.key not in done)
-    batches = token_budget_batches(samples, cfg.batch_tokens, cfg.max_batch_size, cfg.sort_window)
+               if str(r) not in skipped_before and sample_key(tag, r) not in done)
+    samples = _check_vocab(tokenize(normalize(records, policy), renderer, tag, cfg.max_length, policy),
+                           info.vocab_size, policy)
+    sigs = _Signals()
+    batches = _interruptible_iter(token_budget_batches(samples, cfg.batch_tokens, cfg.max_batch_size,
+                                                       cfg.sort_window), sigs)
     sdtype = HIDDEN_DTYPES[storage]
-
-    stop = {"sig": None}
-
-    def on_signal(signum, _frame):
-        stop["sig"] = signum
-        raise _Stop()
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     bar = tqdm(desc=f"extract rank {cfg.rank}", unit="sample", disable=not cfg.progress, dynamic_ncols=True)
     t0, n_tok, n_new = time.perf_counter(), 0, 0
-    try:
-        for batch in batches:
-            caps = backend.capture([(s.key, s.input_ids) for s in batch])
-            assert [c.key for c in caps] == [s.key for s in batch], "backend returned samples out of order"
-            for s, c in zip(batch, caps):
-                if c.hidden_states.shape[0] != s.num_tokens or c.aux_hidden_states.shape[0] != s.num_tokens:
-                    raise RuntimeError(f"sample {s.key}: backend returned {c.hidden_states.shape[0]} rows "
-                                       f"for {s.num_tokens} tokens")
-                meta = {"source_dataset": cfg.data, "dataset_tag": tag, "source_id": s.source_id,
-                        "source_row": s.row, "num_turns": s.num_turns, "num_tokens": s.num_tokens,
-                        "num_loss_tokens": int(s.loss_mask.sum()), "truncated": s.truncated}
-                sink.write(s.key, {"input_ids": s.input_ids, "loss_mask": s.loss_mask,
-                                   "aux_hidden_states": c.aux_hidden_states.to(sdtype),
-                                   "hidden_states": c.hidden_states.to(sdtype)}, meta)
-                n_tok += s.num_tokens
-                n_new += 1
-            dt = time.perf_counter() - t0
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{n_tok / dt:.0f}", written=f"{(sink.bytes_written + sink.pending_bytes) / 2**20:.0f}MiB",
-                            skipped=len(skipped) + len(pending_skips))
-        sink.close()
-        state["skipped"].update(pending_skips)
-        state["finished"] = True
-        atomic_write_json(progress_path(out, cfg.rank), state)
-    except (_Stop, KeyboardInterrupt):
-        sink.abort()
-        log.error("interrupted (signal %s): the shard in progress was discarded; rerun the same command "
-                  "to resume", stop["sig"])
-        raise
-    except BaseException:
-        sink.abort()
-        raise
-    finally:
-        bar.close()
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
-        backend.close()
-    elapsed = time.perf_counter() - t0
-    stats = {"new_samples": n_new, "new_tokens": n_tok, "seconds": round(elapsed, 3),
-             "tokens_per_s": round(n_tok / elapsed, 1) if elapsed > 0 else None,
-             "total_tokens": published_tokens + n_tok,
-             "skip_counts": dict(sorted(policy.counter.as_dict().items()))}
-    log.info("rank %d finished: %s", cfg.rank, stats)
-    # The last rank to finish writes the merged manifest (idempotent if several race).
-    if all((p := load_progress(out, r)) is not None and p.get("finished") for r in range(cfg.world_size)):
-        manifest = merge(out)
-        manifest["run_stats"] = stats
-        return manifest
-    return {"progress": state, "run_stats": stats}
+    sink = None
+    has_async = hasattr(backend, "capture_async")
+
+    def launch(batch):
+        """Start the capture of ``batch`` (async backends return at once: forward + D2H in flight)."""
+        items = [(s.key, s.input_ids) for s in batch]
+        with sigs.interruptible():
+            return backend.capture_async(items) if has_async else backend.capture(items)
+
+    def consume(batch, pending):
+        nonlocal n_tok, n_new
+        with sigs.interruptible():
+            caps = pending.result() if has_async else pending
+        assert [c.key for c in caps] == [s.key for s in batch], "backend returned samples out of order"
+        for s, c in zip(batch, caps):
+            if c.hidden_states.shape[0] != s.num_tokens or c.aux_hidden_states.shape[0] != s.num_tokens:
+                raise RuntimeError(f"sample {s.key}: backend returned {c.hidden_states.shape[0]} rows "
+                                   f"for {s.num_tokens} tokens")
+            aux, fin = c.aux_hidden_states.to(sdtype), c.hidden_states.to(sdtype)
+            if not (torch.isfinite(aux).all() and torch.isfinite(fin).all()):
+                policy.handle(Skip(s.row, s.source_id, "non_finite_hidden_states",
+                                   f"NaN/Inf in the captured states of {s.key}"))
+                continue
+            meta = {"source_dataset": cfg.data, "dataset_tag": tag, "source_id": s.source_id,
+                    "source_row": s.row, "num_turns": s.num_turns, "num_tokens": s.num_tokens,
+                    "num_loss_tokens": int(s.loss_mask.sum()), "truncated": s.truncated}
+            writer.put(s.key, {"input_ids": s.input_ids, "loss_mask": s.loss_mask,
+                               "aux_hidden_states": aux, "hidden_states": fin}, meta)
+            n_tok += s.num_tokens
+            n_new += 1
+            sigs.check()
+        dt = time.perf_counter() - t0
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{n_tok / dt:.0f}", skipped=len(state["skipped"]) + len(pending_skips),
+                        written=f"{writer.bytes_written / 2**20:.0f}MiB")
+
+    writer = None
+    with sigs:
+        try:
+            sink = ShardSink(out, cfg.rank, next_shard, cfg.shard_max_samples, cfg.shard_max_bytes, on_publish)
+            # Overlap: batch i+1's forward is launched before batch i is written, and a writer
+            # thread encodes/hashes/writes while the next forward runs (bounded queue).
+            writer = AsyncShardWriter([sink], max_queue=cfg.write_queue)
+            inflight = None
+            for batch in batches:
+                pending = launch(batch)
+                if inflight is not None:
+                    consume(*inflight)
+                inflight = (batch, pending)
+            if inflight is not None:
+                consume(*inflight)
+            writer.close()
+            state["skipped"].update(pending_skips)
+            state["finished"] = True
+            atomic_write_json(prog, state)
+        except ExtractionInterrupted as e:
+            _abort(writer, sink)
+            log.error("interrupted by signal %d: the shard in progress was discarded (%d shard(s) of rank %d "
+                      "are complete); rerun the same command to resume", e.signum, len(state["shards"]), cfg.rank)
+            sigs.__exit__()
+            sigs.redeliver(e.signum)
+            raise
+        except OSError as e:
+            _abort(writer, sink)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OSError(e.errno, f"no space left on the device of {out} ({e.strerror}); the shard in "
+                              f"progress was discarded, {len(state['shards'])} shard(s) of rank {cfg.rank} are "
+                              "complete and valid. Free space and rerun the same command to resume.") from e
+            raise
+        except BaseException:
+            _abort(writer, sink)
+            raise
+        finally:
+            bar.close()
+        elapsed = time.perf_counter() - t0
+        stats = {"new_samples": n_new, "new_tokens": n_tok, "seconds": round(elapsed, 3),
+                 "tokens_per_s": round(n_tok / elapsed, 1) if elapsed > 0 else None,
+                 "total_tokens": published_tokens + n_tok,
+                 "skip_counts": dict(sorted(policy.counter.as_dict().items()))}
+        log.info("rank %d finished: %s", cfg.rank, stats)
+        # The last rank to finish writes the merged manifest (idempotent if several race).
+        result: dict[str, Any] = {"progress": state, "run_stats": stats}
+        if all((p := load_progress(out, r)) is not None and p.get("finished") for r in range(cfg.world_size)):
+            result = {**merge(out), "run_stats": stats}
+    if sigs.sig is not None:  # arrived after the last shard: the run is complete, now obey it
+        log.error("signal %d received after rank %d completed; stopping", sigs.sig, cfg.rank)
+        sigs.redeliver(sigs.sig)
+        raise ExtractionInterrupted(sigs.sig)
+    return result

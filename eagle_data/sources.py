@@ -7,13 +7,25 @@
 * a ``datasets`` hub name (only on machines that can reach a hub).
 
 Rows are numbered in source order; rank ``r`` of ``w`` takes rows with ``row % w == r``.
+
+Local ``.json``/``.jsonl`` files are read with the standard library, one record at a time,
+not with ``datasets``: its schema inference fails on files whose rows disagree in type (a
+content that is a string in one row and a list in another), which would stop a run in the
+middle. Here every line is its own record; a line that is not valid JSON becomes a
+:class:`~eagle_data.conversations.Skip` (``unreadable_record``) in its row, counted like any
+other bad record. A ``.json`` file holding one JSON array is read as that array (else as
+JSON lines).
 """
 
 from __future__ import annotations
 
+import glob as _glob
+import json
 import re
 from pathlib import Path
 from typing import Any, Iterator
+
+from .conversations import Skip
 
 _FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -24,7 +36,8 @@ def resolve(data: str) -> tuple[str, dict[str, Any], str]:
         from .assets import sharegpt_jsonl
         return "json", {"data_files": str(sharegpt_jsonl())}, "sharegpt_v3"
     p = Path(data)
-    files = sorted(p.glob("*")) if p.is_dir() else sorted(Path().glob(data)) if any(c in data for c in "*?[") else [p]
+    files = (sorted(p.glob("*")) if p.is_dir() else sorted(Path(f) for f in _glob.glob(data))
+             if any(c in data for c in "*?[") else [p])
     files = [f for f in files if f.suffix in _FORMATS]
     if files:
         kinds = {_FORMATS[f.suffix] for f in files}
@@ -40,21 +53,59 @@ def _tag(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9-]+", "-", name).strip("-") or "data"
 
 
+def _iter_json_file(path: str) -> Iterator[Any]:
+    """Records of one local file: ``.jsonl`` = one JSON value per line; ``.json`` = a JSON array
+    of records if the whole file is one, else read as JSON lines (see module docstring)."""
+    if Path(path).suffix == ".json":
+        with open(path, "rb") as f:
+            head = f.read(1 << 16).lstrip()
+        if head.startswith(b"["):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    records = json.load(f)
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                records = None  # not one array: JSON lines whose first line is an array
+            if isinstance(records, list):
+                yield from records
+                return
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+                yield Skip(-1, f"{Path(path).name}:{n}", "unreadable_record", f"line {n}: {type(e).__name__}: {e}")
+
+
+def _iter_source(data: str, split: str) -> Iterator[Any]:
+    builder, kw, _ = resolve(data)
+    if builder == "json" and kw.get("data_files"):  # local files (incl. the embedded ShareGPT)
+        files = kw["data_files"]
+        for f in [files] if isinstance(files, str) else files:
+            yield from _iter_json_file(f)
+        return
+    import datasets
+
+    yield from datasets.load_dataset(builder, split=split, streaming=True, **kw)
+
+
 def iter_records(data: str, split: str = "train", rank: int = 0, world_size: int = 1,
-                 num_samples: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+                 num_samples: int | None = None) -> Iterator[tuple[int, Any]]:
     """Yield ``(row, record)`` for this rank, over the first ``num_samples`` source rows.
 
+    A record is normally a dict; a row that could not be read is a
+    :class:`~eagle_data.conversations.Skip` with its ``row`` filled in.
+
     Raises:
-        ValueError: bad rank/world size.
+        ValueError: bad rank/world size; unreadable source.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} not in [0, {world_size})")
-    import datasets
-
-    builder, kw, _ = resolve(data)
-    ds = datasets.load_dataset(builder, split=split, streaming=True, **kw)
-    for row, rec in enumerate(ds):
+    for row, rec in enumerate(_iter_source(data, split)):
         if num_samples is not None and row >= num_samples:
             return
         if row % world_size == rank:
+            if isinstance(rec, Skip):
+                rec.row = row
             yield row, rec

@@ -88,20 +88,32 @@ class _HashingFile:
         self.f = open(path, "wb")
         self.h = hashlib.sha256()
         self.n = 0
+        self.discarded = False
 
     def write(self, b) -> int:
+        if self.discarded:  # late writes of an abandoned tar stream (its __del__) go nowhere
+            return len(b)
         self.h.update(b)
         self.n += len(b)
         return self.f.write(b)
 
+    def discard(self) -> None:
+        """Close without fsync, ignoring errors (a full disk fails again); drop later writes."""
+        self.discarded = True
+        try:
+            self.f.close()
+        except OSError:
+            pass
+
     def flush(self):
-        self.f.flush()
+        if not self.discarded:
+            self.f.flush()
 
     def tell(self) -> int:
         return self.n
 
     def close(self):
-        if not self.f.closed:
+        if not self.discarded and not self.f.closed:
             self.f.flush()
             os.fsync(self.f.fileno())
             self.f.close()
@@ -178,6 +190,20 @@ class ShardSink:
         self._file = _HashingFile(fname)
         return self._file
 
+    def _fast_tar(self) -> None:
+        """Give a freshly opened shard a seekable-mode tarfile ("w", 8 MiB copy buffer).
+
+        webdataset's TarWriter opens tarfile in stream mode ("w|"), whose 10 KiB record buffer
+        re-slices every payload (several copies per byte); for 10-100 MiB samples that caps
+        writing far below disk speed. The swap happens before anything is written, so the
+        stream-mode object holds no data; the archive is the same USTAR format.
+        """
+        tw = self._writer.tarstream
+        if tw is not None and not getattr(tw, "_eagle_fast", False):
+            tw.tarstream = tarfile.open(fileobj=tw.stream, mode="w", format=tarfile.USTAR_FORMAT,
+                                        copybufsize=8 << 20)
+            tw._eagle_fast = True
+
     def write(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Append one sample (see :func:`eagle_data.schema.encode_sample`).
 
@@ -188,6 +214,10 @@ class ShardSink:
         if self._writer is None:
             raise RuntimeError("ShardSink is closed")
         sample = encode_sample(key, tensors, meta)
+        w = self._writer
+        if w.tarstream is None or w.count >= w.maxcount or w.size >= w.maxsize:
+            w.next_stream()  # what ShardWriter.write would do first; publishes the previous shard
+        self._fast_tar()
         # ShardWriter publishes the previous shard (via _publish) before it writes into a new
         # one, so the row is appended after write() and always lands with its own shard.
         self._writer.write(sample)
@@ -243,9 +273,6 @@ class ShardSink:
         name, self._writer = self._writer.fname, None
         self._rows = []
         if self._file is not None:
-            try:
-                self._file.f.close()
-            except OSError:
-                pass
+            self._file.discard()
         if name:
             Path(name).unlink(missing_ok=True)

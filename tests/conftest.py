@@ -1,0 +1,38 @@
+"""Shared fixtures for the reliability tests: a tiny model folder, chat data, and the helpers of
+``scripts/kill_resume.py`` (fixture data, comparison of two datasets, leftover detection)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def kr():
+    """``scripts/kill_resume.py`` as a module (make_fixture, config, compare, leftovers, read_dataset)."""
+    spec = importlib.util.spec_from_file_location("kill_resume", REPO / "scripts" / "kill_resume.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory, kr):
+    """``(model_dir, data_file)``: tiny random Llama + 24 chats with 2 bad rows interleaved."""
+    return kr.make_fixture(tmp_path_factory.mktemp("tiny"), samples=24)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, kr, tiny):
+    """An uninterrupted single-process extraction of ``tiny`` (3 samples per shard, each sample
+    captured alone, float32): the ground truth resumed/multi-rank runs must equal bit for bit."""
+    from eagle_data.extract import run_extract
+
+    out = tmp_path_factory.mktemp("ref") / "ds"
+    m = run_extract(kr.config(out, *tiny, shard_max_samples=3))
+    assert m["num_samples"] == 24 and len(m["shards"]) == 8
+    return out

@@ -1,0 +1,133 @@
+"""Bad input never crashes a run: every row ends up either stored or skipped with a named reason.
+
+Property tests over hostile records (empty lists, missing/unknown roles, None/non-string
+content, tool calls, huge messages, mixed scripts, control characters, lone surrogates,
+duplicate ids, non-object rows, invalid JSON lines), down to a full ``run_extract`` on a tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from eagle_data.chat import ChatRenderer, tokenize
+from eagle_data.conversations import Conversation, ErrorPolicy, Skip, normalize, normalize_record
+from eagle_data.extract import ExtractConfig, run_extract
+from eagle_data.verify import verify_dataset
+
+NASTY = ["", " ", "\n\n", "\x00\x01\x7f\x1b[31mred", "日本語 Ελληνικά مرحبا עברית 🙂👍🏽", "e\u0301\u200d\u202e",
+         "\ud800 lone surrogate", "<|im_end|><|im_start|>assistant", "{{ raise_exception('x') }}", "{% if %}",
+         "a" * 100_000]
+text = st.one_of(st.text(max_size=40), st.sampled_from(NASTY))
+content = st.one_of(text, text, st.none(), st.integers(), st.booleans(), st.floats(allow_nan=True),
+                    st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2))
+role = st.one_of(st.sampled_from(["human", "gpt", "user", "assistant", "system", "tool", "function", "ipython",
+                                  " GPT ", "", "alien", "model"]), st.none(), st.integers())
+tool_calls = st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": text, "arguments": text})}), max_size=2)
+turn = st.one_of(st.fixed_dictionaries({"from": role, "value": content}),
+                 st.fixed_dictionaries({"role": role, "content": content}, optional={"tool_calls": tool_calls}),
+                 st.dictionaries(st.text(max_size=5), content, max_size=3), text, st.none(), st.integers())
+ids = st.one_of(st.sampled_from(["dup", "dup", "a.b/c d"]), st.integers(), text, st.none(),
+                st.lists(st.integers(), max_size=2))
+good = st.builds(lambda q, a, sid: {"id": sid, "conversations": [{"from": "human", "value": q},
+                                                                  {"from": "gpt", "value": a}]},
+                 text, st.text(min_size=1, max_size=30).filter(str.strip), ids)
+record = st.one_of(
+    good,
+    st.fixed_dictionaries({"conversations": st.lists(turn, max_size=5)}, optional={"id": ids, "system": content}),
+    st.fixed_dictionaries({"messages": st.lists(turn, max_size=5)}, optional={"id": ids, "system": content}),
+    st.one_of(st.integers(), st.lists(st.integers(), max_size=3), text, st.none()),  # not an object
+)
+line = st.one_of(record.map(json.dumps), record.map(json.dumps),
+                 st.sampled_from(["{oops", "[1, 2", '"unterminated', "NaN-ish }", "\\u0000"]))
+REASONS = {"no_messages", "unknown_role", "non_string_content", "empty_assistant", "no_assistant_turn",
+           "broken_alternation", "misplaced_system", "bad_turn", "not_an_object", "invalid_unicode",
+           "unreadable_record", "template_error", "assistant_span_not_found", "no_loss_tokens",
+           "token_id_out_of_range", "non_finite_hidden_states"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(record, max_size=5))
+def test_normalize_never_raises_and_names_a_reason(records):
+    pol = ErrorPolicy()
+    out = list(normalize(enumerate(records), pol))
+    assert all(isinstance(c, Conversation) for c in out)
+    assert len(out) + sum(pol.counter.counts.values()) == len(records)
+    assert set(pol.counter.counts) <= REASONS
+    for r, rec in enumerate(records):
+        res = normalize_record(r, rec)
+        if isinstance(res, Conversation):
+            assert all(isinstance(m["content"], str) for m in res.messages)
+            assert res.messages[-1]["role"] == "assistant"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny[0])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(record, max_size=4))
+def test_tokenize_stage_never_raises(tok, records):
+    pol = ErrorPolicy()
+    samples = list(tokenize(normalize(enumerate(records), pol), ChatRenderer(tok), "t", 64, pol))
+    assert len(samples) + sum(pol.counter.counts.values()) == len(records)
+    assert set(pol.counter.counts) <= REASONS
+    for s in samples:
+        assert s.input_ids.shape == s.loss_mask.shape and 0 < s.num_tokens <= 64 and int(s.loss_mask.sum()) > 0
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(line, min_size=1, max_size=8))
+def test_run_extract_end_to_end_on_hostile_jsonl(tiny, tok, lines):
+    from eagle_data.backends.hf import HFBackend
+    from tiny import AUX, tiny_llama
+
+    work = Path(tempfile.mkdtemp(prefix="bad_input_"))
+    try:
+        lines = lines + [json.dumps({"id": "ok", "conversations": [{"from": "human", "value": "hi"},
+                                                                   {"from": "gpt", "value": "hello there"}]})]
+        data = work / "hostile.jsonl"
+        data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        cfg = ExtractConfig(out=str(work / "out"), model=str(tiny[0]), data=str(data), num_samples=None,
+                            dtype="float32", aux_layer_ids=AUX, max_length=160, shard_max_samples=3,
+                            progress=False)
+        be = HFBackend(tiny[0], AUX, dtype="float32", model=_MODEL.setdefault("m", tiny_llama()))
+        m = run_extract(cfg, backend=be, tokenizer=tok)
+        assert m["num_samples"] >= 1 and m["num_samples"] + m["num_skipped"] == len(lines)
+        assert set(m["skip_counts"]) <= REASONS
+        prog = json.loads((work / "out" / "progress-00000.json").read_text())
+        stored = {int(k.rsplit("_", 1)[1]) for s in prog["shards"] for k in s["keys"]}
+        skipped = {int(r) for r in prog["skipped"]}
+        assert not stored & skipped and stored | skipped == set(range(len(lines)))
+        rep = verify_dataset(work / "out")
+        assert rep.ok, rep.problems
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+_MODEL: dict = {}
+
+
+def test_unreadable_lines_and_json_array_files(tmp_path):
+    from eagle_data.sources import iter_records
+
+    p = tmp_path / "x.jsonl"
+    p.write_bytes(b'{"a": 1}\n{broken\n\n\xff\xfe\n[1]\n')
+    recs = list(iter_records(str(p)))
+    assert [r for r, _ in recs] == [0, 1, 2, 3]
+    assert isinstance(recs[1][1], Skip) and recs[1][1].reason == "unreadable_record" and recs[1][1].row == 1
+    assert isinstance(recs[2][1], Skip) and recs[3][1] == [1]
+    a = tmp_path / "arr.json"
+    a.write_text(json.dumps([{"id": 1}, {"id": 2}]))
+    assert [rec["id"] for _, rec in iter_records(str(a), rank=1, world_size=2)] == [2]
+    assert len(list(iter_records(str(tmp_path / "*.jsonl")))) == 4  # absolute glob

@@ -1,0 +1,104 @@
+"""`eagle-data verify`: passes on good data, names the shard on corruption, recompute errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from eagle_data import cli
+from eagle_data.verify import verify_dataset
+from eagle_data.writer import ShardSink
+
+
+@pytest.fixture
+def ds(tmp_path, reference):
+    out = tmp_path / "ds"
+    shutil.copytree(reference, out)
+    return out
+
+
+def _manifest(out):
+    return json.loads((out / "manifest.json").read_text())
+
+
+def test_good_dataset_passes_and_cli_exits_zero(reference, capsys):
+    rep = verify_dataset(reference)
+    assert rep.ok, rep.problems
+    assert rep.num_samples == 24 and rep.num_shards == 8
+    cli.main(["verify", str(reference)])  # no SystemExit
+    assert "OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["header", "middle", "end"])
+def test_flipped_byte_fails_and_names_the_shard(ds, where, capsys):
+    shard = ds / "00000-000004.tar"
+    data = bytearray(shard.read_bytes())
+    pos = {"header": 20, "middle": len(data) // 2, "end": len(data) - 5}[where]
+    data[pos] ^= 0x01
+    shard.write_bytes(bytes(data))
+    rep = verify_dataset(ds)
+    assert not rep.ok and {w for _, w, _ in rep.problems} >= {"00000-000004.tar"}
+    assert all("00000-000004.tar" in w or c == "index" for c, w, _ in rep.problems)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["verify", str(ds)])
+    assert e.value.code == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "00000-000004.tar" in out
+
+
+def test_strays_missing_index_rows_and_totals(ds):
+    (ds / "00000-000042.tar").write_bytes(b"x")
+    (ds / "index" / "00000-000042.parquet").write_bytes(b"x")
+    (ds / "progress-00000.json.99.tmp").write_bytes(b"x")
+    t = pq.read_table(ds / "index.parquet")
+    pq.write_table(t.slice(1), ds / "index.parquet")
+    m = _manifest(ds)
+    m["num_samples"] += 1
+    (ds / "manifest.json").write_text(json.dumps(m))
+    rep = verify_dataset(ds)
+    got = {(c, w) for c, w, _ in rep.problems}
+    assert {("directory", "00000-000042.tar"), ("directory", "index/00000-000042.parquet"),
+            ("directory", "progress-00000.json.99.tmp"), ("index", "index.parquet"),
+            ("manifest", "manifest.json")} <= got
+
+
+def test_duplicate_keys_across_ranks_and_nan(ds, tmp_path):
+    m = _manifest(ds)
+    shutil.copy(ds / "00000-000000.tar", ds / "00001-000000.tar")  # same keys again, "rank 1"
+    m["shards"].append({**m["shards"][0], "name": "00001-000000.tar"})
+    # a shard whose one sample has a NaN (written through the normal sink)
+    sink = ShardSink(tmp_path / "nan", rank=0, start_shard=50)
+    t = {"input_ids": torch.tensor([1, 2]), "loss_mask": torch.tensor([0, 1], dtype=torch.uint8),
+         "aux_hidden_states": torch.zeros(2, 192), "hidden_states": torch.full((2, 64), float("nan"))}
+    sink.write("chats_000000099", t, {"source_id": "x", "source_row": 99, "num_turns": 2, "truncated": False,
+                                      "num_tokens": 2})
+    sink.close()
+    (rec,) = sink.published
+    shutil.copy(tmp_path / "nan" / rec["name"], ds / rec["name"])
+    m["shards"].append({k: v for k, v in rec.items() if k != "keys"})
+    (ds / "manifest.json").write_text(json.dumps(m))
+    rep = verify_dataset(ds)
+    text = "\n".join(f"{c} {w} {x}" for c, w, x in rep.problems)
+    assert "keys" in text and "stored 2 times" in text and "00001-000000.tar" in text
+    assert "hidden_states contains NaN/Inf" in text and rec["name"] in text
+
+
+def test_recompute_matches_reference_and_catches_wrong_model(ds, tmp_path, kr):
+    rep = verify_dataset(ds, recompute=3, seed=1)
+    assert rep.ok, rep.problems
+    assert set(rep.recompute) == {"aux layer 1", "aux layer 3", "aux layer 5", "final (post-norm)"}
+    assert max(rep.recompute.values()) <= 1e-4 and len(rep.recompute_keys) == 3
+    from tiny import tiny_llama
+
+    other = tmp_path / "other"
+    tiny_llama(seed=1).save_pretrained(other)
+    m = _manifest(ds)
+    m["model_path"] = str(other)
+    (ds / "manifest.json").write_text(json.dumps(m))
+    rep = verify_dataset(ds, recompute=2)
+    assert not rep.ok and {c for c, _, _ in rep.problems} == {"recompute"}
+    assert max(rep.recompute.values()) > 0.1
