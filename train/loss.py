@@ -1,0 +1,121 @@
+"""Teacher, loss masks and the unrolled training-time-test (TTT) loss of EAGLE-3.
+
+Frames. A stored sample has tokens ``x[0..T-1]``, aux states ``g[t]`` (target layers after
+reading ``x[<=t]``), final post-norm states ``f[t]`` (``lm_head(f[t])`` = the target's
+logits for ``x[t+1]``) and ``loss_mask m[t]`` (1 iff ``x[t]`` is assistant text).
+
+* "position" ``p`` (used by :func:`step_loss_masks` and the tests) = the position of the
+  token whose embedding enters step 0. Step ``k`` at position ``p`` predicts ``x[p+k+1]``;
+  its teacher is ``softmax(lm_head(f[p+k]))``; it is supervised iff ``m[p+k+1] == 1`` and
+  ``p+k+1`` is a real (non-padded) token. I.e. the loss mask is shifted left by ``k+1`` with
+  zero fill at step ``k``: ``m = [0,0,0,0,0,0,1,1,1,1]`` supervises ``{5,6,7,8}`` at step 0,
+  ``{4,5,6,7}`` at step 1, ``{3,4,5,6}`` at step 2, never a padded target.
+* "row" ``r = p - 1`` is what the drafter computes on (SGLang's draft-extend layout, same as
+  SpecForge's ``padding(input_ids, left=False)``): row ``r`` pairs ``embed(x[r+1])`` with
+  ``fc(g[r])`` at rope position ``r``. Position 0 has no ``g[-1]`` and is never computed.
+
+Teacher (written down): ``p_T = softmax(lm_head(f) restricted to the draft vocab)``, i.e. the
+target distribution renormalised over the ``N`` draft tokens (SpecForge: ``target[..., t2d]``
+then softmax). With ``exclude_oov=True`` (SpecForge's ``position_mask``), positions whose
+full-vocabulary target argmax is outside the draft vocabulary are not supervised.
+
+Loss: ``sum_k w^k * mean_{supervised rows}( -sum_v p_T(v) log q_k(v) )`` with ``w = 0.8``
+(EAGLE-3 / SpecForge); ``acc_k`` = share of supervised rows where ``argmax q_k`` equals the
+teacher's argmax (within the draft vocabulary).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def shift_left(x: torch.Tensor, n: int, fill: Any = 0) -> torch.Tensor:
+    """``y[..., t] = x[..., t + n]`` along dim 1 (the time dim of [B, T, ...]), ``fill`` beyond the end."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def step_loss_masks(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
+    """Supervised positions per TTT step (position frame, see module doc).
+
+    Args:
+        loss_mask: [B, T] (any int/bool dtype); valid: [B, T] bool (False at padding).
+        steps: K.
+
+    Returns:
+        bool [K, B, T]: ``out[k, b, p] = m[b, p+k+1] & valid[b, p+k+1]`` (False past the end).
+    """
+    m = loss_mask.bool() & valid.bool()
+    return torch.stack([shift_left(m, k + 1, False) for k in range(steps)])
+
+
+def teacher_logits(final: torch.Tensor, lm_head: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """Target logits restricted to the draft vocabulary (fp32).
+
+    Args:
+        final: [B, T, H] stored final post-norm target states (bf16/fp32).
+        lm_head: [V, H] target lm_head weight; t2d: bool [V].
+
+    Returns:
+        [B, T, N] fp32 logits; ``softmax`` of them is the renormalised teacher.
+    """
+    return final.float() @ lm_head[t2d].float().T
+
+
+@torch.no_grad()
+def target_argmax_in_vocab(final: torch.Tensor, lm_head: torch.Tensor, t2d: torch.Tensor,
+                           chunk: int = 4096) -> torch.Tensor:
+    """bool [B, T]: the full-vocabulary target argmax lies in the draft vocabulary."""
+    flat = final.reshape(-1, final.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.bool, device=final.device)
+    w = lm_head.to(final.dtype)
+    for i in range(0, flat.shape[0], chunk):
+        out[i:i + chunk] = t2d[(flat[i:i + chunk] @ w.T).argmax(-1)]
+    return out.view(final.shape[:-1])
+
+
+def ttt_loss(drafter, target_lm_head: torch.Tensor, batch: dict[str, Any], steps: int = 7,
+             step_weight: float = 0.8, exclude_oov: bool = True) -> dict[str, Any]:
+    """Unrolled TTT loss of one batch.
+
+    Args:
+        drafter: :class:`eagle_train.model.Eagle3Drafter`.
+        target_lm_head: [V, H] frozen target head.
+        batch: ``input_ids`` [B, T] int64, ``attention_mask`` [B, T] bool, ``loss_mask`` [B, T],
+            ``aux_hidden_states`` [B, T, 3H], ``hidden_states`` [B, T, H] (EagleDataModule layout).
+        steps: K; step_weight: ``w`` of ``w^k``.
+
+    Returns:
+        ``{"loss": scalar, "loss_k": [K] tensors, "acc_k": [K], "n_k": [K] supervised rows}``.
+    """
+    ids, valid = batch["input_ids"], batch["attention_mask"].bool()
+    aux, final = batch["aux_hidden_states"], batch["hidden_states"]
+    # row frame: row r <- position r + 1
+    sup = step_loss_masks(batch["loss_mask"], valid, steps)[:, :, 1:]          # [K, B, T-1]
+    if exclude_oov:
+        ok = target_argmax_in_vocab(final[:, 1:], target_lm_head, drafter.t2d)  # row r: f[r+1]
+        sup = sup & torch.stack([shift_left(ok, k, False) for k in range(steps)])
+    row_ids, row_aux, row_valid = ids[:, 1:], aux[:, :-1], valid[:, 1:]
+    with torch.no_grad():
+        teach = torch.softmax(teacher_logits(final[:, 1:], target_lm_head, drafter.t2d), -1)  # [B, T-1, N]
+    hiddens = drafter.ttt_forward(row_ids, row_aux, row_valid, steps)
+    total = 0.0
+    loss_k, acc_k, n_k = [], [], []
+    for k, h in enumerate(hiddens):
+        m = sup[k]
+        n = m.sum()
+        tp = shift_left(teach, k, 0.0)[m]                                     # [n, N]
+        logp = F.log_softmax(drafter.logits(h[m]).float(), -1)
+        lk = -(tp * logp).sum(-1).sum() / n.clamp(min=1)
+        with torch.no_grad():
+            acc = (logp.argmax(-1) == tp.argmax(-1)).float().sum() / n.clamp(min=1)
+        total = total + (step_weight ** k) * lk
+        loss_k.append(lk.detach())
+        acc_k.append(acc)
+        n_k.append(n)
+    return {"loss": total, "loss_k": loss_k, "acc_k": acc_k, "n_k": n_k}
