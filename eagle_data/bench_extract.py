@@ -132,7 +132,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
     def write_run():
         d = root / "shards"
         shutil.rmtree(d, ignore_errors=True)
-        sinks = [ShardSink(d, rank=w, max_samples=64, max_bytes=2e9) for w in range(writers)]
+        sinks = [ShardSink(d, 0, w, max_samples=64, max_bytes=2e9, shard_step=writers) for w in range(writers)]
         w = AsyncShardWriter(sinks, max_queue=2 * batch_size)
         capture(w)
         w.close()

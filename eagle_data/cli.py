@@ -35,6 +35,7 @@ def extract(
     shard_max_samples: int = 1000,
     shard_max_bytes: float = 2e9,
     write_queue: int = 16,
+    writers: int = 2,
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
     on_bad_sample: str = "skip",
@@ -68,7 +69,8 @@ def extract(
         sort_window: samples sorted by length within windows of this size before batching.
         shard_max_samples: samples per shard at most.
         shard_max_bytes: bytes per shard (approximate upper bound).
-        write_queue: captured samples waiting for the background shard writer at most (bounds host memory).
+        write_queue: captured samples waiting for the background shard writers at most (bounds host memory).
+        writers: shard-writer threads (each fills its own shards of this rank's series).
         rank: this process's rank (default: $RANK or 0); takes source rows with row % world_size == rank.
         world_size: number of ranks (default: $WORLD_SIZE or 1).
         on_bad_sample: "skip" (count + log, default) or "raise".
@@ -86,7 +88,7 @@ def extract(
         template_vars=template_vars or {}, backend=backend, device=device, dtype=dtype,
         storage_dtype=storage_dtype, aux_layer_ids=aux_layer_ids, batch_tokens=batch_tokens,
         max_batch_size=max_batch_size, sort_window=sort_window, shard_max_samples=shard_max_samples,
-        shard_max_bytes=shard_max_bytes, write_queue=write_queue,
+        shard_max_bytes=shard_max_bytes, write_queue=write_queue, writers=writers,
         rank=int(os.environ.get("RANK", 0)) if rank is None else rank,
         world_size=int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size,
         on_bad_sample=on_bad_sample, trust_remote_code=trust_remote_code,

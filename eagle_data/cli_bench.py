@@ -59,4 +59,25 @@ def bench_train(path: str, target_model: str, max_tokens: int = 16384, max_lengt
             json.dump(res, f, indent=1)
 
 
-COMMANDS = {"bench": {"extract": bench_extract, "train": bench_train}}
+def bench_sglang(model: str = "smollm2", num_prompts: int = 32, prompt_len: int = 512,
+                 chunked_prefill_size: int = 256, dtype: str = "float32", device: str = "cpu") -> None:
+    """SGLang extraction tokens/s: plain prefill vs capture vs capture + shards vs SGLang's return_hidden_states.
+
+    Args:
+        model: "smollm2" (embedded default) or a local HF model folder.
+        num_prompts: prompts sent together.
+        prompt_len: tokens per prompt.
+        chunked_prefill_size: SGLang chunked prefill size.
+        dtype: "float32" or "bfloat16".
+        device: "cpu" or "cuda".
+    """
+    from .bench_sglang import bench_sglang as run
+
+    if model == "smollm2":
+        from .assets import smollm2_model_dir
+        model = str(smollm2_model_dir())
+    run(model, num_prompts=num_prompts, prompt_len=prompt_len, chunked_prefill_size=chunked_prefill_size,
+        dtype=dtype, device=device)
+
+
+COMMANDS = {"bench": {"extract": bench_extract, "train": bench_train, "sglang": bench_sglang}}

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import threading
+from collections import deque
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -72,6 +73,7 @@ class ExtractConfig:
     shard_max_samples: int = 1000
     shard_max_bytes: float = 2e9
     write_queue: int = 16
+    writers: int = 2
     rank: int = 0
     world_size: int = 1
     on_bad_sample: str = "skip"
@@ -195,7 +197,7 @@ def _check_config(cfg: ExtractConfig) -> str:
     if not (isinstance(cfg.world_size, int) and cfg.world_size >= 1 and isinstance(cfg.rank, int)
             and 0 <= cfg.rank < cfg.world_size):
         raise ValueError(f"rank {cfg.rank!r} must be in [0, world_size={cfg.world_size!r})")
-    for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window"):
+    for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window", "writers", "write_queue"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)!r}")
     storage = cfg.storage_dtype or cfg.dtype
@@ -256,12 +258,13 @@ def _run(cfg: ExtractConfig, storage: str, out: Path, backend, tokenizer) -> dic
         backend.close()
 
 
-def _abort(writer: AsyncShardWriter | None, sink: ShardSink | None) -> None:
-    """Stop the writer thread (queued samples dropped) and discard the shard in progress."""
+def _abort(writer: AsyncShardWriter | None, sinks: list[ShardSink] | None) -> None:
+    """Stop the writer threads (queued samples dropped) and discard the shards in progress."""
     if writer is not None:
         writer.abort()
-    elif sink is not None:
-        sink.abort()
+    else:
+        for s in sinks or []:
+            s.abort()
 
 
 def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str, Any]:
@@ -336,7 +339,7 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
     def consume(batch, pending):
         nonlocal n_tok, n_new
         with sigs.interruptible():
-            caps = pending.result() if has_async else pending
+            caps = pending.result() if hasattr(pending, "result") else pending
         assert [c.key for c in caps] == [s.key for s in batch], "backend returned samples out of order"
         for s, c in zip(batch, caps):
             if c.hidden_states.shape[0] != s.num_tokens or c.aux_hidden_states.shape[0] != s.num_tokens:
@@ -363,18 +366,35 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
     writer = None
     with sigs:
         try:
-            sink = ShardSink(out, cfg.rank, next_shard, cfg.shard_max_samples, cfg.shard_max_bytes, on_publish)
-            # Overlap: batch i+1's forward is launched before batch i is written, and a writer
-            # thread encodes/hashes/writes while the next forward runs (bounded queue).
-            writer = AsyncShardWriter([sink], max_queue=cfg.write_queue)
-            inflight = None
-            for batch in batches:
-                pending = launch(batch)
+            # Overlap: batch i+1's forward is launched before batch i is written, and writer
+            # threads hash/write (GIL released) while the next forward runs (bounded queue).
+            # Writer w of W fills shards next_shard + w, + W, ... of this rank's series.
+            sink = [ShardSink(out, cfg.rank, next_shard + w, cfg.shard_max_samples, cfg.shard_max_bytes,
+                              on_publish, shard_step=cfg.writers) for w in range(cfg.writers)]
+            writer = AsyncShardWriter(sink, max_queue=cfg.write_queue)
+            if hasattr(backend, "capture_iter"):  # engine backends pipeline batches themselves
+                fifo: deque = deque()
+
+                def items():
+                    for b in batches:
+                        fifo.append(b)
+                        yield [(s.key, s.input_ids) for s in b]
+                it = backend.capture_iter(items(), prefetch=1)
+                while True:
+                    with sigs.interruptible():
+                        caps = next(it, None)
+                    if caps is None:
+                        break
+                    consume(fifo.popleft(), caps)
+            else:
+                inflight = None
+                for batch in batches:
+                    pending = launch(batch)
+                    if inflight is not None:
+                        consume(*inflight)
+                    inflight = (batch, pending)
                 if inflight is not None:
                     consume(*inflight)
-                inflight = (batch, pending)
-            if inflight is not None:
-                consume(*inflight)
             writer.close()
             state["skipped"].update(pending_skips)
             state["finished"] = True

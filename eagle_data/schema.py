@@ -99,6 +99,48 @@ def encode_sample(key: str, tensors: dict[str, torch.Tensor], meta: dict[str, An
     }
 
 
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64",
+              torch.uint8: "U8"}
+
+
+def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> list:
+    """The safetensors encoding of ``tensors`` as buffers, without copying tensor memory.
+
+    Returns ``[header_bytes, memoryview, ...]`` whose concatenation is a valid safetensors
+    file (8-byte little-endian header size, JSON header padded with spaces to 8 bytes, then
+    the raw little-endian data; tensors ordered by decreasing item size, then name, as the
+    reference implementation does). :func:`decode_tensors` (``safetensors.torch.load``) reads it.
+
+    Raises:
+        ValueError: a dtype outside the schema.
+    """
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    views, off = [], 0
+    for name in order:
+        t = tensors[name].contiguous()
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name}: dtype {t.dtype} is not in the schema")
+        nb = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + nb]}
+        off += nb
+        if nb:
+            views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    h = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    h += b" " * (-len(h) % 8)
+    return [len(h).to_bytes(8, "little") + h, *views]
+
+
+def encode_sample_parts(key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]):
+    """Like :func:`encode_sample`, but ``{ext: [buffers]}`` with tensor memory not copied."""
+    if "." in key or "/" in key:
+        raise ValueError(f"sample key {key!r} must not contain '.' or '/'")
+    validate_tensors(tensors, where=key)
+    return {TENSOR_EXT: safetensors_parts({k: tensors[k] for k in TENSOR_FIELDS},
+                                          {"schema_version": str(SCHEMA_VERSION)}),
+            META_EXT: [json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")]}
+
+
 def decode_tensors(data: bytes, where: str = "?") -> dict[str, torch.Tensor]:
     """Decode ``KEY.safetensors`` bytes into the four tensors (bit-exact, no pickle).
 

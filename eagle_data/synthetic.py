@@ -68,7 +68,7 @@ def write_synthetic(out: str | Path, shard_sizes: Sequence[int], hidden_size: in
             meta = {"source_id": str(g), "source_row": g, "num_turns": 2, "truncated": False}
             sink.write(f"syn_{g:09d}", tensors, meta)
             g += 1
-        sink._writer.finish()  # publish this shard; the next write opens a new one
+        sink.end_shard()  # publish this shard; the next write opens a new one
     sink.close()
     state["finished"] = True
     atomic_write_json(progress_path(out, rank), state)

@@ -1,4 +1,4 @@
-"""Atomic shard writing on top of ``webdataset.ShardWriter``.
+"""Atomic shard writing: USTAR shards readable by stock webdataset / HF datasets.
 
 Each shard is written as ``{rank:05d}-{shard:06d}.tar.tmp`` through a hashing file
 wrapper (sha256 + bytes computed while writing, no re-read), fsync'd, renamed to ``.tar``,
@@ -26,9 +26,7 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-import webdataset as wds
-
-from .schema import encode_sample
+from .schema import encode_sample_parts
 
 INDEX_DIR = "index"
 INDEX_SCHEMA = pa.schema([
@@ -154,14 +152,40 @@ def write_index_part(path: Path, rows: list[dict[str, Any]]) -> None:
     write_parquet_atomic(path, pa.Table.from_pylist(rows, schema=INDEX_SCHEMA))
 
 
+_BLOCK = 512
+_RECORD = 20 * _BLOCK  # tarfile's RECORDSIZE: archives are padded to a multiple of it
+
+
+def tar_member_header(name: str, size: int) -> bytes:
+    """USTAR header of one regular-file member, as webdataset's TarWriter writes it
+    (mode 0444, owner ``bigdata``, mtime 0 for reproducible shards).
+
+    Raises:
+        ValueError: the name does not fit a USTAR header.
+    """
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.mtime, ti.mode, ti.uname, ti.gname = size, 0, 0o444, "bigdata", "bigdata"
+    return ti.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+
+
 class ShardSink:
-    """Writes encoded samples into atomic shards and reports each published shard.
+    """Writes samples into atomic USTAR shards and reports each published shard.
+
+    The tar framing is written here rather than through ``webdataset.ShardWriter``: the
+    payload buffers (safetensors header + views of the tensors' own memory, see
+    :func:`eagle_data.schema.safetensors_parts`) go to the file and to sha256 without any
+    copy and with the GIL released, which is what lets extraction keep up with the GPU
+    (webdataset's writer copies each payload several times under the GIL). The archives
+    are byte-identical to what ``tarfile`` writes in USTAR format for the same members
+    (``KEY.json`` then ``KEY.safetensors``; tested), so stock ``webdataset``/``datasets`` read them.
 
     Args:
         out_dir: dataset directory.
         rank: this process's rank (shard names ``{rank:05d}-{shard:06d}.tar``).
         start_shard: first shard number (resume continues after the last published one).
-        max_samples / max_bytes: shard size limits (``webdataset.ShardWriter`` maxcount/maxsize).
+        shard_step: distance between this sink's shard numbers (several sinks of one rank
+            interleave: sink ``w`` of ``W`` uses ``start + w, start + w + W, ...``).
+        max_samples / max_bytes: a shard is closed once it holds this many samples / bytes.
         on_publish: called with the shard record
             ``{"name", "num_samples", "bytes", "sha256", "num_tokens", "keys"}`` after the shard
             and its index part are durable on disk. If it raises, the shard and its index part
@@ -173,67 +197,61 @@ class ShardSink:
 
     def __init__(self, out_dir: str | Path, rank: int = 0, start_shard: int = 0,
                  max_samples: int = 1000, max_bytes: float = 3e9,
-                 on_publish: Callable[[dict[str, Any]], None] | None = None):
+                 on_publish: Callable[[dict[str, Any]], None] | None = None, shard_step: int = 1):
         self.out = Path(out_dir)
         (self.out / INDEX_DIR).mkdir(parents=True, exist_ok=True)
+        self.rank, self.shard, self.step = rank, start_shard, shard_step
+        self.max_samples, self.max_bytes = max_samples, max_bytes
         self.on_publish = on_publish
         self._file: _HashingFile | None = None
+        self._path: Path | None = None
         self._rows: list[dict[str, Any]] = []
         self.published: list[dict[str, Any]] = []
         self.bytes_written = 0
-        self._writer = wds.ShardWriter(
-            str(self.out / f"{rank:05d}-%06d.tar.tmp"), maxcount=max_samples, maxsize=max_bytes,
-            post=self._publish, start_shard=start_shard, verbose=0, opener=self._open,
-            encoder=False, mtime=0.0)
+        self._closed = False
 
-    def _open(self, fname: str) -> _HashingFile:
-        self._file = _HashingFile(fname)
-        return self._file
-
-    def _fast_tar(self) -> None:
-        """Give a freshly opened shard a seekable-mode tarfile ("w", 8 MiB copy buffer).
-
-        webdataset's TarWriter opens tarfile in stream mode ("w|"), whose 10 KiB record buffer
-        re-slices every payload (several copies per byte); for 10-100 MiB samples that caps
-        writing far below disk speed. The swap happens before anything is written, so the
-        stream-mode object holds no data; the archive is the same USTAR format.
-        """
-        tw = self._writer.tarstream
-        if tw is not None and not getattr(tw, "_eagle_fast", False):
-            tw.tarstream = tarfile.open(fileobj=tw.stream, mode="w", format=tarfile.USTAR_FORMAT,
-                                        copybufsize=8 << 20)
-            tw._eagle_fast = True
+    def _open(self) -> None:
+        self._path = self.out / f"{self.rank:05d}-{self.shard:06d}.tar.tmp"
+        self.shard += self.step
+        self._file = _HashingFile(str(self._path))
+        self._rows = []
 
     def write(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Append one sample (see :func:`eagle_data.schema.encode_sample`).
+        """Append one sample (see :func:`eagle_data.schema.encode_sample_parts`).
 
         Raises:
             ValueError: bad key or tensors (nothing written).
             OSError: writing failed; call :meth:`abort`.
         """
-        if self._writer is None:
+        if self._closed:
             raise RuntimeError("ShardSink is closed")
-        sample = encode_sample(key, tensors, meta)
-        w = self._writer
-        if w.tarstream is None or w.count >= w.maxcount or w.size >= w.maxsize:
-            w.next_stream()  # what ShardWriter.write would do first; publishes the previous shard
-        self._fast_tar()
-        # ShardWriter publishes the previous shard (via _publish) before it writes into a new
-        # one, so the row is appended after write() and always lands with its own shard.
-        self._writer.write(sample)
-        name = Path(self._writer.fname).name.removesuffix(".tmp")
+        parts = encode_sample_parts(key, tensors, meta)
+        if self._file is not None and (len(self._rows) >= self.max_samples or self._file.n >= self.max_bytes):
+            self._finish()
+        if self._file is None:
+            self._open()
+        f = self._file
+        for ext in sorted(parts):
+            bufs = parts[ext]
+            size = sum(memoryview(b).nbytes for b in bufs)
+            f.write(tar_member_header(f"{key}.{ext}", size))
+            for b in bufs:
+                f.write(b)
+            if size % _BLOCK:
+                f.write(bytes(_BLOCK - size % _BLOCK))
+        name = self._path.name.removesuffix(".tmp")
         self._rows.append(index_row(key, name, meta, tensors["input_ids"], tensors["loss_mask"]))
 
-    def _publish(self, tmp_fname: str) -> None:
-        f = self._file
-        assert f is not None
+    def _finish(self) -> None:
+        """End the current archive (two zero blocks + record padding) and publish it."""
+        f, tmp = self._file, self._path
+        self._file = None
+        f.write(bytes(2 * _BLOCK))
+        if f.n % _RECORD:
+            f.write(bytes(_RECORD - f.n % _RECORD))
         f.close()
-        tmp = Path(tmp_fname)
-        final = tmp.with_name(tmp.name.removesuffix(".tmp"))
         rows, self._rows = self._rows, []
-        if not rows:  # ShardWriter opens a stream eagerly; an empty shard is never published
-            tmp.unlink(missing_ok=True)
-            return
+        final = tmp.with_name(tmp.name.removesuffix(".tmp"))
         part = self.out / INDEX_DIR / (final.name.removesuffix(".tar") + ".parquet")
         os.replace(tmp, final)
         try:
@@ -251,6 +269,11 @@ class ShardSink:
         self.bytes_written += f.n
         self.published.append(rec)
 
+    def end_shard(self) -> None:
+        """Publish the current shard now (if it holds samples); the next write opens a new one."""
+        if self._file is not None:
+            self._finish()
+
     @property
     def pending_bytes(self) -> int:
         return self._file.n if self._file is not None and not self._file.f.closed else 0
@@ -261,18 +284,20 @@ class ShardSink:
         Raises:
             OSError: writing failed; call :meth:`abort`.
         """
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if not self._closed:
+            if self._file is not None:
+                self._finish()
+            self._closed = True
 
     def abort(self) -> None:
         """Drop the shard being written (its samples are redone on resume). Never raises
         ``OSError`` (closing a file on a full disk fails again; the file is deleted anyway)."""
-        if self._writer is None:
+        if self._closed:
             return
-        name, self._writer = self._writer.fname, None
+        self._closed = True
         self._rows = []
         if self._file is not None:
             self._file.discard()
-        if name:
-            Path(name).unlink(missing_ok=True)
+            self._file = None
+        if self._path is not None:
+            self._path.unlink(missing_ok=True)

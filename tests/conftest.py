@@ -34,5 +34,5 @@ def reference(tmp_path_factory, kr, tiny):
 
     out = tmp_path_factory.mktemp("ref") / "ds"
     m = run_extract(kr.config(out, *tiny, shard_max_samples=3))
-    assert m["num_samples"] == 24 and len(m["shards"]) == 8
+    assert m["num_samples"] == 24 and len(m["shards"]) >= 8  # 2 writer threads may leave 2 partial shards
     return out

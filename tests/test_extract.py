@@ -49,7 +49,7 @@ def data_file(tmp_path_factory):
 
 def cfg(out, model_dir, data_file, **kw):
     base = dict(out=str(out), model=str(model_dir), data=str(data_file), num_samples=None, dtype="float32",
-                aux_layer_ids=AUX, shard_max_samples=4, batch_tokens=256, progress=False)
+                aux_layer_ids=AUX, shard_max_samples=4, batch_tokens=256, progress=False, writers=1)
     return ExtractConfig(**{**base, **kw})
 
 
@@ -79,6 +79,14 @@ def test_extract_end_to_end(tmp_path, model_dir, data_file):
             hs = ref(t["input_ids"][None], output_hidden_states=True).hidden_states
         torch.testing.assert_close(t["aux_hidden_states"][:, 64:128], hs[AUX[1] + 1][0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(t["hidden_states"], hs[-1][0], rtol=1e-4, atol=1e-5)
+
+
+def test_parallel_writers_fill_one_rank_series(tmp_path, model_dir, data_file):
+    m = run_extract(cfg(tmp_path / "ds", model_dir, data_file, writers=3, shard_max_samples=2))
+    assert m["num_samples"] == 10 and sum(s["num_samples"] for s in m["shards"]) == 10
+    names = [s["name"] for s in m["shards"]]
+    assert len(set(names)) == len(names) and all(n.startswith("00000-") for n in names)
+    assert all(s["num_samples"] <= 2 for s in m["shards"])
 
 
 def test_hf_datasets_loads_shards(tmp_path, model_dir, data_file):
@@ -130,3 +138,31 @@ def test_bad_key_and_row_mismatch_refused(tmp_path):
         sink.write("ab", {**good, "hidden_states": torch.zeros(3, 2)}, {})
     sink.close()
     assert sink.published == [] and not list(tmp_path.glob("*.tar*"))
+
+
+def test_shard_bytes_equal_tarfile_ustar_and_safetensors_save(tmp_path):
+    """The zero-copy writer produces exactly tarfile's USTAR archive of safetensors.torch.save payloads."""
+    import io
+
+    from safetensors.torch import save
+
+    from eagle_data.schema import SCHEMA_VERSION
+
+    t = {"input_ids": torch.arange(7), "loss_mask": torch.tensor([0, 1, 1, 0, 1, 1, 1], dtype=torch.uint8),
+         "aux_hidden_states": torch.randn(7, 6).bfloat16(), "hidden_states": torch.randn(7, 2).bfloat16()}
+    meta = {"source_id": "x", "source_row": 3, "num_turns": 2, "truncated": False}
+    sink = ShardSink(tmp_path)
+    for k in ("k_1", "k_2"):
+        sink.write(k, t, meta)
+    sink.close()
+    ours = (tmp_path / sink.published[0]["name"]).read_bytes()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        for k in ("k_1", "k_2"):
+            payloads = {"json": json.dumps(meta, sort_keys=True).encode(),
+                        "safetensors": save(t, metadata={"schema_version": str(SCHEMA_VERSION)})}
+            for ext in ("json", "safetensors"):
+                ti = tarfile.TarInfo(f"{k}.{ext}")
+                ti.size, ti.mtime, ti.mode, ti.uname, ti.gname = len(payloads[ext]), 0, 0o444, "bigdata", "bigdata"
+                tf.addfile(ti, io.BytesIO(payloads[ext]))
+    assert ours == buf.getvalue()

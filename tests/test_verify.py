@@ -28,7 +28,7 @@ def _manifest(out):
 def test_good_dataset_passes_and_cli_exits_zero(reference, capsys):
     rep = verify_dataset(reference)
     assert rep.ok, rep.problems
-    assert rep.num_samples == 24 and rep.num_shards == 8
+    assert rep.num_samples == 24 and rep.num_shards == len(_manifest(reference)["shards"]) >= 8
     cli.main(["verify", str(reference)])  # no SystemExit
     assert "OK" in capsys.readouterr().out
 

@@ -1,0 +1,62 @@
+"""`eagle-data extract --backend sglang` end to end: same shards as the HF reference backend."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+import webdataset as wds
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("needs the sglang extra (pip install eagle-data[sglang])", allow_module_level=True)
+
+from eagle_data.extract import ExtractConfig, run_extract  # noqa: E402
+from eagle_data.schema import decode_tensors  # noqa: E402
+
+from templates import TEMPLATES_DIR, family_tokenizer  # noqa: E402
+from tiny import AUX, tiny_llama  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+LONG = "The quick brown fox jumps over the lazy dog. " * 12
+ROWS = [
+    {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there."}]},
+    {"conversations": [{"from": "human", "value": LONG}, {"from": "gpt", "value": LONG + " Done."}]},
+    {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+    {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there."}]},  # duplicate
+    {"conversations": [{"from": "human", "value": "x"}]},  # skipped: no assistant turn
+]
+
+
+def _read(out):
+    m = json.loads((out / "manifest.json").read_text())
+    got = {}
+    for s in wds.WebDataset([str(out / sh["name"]) for sh in m["shards"]], shardshuffle=False):
+        got[s["__key__"]] = decode_tensors(s["safetensors"], s["__key__"])
+    return m, got
+
+
+def test_sglang_shards_equal_hf_shards(tmp_path):
+    d = tmp_path / "model"
+    tiny_llama().save_pretrained(d)
+    family_tokenizer(TEMPLATES_DIR / "smollm2.jinja").save_pretrained(d)
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    base = dict(model=str(d), data=str(data), num_samples=None, dtype="float32", aux_layer_ids=AUX,
+                progress=False, max_length=512)
+    mh, hf = _read_run(tmp_path / "hf", base, "hf", {})
+    ms, sg = _read_run(tmp_path / "sg", base, "sglang", {"chunked_prefill_size": 128})
+    assert mh["skip_counts"] == ms["skip_counts"] == {"no_assistant_turn": 1}
+    assert sorted(hf) == sorted(sg) and len(hf) == 4
+    assert max(t["input_ids"].numel() for t in hf.values()) > 128  # one sample spans several chunks
+    for k in hf:
+        assert torch.equal(hf[k]["input_ids"], sg[k]["input_ids"]) and torch.equal(hf[k]["loss_mask"], sg[k]["loss_mask"])
+        for f in ("aux_hidden_states", "hidden_states"):
+            a, b = sg[k][f], hf[k][f]
+            assert ((a - b).abs().max() / b.abs().max()) < 1e-4, (k, f)
+    assert ms["backend"] == "sglang" and ms["aux_layer_ids"] == AUX
+
+
+def _read_run(out, base, backend, kw):
+    run_extract(ExtractConfig(out=str(out), backend=backend, backend_kwargs=kw, **base))
+    return _read(out)

@@ -1,0 +1,205 @@
+"""SGLang hand-off without an engine: stitcher, spool files, spool lifetime, the scheduler hook.
+
+Pure python (no sglang import): runs everywhere.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from enum import Enum
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eagle_data.backends.sglang_hook import make_capture_hook
+from eagle_data.backends.sglang_spool import (SPOOL_PREFIX, Piece, Spool, StitchError, list_spool, read_error,
+                                              read_piece, remove_stale_spools, stitch, write_piece)
+
+H, K = 4, 3
+
+
+def _rows(t: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 100, (t,), generator=g), torch.randn(t, K * H, generator=g), torch.randn(t, H, generator=g)
+
+
+def _pieces(ids, aux, fin, cuts):
+    """Split rows at ``cuts`` into Pieces with increasing seq."""
+    bounds = [0, *cuts, ids.shape[0]]
+    return [Piece(a, ids[a:b], aux[a:b], fin[a:b], seq=i) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+
+# ----------------------------------------------------------------------------- stitcher
+
+def test_stitch_in_order_and_any_arrival_order():
+    ids, aux, fin = _rows(300)
+    ps = _pieces(ids, aux, fin, [128, 256])
+    for order in (ps, ps[::-1], [ps[1], ps[0], ps[2]]):
+        a, f = stitch("s", ids, order)
+        assert torch.equal(a, aux) and torch.equal(f, fin)
+
+
+def test_stitch_single_piece():
+    ids, aux, fin = _rows(5)
+    a, f = stitch("s", ids, _pieces(ids, aux, fin, []))
+    assert torch.equal(a, aux) and torch.equal(f, fin)
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("empty", "no hidden-state rows"),
+    ("cached_prefix", r"rows \[0, 128\) of 300 missing .*radix"),
+    ("gap", r"gap: rows \[128, 256\) of 300 missing"),
+    ("tail", r"rows \[256, 300\) of 300 missing"),
+    ("duplicate", "duplicate chunk at offset 128"),
+    ("overlap", "chunk at offset 100 overlaps rows up to 128"),
+    ("out_of_order", "produced before the chunk at offset 0"),
+    ("foreign_rows", "token ids of the chunk at offset 128 differ"),
+    ("row_mismatch", "chunk at offset 0 has 128 ids, 127 aux rows"),
+    ("past_end", "past T=300"),
+    ("width", "width/dtype"),
+])
+def test_stitch_errors_name_the_sample(case, pattern):
+    ids, aux, fin = _rows(300)
+    p0, p1, p2 = _pieces(ids, aux, fin, [128, 256])
+    bad = {
+        "empty": [],
+        "cached_prefix": [p1, p2],
+        "gap": [p0, p2],
+        "tail": [p0, p1],
+        "duplicate": [p0, p1, Piece(128, p1.input_ids, p1.aux, p1.final, seq=5), p2],
+        "overlap": [p0, Piece(100, ids[100:256], aux[100:256], fin[100:256], 1), p2],
+        "out_of_order": [Piece(0, p0.input_ids, p0.aux, p0.final, 9), p1, p2],
+        "foreign_rows": [p0, Piece(128, p1.input_ids + 1, p1.aux, p1.final, 1), p2],
+        "row_mismatch": [Piece(0, p0.input_ids, p0.aux[:-1], p0.final, 0), p1, p2],
+        "past_end": [p0, p1, Piece(256, ids[250:300].repeat(2)[:60], aux[:60], fin[:60], 2)],
+        "width": [p0, Piece(128, p1.input_ids, p1.aux[:, :H], p1.final, 1), p2],
+    }[case]
+    with pytest.raises(StitchError, match=pattern) as ei:
+        stitch("sample_000000042", ids, bad)
+    assert "sample_000000042" in str(ei.value)
+
+
+# ----------------------------------------------------------------------------- spool files
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_piece_files_round_trip_bit_exact(tmp_path, dtype):
+    ids, aux, fin = _rows(10)
+    aux, fin = aux.to(dtype), fin.to(dtype)
+    write_piece(tmp_path, "ed1-7", 128, 3, ids, aux, fin)
+    (tmp_path / "ed1-7@0000000000@0000000009.safetensors.tmp").write_bytes(b"partial")  # ignored
+    files = list_spool(tmp_path)
+    assert list(files) == ["ed1-7"] and files["ed1-7"][0][0] == "chunk"
+    p = read_piece(files["ed1-7"][0][1])
+    assert (p.offset, p.seq) == (128, 3)
+    assert torch.equal(p.input_ids, ids) and torch.equal(p.aux, aux) and torch.equal(p.final, fin)
+    assert p.aux.dtype == dtype
+
+
+def test_stale_spool_of_dead_pid_is_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{SPOOL_PREFIX}{dead.pid}-abc"
+    stale.mkdir()
+    (stale / "x").write_text("1")
+    alive = tmp_path / f"{SPOOL_PREFIX}{os.getppid()}-abc"
+    alive.mkdir()
+    assert remove_stale_spools(tmp_path) == [stale]
+    assert not stale.exists() and alive.exists()
+    sp = Spool(tmp_path)
+    assert sp.path.is_dir() and sp.path.name.startswith(f"{SPOOL_PREFIX}{os.getpid()}-")
+    sp.close()
+    assert not sp.path.exists()
+
+
+@pytest.mark.parametrize("how", ["exit", "sigterm", "keyboardinterrupt"])
+def test_spool_removed_on_exit_sigterm_ctrl_c(tmp_path, how):
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        from eagle_data.backends.sglang_spool import Spool
+        sp = Spool({str(tmp_path)!r}); Spool.install_signal_handlers()
+        (sp.path / "chunk").write_bytes(b"x")
+        print(sp.path, flush=True)
+        if {how!r} == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif {how!r} == "keyboardinterrupt":
+            os.kill(os.getpid(), signal.SIGINT)
+        import time; time.sleep(1)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    path = r.stdout.strip().splitlines()[0]
+    assert path.startswith(str(tmp_path))
+    assert not os.path.exists(path), (how, r.returncode, r.stderr[-500:])
+    if how == "sigterm":
+        assert r.returncode == -signal.SIGTERM
+
+
+# ----------------------------------------------------------------------------- hook with a fake batch
+
+class Mode(Enum):  # the subset of sglang's ForwardMode the hook uses
+    EXTEND = 1
+    DECODE = 2
+    MIXED = 3
+    IDLE = 4
+
+    def is_decode(self):
+        return self is Mode.DECODE
+
+    def is_idle(self):
+        return self is Mode.IDLE
+
+
+def _fake_pass(mode, rids, seqs, pres, packed=False, seed=0):
+    n = sum(seqs)
+    ids, aux, fin = _rows(n, seed)
+    auxarg = aux if packed else list(aux.split(H, dim=1))
+    fb = SimpleNamespace(forward_mode=mode, rids=rids, extend_seq_lens_cpu=seqs, extend_prefix_lens_cpu=pres)
+    return (ids, fin, None, fb, auxarg), (ids, aux, fin)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_hook_splits_a_pass_by_rid_and_prefix(tmp_path, packed):
+    hook = make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-"})
+    args, (ids, aux, fin) = _fake_pass(Mode.EXTEND, ["ed1-1", "warmup", "ed1-2"], [5, 7, 123], [0, 0, 128], packed)
+    hook(None, args, None)
+    files = list_spool(tmp_path)
+    assert sorted(files) == ["ed1-1", "ed1-2"]  # foreign rid skipped
+    p1, p2 = read_piece(files["ed1-1"][0][1]), read_piece(files["ed1-2"][0][1])
+    assert p1.offset == 0 and torch.equal(p1.aux, aux[:5]) and torch.equal(p1.final, fin[:5])
+    assert p2.offset == 128 and torch.equal(p2.input_ids, ids[12:]) and torch.equal(p2.aux, aux[12:])
+    assert p2.seq > p1.seq
+
+
+def test_hook_ignores_decode_and_refuses_mixed_and_bad_batches(tmp_path):
+    hook = make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-"})
+    hook(None, _fake_pass(Mode.DECODE, ["ed1-1"], [1], [9])[0], None)
+    assert list_spool(tmp_path) == {}
+    hook(None, _fake_pass(Mode.MIXED, ["ed1-1", "ed1-2"], [4, 1], [0, 9])[0], None)
+    files = list_spool(tmp_path)
+    assert {k for k, _ in files["ed1-1"]} == {"error"}
+    assert "MIXED" in read_error(files["ed1-2"][0][1])
+    args, _ = _fake_pass(Mode.EXTEND, ["ed1-3"], [6], [0])
+    args[3].extend_seq_lens_cpu = [5]  # rows do not add up
+    hook(None, args, None)
+    assert "inconsistent batch" in read_error(list_spool(tmp_path)["ed1-3"][0][1])
+    args, _ = _fake_pass(Mode.EXTEND, ["ed1-4"], [6], [0])
+    hook(None, args[:4] + (None,), None)  # aux capture off
+    assert "no aux hidden states" in read_error(list_spool(tmp_path)["ed1-4"][0][1])
+
+
+def test_hook_only_tp_rank_0_writes(tmp_path, monkeypatch):
+    import eagle_data.backends.sglang_hook as hk
+    monkeypatch.setattr(hk, "_tp_rank", lambda: 1)
+    assert make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-"}) is None  # sglang registers nothing
+    monkeypatch.setattr(hk, "_tp_rank", lambda: 0)
+    assert callable(make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-"}))
+
+
+def test_hook_failure_is_reported_per_request(tmp_path):
+    hook = make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-"})
+    args, _ = _fake_pass(Mode.EXTEND, ["ed1-1"], [4], [0])
+    args = (args[0], args[1], None, args[3], [torch.zeros(4, H), "not a tensor"])  # torch.cat fails
+    hook(None, args, None)
+    assert "capture hook failed" in read_error(list_spool(tmp_path)["ed1-1"][0][1])
