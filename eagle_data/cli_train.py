@@ -86,4 +86,25 @@ def export(checkpoint: str, out: str, dtype: str = "bfloat16") -> None:
     print(export_checkpoint(checkpoint, out, dtype))
 
 
-COMMANDS = {"vocab": vocab, "train": train, "eval": evaluate, "export": export}
+def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_vocab_size: int = 2048,
+         eval_samples: int = 12, target_model: str = "smollm2") -> None:
+    """The main job's second half on CPU: draft vocab -> train a drafter for MINUTES -> tau of the
+    trained and the untrained drafter on held-out conversations (+ PNG plot) -> SGLang export.
+
+    Args:
+        path: dataset directory written by `eagle-data extract`.
+        out: output directory (checkpoint, acceptance.json/.png, sglang_drafter/).
+        minutes: training wall time.
+        draft_vocab_size: N.
+        eval_samples: held-out samples evaluated at most.
+        target_model: "smollm2" (embedded default) or the target's HF folder.
+    """
+    from eagle_train.pipeline import demo as _demo
+
+    s = _demo(path, out, minutes=minutes, draft_vocab_size=draft_vocab_size, eval_samples=eval_samples,
+              target_model=target_model)
+    print(json.dumps({k: s[k] for k in ("tau_trained", "tau_untrained", "train_steps", "plot", "export")
+                      if k in s}, indent=1))
+
+
+COMMANDS = {"vocab": vocab, "train": train, "eval": evaluate, "export": export, "demo": demo}

@@ -23,7 +23,9 @@ need_x1() {
 }
 
 if has bench; then  # issue 7: (a) plain (b) capture->host (c) capture+shards on local disk (d) raw disk
-  s=$(ms); ed bench extract --writers 1 --json_out "$OUT/bench_extract.json" 2>&1 | grep -v Warn; took $s bench_extract
+  for w in ${BENCH_WRITERS:-2}; do
+    s=$(ms); ed bench extract --writers $w --json_out "$OUT/bench_extract_w$w.json" 2>&1 | grep -v Warn; took $s bench_extract_w$w
+  done
 fi
 if has multi; then  # issue 8.1: one rank on GPU 0, then two ranks on GPUs 0 and 1 over the same rows
   need_x1
@@ -54,7 +56,7 @@ if has loader; then  # issue 7.3: loader vs raw sequential read of the same shar
 fi
 if has train; then  # issue 7.3: drafter step time with the DataModule vs batch held on the GPU
   need_x1; s=$(ms)
-  ed bench train "$W/x1" "$W/target" --steps "$STEPS" --num_workers 4 --json_out "$OUT/bench_train.json" 2>&1 | tail -11
+  ed bench train "$W/x1" "$W/target" --steps "$STEPS" --num_workers 4 --json_out "$OUT/bench_train.json" 2>&1 | tail -15
   took $s bench_train
 fi
 if has ddp; then  # issue 8.2: DDP drafter training, 1 GPU vs 2 GPUs

@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# The main job on the embedded defaults (SmolLM2-135M-Instruct + ShareGPT, both from PyPI):
-# set up, extract EAGLE-3 training shards on CPU, and show one sample.
+# The main job on the embedded defaults (SmolLM2-135M-Instruct + ShareGPT, both from PyPI), on CPU:
+# set up, extract EAGLE-3 training shards, show one sample, verify them, then train a drafter for a
+# few minutes, measure its acceptance length against the untrained one, and export it for SGLang.
+#   bash scripts/main.sh                 # everything (≈20 min on 2 cores)
+#   MINUTES=3 bash scripts/main.sh       # shorter training
+#   SKIP_TRAIN=1 bash scripts/main.sh    # extraction only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
 export PATH="$PWD/.venv/bin:$PATH"
 out=$(eagle-data extract --config configs/extract_smollm2.yaml "$@" | tail -n 1)
 eagle-data inspect "$out" --max_chars 1500
+eagle-data verify "$out"
 echo "shards written to: $out"
+if [ -z "${SKIP_TRAIN:-}" ]; then
+  eagle-data demo "$out" --out out/drafter-demo --minutes "${MINUTES:-8}"
+  echo "drafter (SGLang LlamaForCausalLMEagle3 folder): out/drafter-demo/sglang_drafter"
+  echo "acceptance plot: out/drafter-demo/acceptance.png"
+fi
