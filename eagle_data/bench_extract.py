@@ -87,7 +87,8 @@ def disk_write_rate(directory: Path, total_bytes: int, file_bytes: int, writers:
 
 def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str = "bfloat16",
                   seq_len: int = 2048, batch_size: int = 4, num_batches: int = 12, repeats: int = 3,
-                  writers: int = 2, out_dir: str | None = None, peak_tflops: float = 989.0) -> dict[str, Any]:
+                  writers: int = 2, out_dir: str | None = None, peak_tflops: float = 989.0,
+                  queue: int | None = None) -> dict[str, Any]:
     """Run (a)-(d) and print a table. Returns the figures (medians over ``repeats``)."""
     from .async_sink import AsyncShardWriter
     from .backends.hf import HFBackend
@@ -133,7 +134,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         d = root / "shards"
         shutil.rmtree(d, ignore_errors=True)
         sinks = [ShardSink(d, 0, w, max_samples=64, max_bytes=2e9, shard_step=writers) for w in range(writers)]
-        w = AsyncShardWriter(sinks, max_queue=2 * batch_size)
+        w = AsyncShardWriter(sinks, max_queue=queue or 2 * batch_size)
         capture(w)
         w.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -153,7 +154,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
     out = {
         "shape": shape, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "dtype": dtype, "seq_len": seq_len, "batch_size": batch_size, "tokens_per_repeat": tokens,
-        "writers": writers, **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
+        "writers": writers, "queue": queue or 2 * batch_size, **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
         "mfu_a": round(med["a_plain"] * flops_tok / (peak_tflops * 1e12), 4),
         "output_GB_s_at_a": round(med["a_plain"] * out_bytes_tok / 1e9, 3),
         "disk_GB_s_1writer": round(disk1, 3), f"disk_GB_s_{writers}writers": round(diskw, 3),

@@ -8,7 +8,8 @@ from typing import Optional
 
 def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str = "bfloat16", seq_len: int = 2048,
                   batch_size: int = 4, num_batches: int = 12, repeats: int = 3, writers: int = 2,
-                  out_dir: Optional[str] = None, peak_tflops: float = 989.0, json_out: Optional[str] = None) -> None:
+                  out_dir: Optional[str] = None, peak_tflops: float = 989.0, json_out: Optional[str] = None,
+                  queue: Optional[int] = None) -> None:
     """Extraction tokens/s: (a) plain forward, (b) capture to host, (c) capture + shard writing, (d) raw disk rate.
 
     Args:
@@ -23,10 +24,11 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         out_dir: directory on the disk to measure (default: a temp dir).
         peak_tflops: peak dense bf16 TFLOP/s for the MFU figure.
         json_out: also write the figures to this JSON file.
+        queue: samples waiting for the writers at most in (c) (default 2 x batch_size).
     """
     from .bench_extract import bench_extract as run
 
-    res = run(shape, device, dtype, seq_len, batch_size, num_batches, repeats, writers, out_dir, peak_tflops)
+    res = run(shape, device, dtype, seq_len, batch_size, num_batches, repeats, writers, out_dir, peak_tflops, queue)
     if json_out:
         with open(json_out, "w") as f:
             json.dump(res, f, indent=1)
