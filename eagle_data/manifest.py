@@ -162,7 +162,8 @@ def repair_rank(out_dir: Path, rank: int, state: dict[str, Any]) -> list[str]:
     return actions
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -177,7 +178,7 @@ def _remove_stale_tmps(out: Path, names: tuple[str, ...]) -> None:
     for name in names:
         for p in out.glob(f"{name}.*.tmp"):
             pid = p.name[len(name) + 1:-4]
-            if not pid.isdigit() or not _pid_alive(int(pid)):
+            if not pid.isdigit() or not pid_alive(int(pid)):
                 p.unlink(missing_ok=True)
 
 

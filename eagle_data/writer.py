@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import tarfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,24 +43,31 @@ def tmp_name(path: Path) -> Path:
     return path.with_name(f"{path.name}.{os.getpid()}.tmp")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via tmp + fsync + rename (readers see old or new, never partial).
-
-    Raises:
-        OSError: the write failed (e.g. ``ENOSPC``); ``path`` is unchanged and the temporary removed.
-    """
+@contextmanager
+def _atomic(path: Path):
+    """Yield the temporary of ``path``; on success fsync it, rename it over ``path`` and fsync
+    the directory; on any error remove the temporary and re-raise (``path`` unchanged)."""
     path = Path(path)
     tmp = tmp_name(path)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via tmp + fsync + rename (readers see old or new, never partial).
+
+    Raises:
+        OSError: the write failed (e.g. ``ENOSPC``); ``path`` is unchanged and the temporary removed.
+    """
+    with _atomic(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -135,16 +143,8 @@ def write_parquet_atomic(path: Path, table: pa.Table) -> None:
     Raises:
         OSError: the write failed; ``path`` is unchanged and the temporary removed.
     """
-    tmp = tmp_name(path)
-    try:
+    with _atomic(path) as tmp:
         pq.write_table(table, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def write_index_part(path: Path, rows: list[dict[str, Any]]) -> None:

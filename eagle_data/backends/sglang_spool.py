@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+
+from ..manifest import pid_alive
 from safetensors.torch import load_file, save_file
 
 SPOOL_PREFIX = "eagle-data-sglang-"
@@ -170,16 +172,6 @@ def read_error(path: Path) -> str:
 
 # ----------------------------------------------------------------------------- spool lifetime
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def default_spool_base() -> Path:
     """``/dev/shm`` if it exists and is writable, else the temp dir."""
     shm = Path("/dev/shm")
@@ -197,7 +189,7 @@ def remove_stale_spools(base: str | os.PathLike) -> list[Path]:
             pid = int(d.name[len(SPOOL_PREFIX):].split("-", 1)[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed
