@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from ..manifest import pid_alive
-from safetensors.torch import load_file, save_file
 
 SPOOL_PREFIX = "eagle-data-sglang-"
 _PIECE_RE = re.compile(r"^(?P<rid>.+)@(?P<off>\d{10}|ERROR)@(?P<seq>\d{10})\.(?P<ext>safetensors|json)$")
