@@ -9,8 +9,10 @@ message's content as the template rendered it (including a ``<think>...</think>`
 the template rendered right before the answer) or the special end-of-turn token that
 immediately follows it (``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ``<end_of_turn>`` ...).
 Everything else (system/user text, role headers, default system prompts, injected dates)
-is 0. Messages are located in order with a moving cursor, so an assistant text that also
-occurs in an earlier user message is not matched there.
+is 0. Each assistant content is searched only after its own role header, which is found by
+matching the template text of a second render with placeholders in place of the assistant
+contents (see :meth:`ChatRenderer.assistant_spans`): a short answer ("a", "assistant") never
+matches inside a header, a user message or an injected system prompt.
 """
 
 from __future__ import annotations
@@ -115,33 +117,63 @@ class ChatRenderer:
     def assistant_spans(self, text: str, messages: list[dict[str, str]]) -> list[tuple[int, int]]:
         """Character spans ``[start, end)`` of each assistant message (+ its end-of-turn token).
 
+        Anchoring: the conversation is rendered a second time with each assistant content
+        replaced by a unique placeholder. Up to the first assistant content both renders are
+        identical, and between two assistant contents both carry the same template text
+        (end-of-turn, user turn, role header). So for assistant message ``i`` the text of the
+        placeholder render between the previous placeholder and placeholder ``i`` is matched
+        character by character at the current position of the real render; the content is
+        searched only after that header (and after the rendered ``</think>`` when the message
+        has reasoning), never inside headers, user text or injected system prompts.
+
         Raises:
             SpanError: an assistant message's content is not in the render.
         """
-        spans, cursor = [], 0
+        ph = [f"@@EAGLE_PLACEHOLDER_{i}@@" for i in range(len(messages))]
+        pmsgs = [{**m, "content": ph[i]} if m["role"] == "assistant" else m for i, m in enumerate(messages)]
+        ptext = self.render(pmsgs)
+        spans, r, p = [], 0, 0
         for i, m in enumerate(messages):
-            content = m["content"]
-            answer = content.rsplit("</think>", 1)[-1] if m["role"] == "assistant" else content
+            if m["role"] != "assistant":
+                continue
+            pi = ptext.find(ph[i], p)
+            if pi < 0:
+                raise SpanError(f"assistant message {i} is not rendered by the template")
+            seg = ptext[p:pi]
+            common = 0
+            for a, b in zip(text[r:r + len(seg)], seg):
+                if a != b:
+                    break
+                common += 1
+            search = r + common
+            # A reasoning block the template rendered from this message (absent or empty in the
+            # placeholder render) is open at ``search``: the answer comes after its end.
+            tb = text.rfind("<think>", r, search + len("<think>"))
+            if tb >= 0:
+                te = text.find("</think>", tb)
+                if te >= 0 and te + len("</think>") > search:
+                    search = te + len("</think>")
+            answer = m["content"].rsplit("</think>", 1)[-1]
             found = -1
             for cand in dict.fromkeys((answer, answer.strip())):
-                if cand and (found := text.find(cand, cursor)) >= 0:
+                if cand and (found := text.find(cand, search)) >= 0:
                     break
             if found < 0:
-                if m["role"] == "assistant":
-                    raise SpanError(f"assistant message {i} not found in the rendered text")
-                continue  # the template rewrote a user/system text; leave the cursor
+                raise SpanError(f"assistant message {i} not found in the rendered text")
             start, end = found, found + len(cand)
-            if m["role"] == "assistant":
-                head = text[cursor:start]
-                t = head.rfind("<think>")
-                if t >= 0 and _THINK_BLOCK.fullmatch(head[t:]):
-                    start = cursor + t
-                for s in self._specials:
-                    if text.startswith(s, end):
-                        end += len(s)
-                        break
-                spans.append((start, end))
-            cursor = end
+            head = text[r:start]
+            t = head.rfind("<think>")
+            if t >= 0 and _THINK_BLOCK.fullmatch(head[t:]):
+                start = r + t
+            p = pi + len(ph[i])
+            for sp in self._specials:
+                if text.startswith(sp, end):
+                    end += len(sp)
+                    if ptext.startswith(sp, p):
+                        p += len(sp)
+                    break
+            spans.append((start, end))
+            r = end
         return spans
 
     def tokenize(self, messages: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:

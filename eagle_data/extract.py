@@ -27,8 +27,8 @@ import logging
 import os
 import signal
 import threading
-from collections import deque
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -203,7 +203,38 @@ def _check_config(cfg: ExtractConfig) -> str:
     storage = cfg.storage_dtype or cfg.dtype
     if storage not in HIDDEN_DTYPES:
         raise ValueError(f"storage_dtype must be one of {sorted(HIDDEN_DTYPES)}, got {storage!r}")
+    if cfg.max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {cfg.max_length!r}")
+    if cfg.num_samples is not None and cfg.num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1 (or null for all rows), got {cfg.num_samples!r}")
+    if cfg.on_bad_sample not in ("skip", "raise"):
+        raise ValueError(f"on_bad_sample must be 'skip' or 'raise', got {cfg.on_bad_sample!r}")
+    if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
+        raise ValueError(f"chat_template {cfg.chat_template!r} is not a file")
     return storage
+
+
+def _check_outdir(out: Path, rank: int, run_cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """This rank's previous progress, after refusing to write into a directory we cannot own.
+
+    Raises:
+        ValueError: the directory holds shards or a manifest without this rank's progress file
+            (a published or copied dataset: resuming would delete its shards), or another
+            rank's progress file was written with a different configuration (world size...).
+    """
+    prev = load_progress(out, rank)
+    if prev is None and (any(out.glob(f"{rank:05d}-*.tar")) or
+                         ((out / MANIFEST_NAME).exists() and not any(out.glob("progress-*.json")))):
+        raise ValueError(f"{out} already holds a dataset ({MANIFEST_NAME} or {rank:05d}-*.tar) without "
+                         f"{progress_path(out, rank).name}: refusing to write into it (a resume would delete "
+                         "its shards). Use a new --out directory.")
+    if prev is not None and not prev["shards"] and not prev["skipped"] and not prev.get("finished"):
+        prev = None  # nothing was ever published: a corrected command simply starts over
+    for other in sorted(out.glob("progress-*.json")):
+        r = int(other.stem.split("-")[1])
+        if r != rank and (p := load_progress(out, r)) is not None:
+            check_resume(p, run_cfg, str(other))
+    return prev
 
 
 def run_extract(cfg: ExtractConfig, backend=None, tokenizer=None) -> dict[str, Any]:
@@ -282,7 +313,7 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
 
     # ---- resume: the progress file is the truth; the directory is made to agree with it ------
     prog = progress_path(out, cfg.rank)
-    prev = load_progress(out, cfg.rank)
+    prev = _check_outdir(out, cfg.rank, run_cfg)
     if prev is not None:
         check_resume(prev, run_cfg, str(prog))
     state = prev or {"config": run_cfg, "config_hash": config_hash(run_cfg), "rank": cfg.rank,

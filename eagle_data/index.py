@@ -30,5 +30,9 @@ def load_index(path: str | Path):
     :data:`eagle_data.schema.INDEX_COLUMNS`). Same as
     ``datasets.load_dataset("parquet", data_files=index_files(path), split="train")``."""
     import datasets
+    import pyarrow.parquet as pq
 
-    return datasets.load_dataset("parquet", data_files=index_files(path), split="train")
+    files = index_files(path)
+    if sum(pq.ParquetFile(f).metadata.num_rows for f in files) == 0:  # the parquet builder rejects 0 rows
+        return datasets.Dataset(pq.read_table(files[0]))
+    return datasets.load_dataset("parquet", data_files=files, split="train")

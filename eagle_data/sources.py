@@ -58,10 +58,10 @@ def _iter_json_file(path: str) -> Iterator[Any]:
     of records if the whole file is one, else read as JSON lines (see module docstring)."""
     if Path(path).suffix == ".json":
         with open(path, "rb") as f:
-            head = f.read(1 << 16).lstrip()
+            head = f.read(1 << 16).removeprefix(b"\xef\xbb\xbf").lstrip()
         if head.startswith(b"["):
             try:
-                with open(path, encoding="utf-8") as f:
+                with open(path, encoding="utf-8-sig") as f:
                     records = json.load(f)
             except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
                 records = None  # not one array: JSON lines whose first line is an array
@@ -70,6 +70,8 @@ def _iter_json_file(path: str) -> Iterator[Any]:
                 return
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
+            if n == 1:
+                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
             if not line.strip():
                 continue
             try:

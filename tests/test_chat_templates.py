@@ -145,3 +145,26 @@ def test_truncation_keeps_partial_span_and_skips_unsupervised():
     assert out[0].loss_mask.tolist()[-2:] == [1, 1]
     assert list(tokenize(convs[1:], r, "t", first, pol)) == []
     assert pol.counter.as_dict() == {"no_loss_tokens": 1}
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=[p.stem for p in TEMPLATES])
+@pytest.mark.parametrize("answer", ["a", "d", "end", "im", "assistant", "You", "user", "header", "id", "t"])
+def test_short_answers_are_masked_in_their_own_turn(path, answer):
+    """An answer that also occurs in role headers / injected prompts is masked where it was said."""
+    tok = family_tokenizer(path)
+    r = ChatRenderer(tok)
+    msgs = [{"role": "user", "content": "Pick one"}, {"role": "assistant", "content": answer},
+            {"role": "user", "content": "You are a helpful AI"}, {"role": "assistant", "content": answer}]
+    ids, mask = r.tokenize(msgs)
+    runs = masked_runs(tok, ids, mask)
+    specials = set(tok.all_special_tokens)
+    assert len(runs) == 2, runs
+    for run in runs:
+        body = THINK.sub("", run.strip(), count=1)
+        assert body.startswith(answer) and (body[len(answer):] == "" or body[len(answer):] in specials), runs
+    text = r.render(msgs)
+    # the supervised characters are the LAST occurrences before each end-of-turn, not a header
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    first = min(a for (a, b), m in zip(enc["offset_mapping"], mask.tolist()) if m)
+    assert text[first:].lstrip().startswith(("<think>", answer))
+    assert text.index("Pick one") < first

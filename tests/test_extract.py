@@ -166,3 +166,35 @@ def test_shard_bytes_equal_tarfile_ustar_and_safetensors_save(tmp_path):
                 ti.size, ti.mtime, ti.mode, ti.uname, ti.gname = len(payloads[ext]), 0, 0o444, "bigdata", "bigdata"
                 tf.addfile(ti, io.BytesIO(payloads[ext]))
     assert ours == buf.getvalue()
+
+
+def test_outdir_safety_and_early_validation(tmp_path, model_dir, data_file):
+    """A published dataset without progress files is never resumed into (it would lose shards);
+    a bad setting fails before anything is written, and the corrected command then runs."""
+    out = tmp_path / "ds"
+    run_extract(cfg(out, model_dir, data_file, num_samples=4))
+    for p in out.glob("progress-*.json"):
+        p.unlink()
+    with pytest.raises(ValueError, match="already holds a dataset"):
+        run_extract(cfg(out, model_dir, data_file, num_samples=4))
+    fresh = tmp_path / "fresh"
+    with pytest.raises(ValueError, match="max_length"):
+        run_extract(cfg(fresh, model_dir, data_file, max_length=1))
+    with pytest.raises(ValueError, match="num_samples"):
+        run_extract(cfg(fresh, model_dir, data_file, num_samples=-5))
+    assert run_extract(cfg(fresh, model_dir, data_file, num_samples=4))["num_samples"] > 0
+    with pytest.raises(ValueError, match="world_size"):  # another rank count than the existing rank 0
+        run_extract(cfg(fresh, model_dir, data_file, num_samples=4, rank=1, world_size=2))
+    assert not list(fresh.glob("00001-*"))
+
+
+def test_bom_and_empty_dataset(tmp_path, model_dir):
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD[0]).encode() + b"\n")
+    m = run_extract(cfg(tmp_path / "b", model_dir, bom))
+    assert m["num_samples"] == 1 and m["skip_counts"] == {}
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps(BAD[0]) + "\n")
+    m = run_extract(cfg(tmp_path / "e", model_dir, empty))
+    assert m["num_samples"] == 0 and m["skip_counts"] == {"no_assistant_turn": 1}
+    assert len(eagle_data.load_index(tmp_path / "e")) == 0
