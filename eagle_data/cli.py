@@ -98,6 +98,10 @@ def extract(
     st = res["run_stats"]
     con.print(f"[bold]extracted[/] {st['new_samples']} samples, {st['new_tokens']} tokens in {st['seconds']} s "
               f"({st['tokens_per_s']} tok/s); skipped: {st['skip_counts'] or 'none'}")
+    if res.get("num_samples") == 0:
+        con.print(f"[bold red]error:[/] no sample was extracted; every source row was skipped "
+                  f"({res.get('skip_counts')}). Check --data, the record layout and --chat_template.")
+        sys.exit(2)
     if "schema_version" in res:
         bpt = res["total_bytes"] / max(res["num_tokens"], 1)
         raw = 4 * res["hidden_size"] * (2 if res["dtype"] in ("bfloat16", "float16") else 4)
