@@ -1,4 +1,4 @@
-"""Loss masks on every real chat template in ../shared/chat_templates (decode and compare)."""
+"""Loss masks on every real chat template in tests/chat_templates (decode and compare)."""
 
 import re
 
@@ -11,9 +11,8 @@ from eagle_data.conversations import Conversation, ErrorPolicy
 from templates import family_tokenizer, template_files
 
 TEMPLATES = template_files()
-if not TEMPLATES:  # CI lays shared/ beside the clone; a bare clone must say so, not pass vacuously
-    pytest.fail("no chat templates found: set EAGLE_DATA_TEMPLATES or place shared/ beside the repo",
-                pytrace=False)
+if len(TEMPLATES) < 31:  # never pass vacuously
+    pytest.fail(f"expected the 31 chat templates in {TEMPLATES_DIR}, found {len(TEMPLATES)}", pytrace=False)
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 CHAT = [
