@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Any, Optional
 
@@ -97,7 +98,7 @@ def extract(
     con = Console(stderr=True)
     st = res["run_stats"]
     con.print(f"[bold]extracted[/] {st['new_samples']} samples, {st['new_tokens']} tokens in {st['seconds']} s "
-              f"({st['tokens_per_s']} tok/s); skipped: {st['skip_counts'] or 'none'}")
+              f"({st['tokens_per_s']} tok/s); skipped in this run: {st['skip_counts'] or 'none'}")
     if res.get("num_samples") == 0:
         con.print(f"[bold red]error:[/] no sample was extracted; every source row was skipped "
                   f"({res.get('skip_counts')}). Check --data, the record layout and --chat_template.")
@@ -170,6 +171,11 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C / ExtractionInterrupted: state is consistent, rerun resumes
         print("interrupted; rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
+    except ValueError as e:  # bad data or settings: the message says what and where
+        if os.environ.get("EAGLE_DATA_TRACEBACK"):
+            raise
+        print(f"error: {e}\n(set EAGLE_DATA_TRACEBACK=1 for the traceback)", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -36,3 +36,10 @@ def test_cli_help_lists_commands(capsys):
     out = capsys.readouterr().out
     for name in ("extract", "inspect", "merge"):
         assert name in out
+
+
+def test_cli_reports_bad_settings_without_traceback(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["extract", "--out", str(tmp_path / "o"), "--max_length", "1"])
+    assert e.value.code == 2
+    assert "error: max_length must be >= 2" in capsys.readouterr().err
