@@ -427,6 +427,7 @@ class EagleShardDataset(IterableDataset):
         self.epoch = 0
         self.num_workers = 1      # set by EagleDataLoader (used by __len__; workers read get_worker_info)
         self.skip_batches = 0     # rank-level batches of ``epoch`` already consumed (resume)
+        self._epoch_cell: torch.Tensor | None = None  # shared [epoch, skip] for persistent workers
         self.skipped: Counter = Counter()
         self._yielded = 0
 
@@ -442,8 +443,18 @@ class EagleShardDataset(IterableDataset):
         return 0, 1
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
-        """Select the epoch (order = f(seed, epoch)) and how many of this rank's batches to skip."""
+        """Select the epoch (order = f(seed, epoch)) and how many of this rank's batches to skip.
+
+        Also written to a shared-memory cell that persistent DataLoader workers (forked once,
+        holding their own copy of this object) read at the start of every epoch."""
         self.epoch, self.skip_batches, self._yielded = epoch, skip_batches, skip_batches
+        if self._epoch_cell is not None:
+            self._epoch_cell[0], self._epoch_cell[1] = epoch, skip_batches
+
+    def share_epoch(self) -> None:
+        """Put the epoch selection in shared memory (before persistent workers are started)."""
+        if self._epoch_cell is None:
+            self._epoch_cell = torch.tensor([self.epoch, self.skip_batches], dtype=torch.int64).share_memory_()
 
     def _sizes(self, world: int, workers: int) -> list[int]:
         n, num_slots = self.num_samples, world * workers
@@ -540,6 +551,8 @@ class EagleShardDataset(IterableDataset):
                          shared=get_worker_info() is not None)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._epoch_cell is not None and get_worker_info() is not None:  # persistent worker
+            self.epoch, self.skip_batches = int(self._epoch_cell[0]), int(self._epoch_cell[1])
         rank, world = self.rank_world()
         wi = get_worker_info()
         k, w = (wi.num_workers, wi.id) if wi is not None else (1, 0)

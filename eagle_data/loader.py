@@ -59,7 +59,8 @@ class EagleDataLoader(DataLoader):
 
     Each ``iter()`` is one epoch: the epoch given by :meth:`set_epoch`, else the one restored by
     :meth:`load_state_dict` (continuing mid-epoch), else the previous epoch + 1 (first: 0).
-    Workers are never persistent (each epoch's plan is pickled into fresh workers).
+    With ``num_workers > 0`` the workers are persistent (no restart cost at epoch boundaries);
+    each epoch's selection reaches them through a shared-memory cell of the dataset.
 
     Args:
         dataset: the batches' source.
@@ -78,7 +79,10 @@ class EagleDataLoader(DataLoader):
         super().__init__(dataset, batch_size=None, collate_fn=_identity, num_workers=num_workers,
                          pin_memory=pin_memory, prefetch_factor=prefetch_factor if num_workers else None,
                          timeout=timeout, multiprocessing_context=multiprocessing_context,
-                         worker_init_fn=_WorkerInit(tune_malloc, worker_init_fn), persistent_workers=False)
+                         worker_init_fn=_WorkerInit(tune_malloc, worker_init_fn),
+                         persistent_workers=num_workers > 0)
+        if num_workers > 0:
+            dataset.share_epoch()
         self.tune_malloc = tune_malloc
         dataset.num_workers = max(1, num_workers)
         self.epoch = -1            # epoch of the current / last iteration
