@@ -118,7 +118,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         _sync(device)
 
     def capture(writer=None):
-        pending = None
+        pending, pending_batch = None, None
         for batch in batches + [None]:
             nxt = be.capture_async(batch) if batch is not None else None
             if pending is not None:

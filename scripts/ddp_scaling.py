@@ -9,7 +9,6 @@ counts, whether ranks were disjoint, and whether every rank ran the same number 
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 

@@ -202,7 +202,7 @@ def kill_resume(work: Path, kills: int = 10, samples: int = 50, terms: int = 2, 
     ref, run = work / "ref", work / "run"
     t0 = time.monotonic()
     p = start(config(ref, model, data, shard_max), spawn)
-    seen, first_shard = set(), None
+    first_shard = None
     while p.poll() is None:
         if first_shard is None and _tars(ref):
             first_shard = time.monotonic() - t0

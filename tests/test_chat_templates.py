@@ -8,7 +8,7 @@ import torch
 from eagle_data.chat import ChatRenderer, tokenize
 from eagle_data.conversations import Conversation, ErrorPolicy
 
-from templates import family_tokenizer, template_files
+from templates import TEMPLATES_DIR, family_tokenizer, template_files
 
 TEMPLATES = template_files()
 if len(TEMPLATES) < 31:  # never pass vacuously

@@ -8,7 +8,6 @@ import torch
 import webdataset as wds
 
 import eagle_data
-from eagle_data.backends.hf import HFBackend
 from eagle_data.extract import ExtractConfig, run_extract
 from eagle_data.manifest import read_manifest
 from eagle_data.schema import SCHEMA_VERSION, check_manifest_compat, decode_tensors

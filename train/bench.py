@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
