@@ -112,12 +112,12 @@ def extract(
     print(out)
 
 
-def inspect(path: str, sample: int = 0, max_chars: int = 3000) -> None:
+def inspect(path: str, sample: Optional[int] = None, max_chars: int = 3000) -> None:
     """Print a dataset's manifest summary and one sample with its loss-masked text highlighted.
 
     Args:
         path: dataset directory (with manifest.json).
-        sample: which sample (index order) to show.
+        sample: which sample (index order) to show (default: the first multi-turn one under 1,500 tokens).
         max_chars: cut the shown text after this many characters.
     """
     from .inspection import inspect_dataset

@@ -34,19 +34,34 @@ def read_sample(shard: Path, key: str) -> tuple[dict, dict]:
     return decode_tensors(found[TENSOR_EXT], where=f"{shard.name}:{key}"), json.loads(found[META_EXT])
 
 
-def masked_text(tokenizer, input_ids, loss_mask, max_chars: int) -> Text:
-    """Decode token by token; supervised tokens (loss_mask == 1) in bold green."""
+def masked_text(tokenizer, input_ids, loss_mask, max_chars: int, brackets: bool = False) -> Text:
+    """Decode token by token; supervised tokens (loss_mask == 1) in bold green, and with
+    ``brackets`` (output without colours: a file or CI log) also between ``⟦`` and ``⟧``."""
     text = Text()
+    prev = 0
     for tid, m in zip(input_ids.tolist(), loss_mask.tolist()):
-        piece = tokenizer.decode([tid])
-        text.append(piece, style="bold green" if m else "dim")
+        if brackets and m != prev:
+            text.append("⟦" if m else "⟧", style="bold")
+        prev = m
+        text.append(tokenizer.decode([tid]), style="bold green" if m else "dim")
         if len(text) > max_chars:
             text.append(" …[cut]", style="red")
             break
+    if brackets and prev:
+        text.append("⟧", style="bold")
     return text
 
 
-def inspect_dataset(path: str, sample: int = 0, max_chars: int = 3000) -> None:
+def pick_sample(idx) -> int:
+    """An informative default: the first multi-turn sample (≥ 4 messages) under 1,500 tokens,
+    else the first sample."""
+    for i, (turns, n) in enumerate(zip(idx["num_turns"], idx["num_tokens"])):
+        if turns >= 4 and n <= 1500:
+            return i
+    return 0
+
+
+def inspect_dataset(path: str, sample: int | None = None, max_chars: int = 3000) -> None:
     from transformers import AutoTokenizer
 
     from .index import load_index
@@ -67,10 +82,12 @@ def inspect_dataset(path: str, sample: int = 0, max_chars: int = 3000) -> None:
     if len(idx) == 0:
         con.print("[red]no samples[/]")
         return
-    row = idx[min(sample, len(idx) - 1)]
+    row = idx[min(pick_sample(idx) if sample is None else sample, len(idx) - 1)]
     tensors, meta = read_sample(Path(path) / row["shard"], row["key"])
     con.print(f"[bold]sample[/] {row['key']} from {row['shard']}: {escape(json.dumps(meta))}")
     con.print({k: f"{tuple(v.shape)} {v.dtype}" for k, v in tensors.items()})
     tok = AutoTokenizer.from_pretrained(m["model_path"])
-    con.print("[bold]loss-masked text[/] ([bold green]green = loss_mask 1[/], dim = 0):")
-    con.print(masked_text(tok, tensors["input_ids"], tensors["loss_mask"], max_chars))
+    plain = not con.is_terminal
+    legend = "⟦…⟧ = loss_mask 1" if plain else "[bold green]green = loss_mask 1[/], dim = 0"
+    con.print(f"[bold]loss-masked text[/] ({legend}):")
+    con.print(masked_text(tok, tensors["input_ids"], tensors["loss_mask"], max_chars, brackets=plain))
