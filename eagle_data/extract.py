@@ -370,7 +370,7 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
     def consume(batch, pending):
         nonlocal n_tok, n_new
         with sigs.interruptible():
-            caps = pending.result() if hasattr(pending, "result") else pending
+            caps = pending.result() if has_async else pending
         assert [c.key for c in caps] == [s.key for s in batch], "backend returned samples out of order"
         for s, c in zip(batch, caps):
             if c.hidden_states.shape[0] != s.num_tokens or c.aux_hidden_states.shape[0] != s.num_tokens:

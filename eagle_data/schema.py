@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 SCHEMA_VERSION = 1
 LAYER_ID_CONVENTION = "output_of_decoder_layer_k=hf_hidden_states[k+1]"
@@ -77,28 +76,6 @@ def sample_key(dataset_tag: str, row: int) -> str:
     return f"{dataset_tag}_{row:09d}"
 
 
-def encode_sample(key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    """Pack one sample as a webdataset dict ``{"__key__", "safetensors", "json"}``.
-
-    Args:
-        key: sample key, must not contain '.' (webdataset splits keys at the first dot).
-        tensors: the four :data:`TENSOR_FIELDS` (see module docstring for shapes/dtypes).
-        meta: JSON-serialisable metadata.
-
-    Raises:
-        ValueError: bad key, missing field or inconsistent shapes.
-    """
-    if "." in key or "/" in key:
-        raise ValueError(f"sample key {key!r} must not contain '.' or '/'")
-    validate_tensors(tensors, where=key)
-    payload = {k: tensors[k].contiguous() for k in TENSOR_FIELDS}
-    return {
-        "__key__": key,
-        TENSOR_EXT: st_save(payload, metadata={"schema_version": str(SCHEMA_VERSION)}),
-        META_EXT: json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8"),
-    }
-
-
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64",
               torch.uint8: "U8"}
 
@@ -132,7 +109,18 @@ def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
 
 
 def encode_sample_parts(key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]):
-    """Like :func:`encode_sample`, but ``{ext: [buffers]}`` with tensor memory not copied."""
+    """Pack one sample as ``{"safetensors": [buffers], "json": [bytes]}``, the payloads of the
+    tar members ``KEY.safetensors`` and ``KEY.json``; tensor memory is not copied (see
+    :func:`safetensors_parts`).
+
+    Args:
+        key: sample key, must not contain '.' (webdataset splits keys at the first dot).
+        tensors: the four :data:`TENSOR_FIELDS` (see module docstring for shapes/dtypes).
+        meta: JSON-serialisable metadata.
+
+    Raises:
+        ValueError: bad key, missing field or inconsistent shapes.
+    """
     if "." in key or "/" in key:
         raise ValueError(f"sample key {key!r} must not contain '.' or '/'")
     validate_tensors(tensors, where=key)

@@ -97,26 +97,17 @@ class _HashingFile:
         self.discarded = False
 
     def write(self, b) -> int:
-        if self.discarded:  # late writes of an abandoned tar stream (its __del__) go nowhere
-            return len(b)
         self.h.update(b)
         self.n += len(b)
         return self.f.write(b)
 
     def discard(self) -> None:
-        """Close without fsync, ignoring errors (a full disk fails again); drop later writes."""
+        """Close without fsync, ignoring errors (a full disk fails again)."""
         self.discarded = True
         try:
             self.f.close()
         except OSError:
             pass
-
-    def flush(self):
-        if not self.discarded:
-            self.f.flush()
-
-    def tell(self) -> int:
-        return self.n
 
     def close(self):
         if not self.discarded and not self.f.closed:
