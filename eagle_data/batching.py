@@ -23,22 +23,38 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 
-def shuffle_stream(src: Iterable[Any], bufsize: int, rng: random.Random) -> Iterator[Any]:
-    """Buffered shuffle whose decisions depend only on ``rng`` and the stream length (so the
-    same order can be replayed on positions: ``shuffle_stream(range(n), ...)``)."""
+def shuffle_stream(src: Iterable[Any], bufsize: int, rng: random.Random, initial: int | None = None
+                   ) -> Iterator[Any]:
+    """Buffered shuffle with webdataset's ``shuffle(bufsize, initial)`` schedule: nothing is
+    yielded until ``initial`` items are buffered (None: ``bufsize``); while the buffer is below
+    ``bufsize`` two items are taken per item yielded, so reading runs ahead of the consumer
+    from the first batch on; at the end the buffer drains in random order.
+
+    The decisions depend only on ``rng`` and the stream length, so the same order can be
+    replayed on positions (``shuffle_stream(range(n), ...)``, used by the token-budget plan).
+    """
     if bufsize <= 1:
         yield from src
         return
+    initial = bufsize if initial is None else max(1, min(initial, bufsize))
+    it = iter(src)
     buf: list[Any] = []
-    for x in src:
+
+    def pick() -> Any:
+        i = rng.randrange(len(buf))
+        buf[i], buf[-1] = buf[-1], buf[i]
+        return buf.pop()
+
+    for x in it:
+        buf.append(x)
         if len(buf) < bufsize:
-            buf.append(x)
-            continue
-        i = rng.randrange(bufsize)
-        yield buf[i]
-        buf[i] = x
-    rng.shuffle(buf)
-    yield from buf
+            for y in it:
+                buf.append(y)
+                break
+        if len(buf) >= initial:
+            yield pick()
+    while buf:
+        yield pick()
 
 
 def fixed_sizes(num_samples: int, num_batches: int, batch_size: int) -> list[int]:
@@ -79,10 +95,10 @@ def pack_window(idx: Sequence[int], lengths: Sequence[int], max_tokens: int, max
 
 
 def token_plan(lengths: Sequence[int], bufsize: int, rng: random.Random, window: int, max_tokens: int,
-               max_batch_size: int) -> list[list[int]]:
+               max_batch_size: int, initial: int | None = None) -> list[list[int]]:
     """Batches (lists of slot-local positions) of one slot: shuffle replayed on positions,
     then :func:`pack_window` over consecutive windows of ``window`` shuffled positions."""
-    order = list(shuffle_stream(range(len(lengths)), bufsize, rng))
+    order = list(shuffle_stream(range(len(lengths)), bufsize, rng, initial))
     out: list[list[int]] = []
     for a in range(0, len(order), window):
         out += pack_window(order[a:a + window], lengths, max_tokens, max_batch_size)
@@ -130,13 +146,42 @@ def empty_shared(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(st, 0, tuple(shape))
 
 
+_POOL: tuple[int, int, Any] | None = None  # (pid, threads, executor): one per process
+
+
+def _pool(threads: int):
+    """This process's copy threads (created lazily, again after a fork)."""
+    global _POOL
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] != threads:
+        _POOL = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="eagle-collate"))
+    return _POOL[2]
+
+
+def _fill_rows(dst: torch.Tensor, src: Any, n: int) -> None:
+    """``dst[:n] = src`` (a tensor, or a FileTensor read in place), ``dst[n:] = 0``; numpy and
+    ``preadv`` release the GIL, so several fills run in parallel threads."""
+    d = _bits(dst)
+    if isinstance(src, torch.Tensor):
+        d[:n] = _bits(src)
+    else:
+        src.read_into(d[:n])
+    d[n:] = 0
+
+
 def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size: int, aux_width: int,
-            dtype: torch.dtype, num_skipped: int = 0, shared: bool = False) -> dict[str, Any]:
-    """Pad decoded samples to the longest one (each sample is copied once, into one tensor per
-    field; a single sample outside ``shared`` mode is returned as views, no copy).
+            dtype: torch.dtype, num_skipped: int = 0, shared: bool = False, threads: int = 1) -> dict[str, Any]:
+    """Pad decoded samples to the longest one. Each sample is copied once, into one tensor per
+    field; hidden states still in a local shard (:class:`~eagle_data.payload.FileTensor`) are
+    read with ``preadv`` straight into their rows. A single in-memory sample outside ``shared``
+    mode is returned as views, no copy.
 
     Args:
         shared: allocate the batch in shared memory (DataLoader workers: saves torch's copy).
+        threads: fill the hidden-state rows of the samples in this many threads (kernel and
+            memory copies run in parallel; 1: in the calling thread).
 
     Returns:
         ``input_ids`` [B, T] int64 (pad 0), ``attention_mask`` [B, T] bool, ``loss_mask``
@@ -148,15 +193,18 @@ def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size
     t = max((s["input_ids"].shape[0] for s in samples), default=0)
     if b == 1 and not shared:
         s = samples[0]
+        h = {k: s[k] if isinstance(s[k], torch.Tensor) else s[k].materialize()
+             for k in ("aux_hidden_states", "hidden_states")}
         out = {"input_ids": s["input_ids"][None], "attention_mask": torch.ones(1, t, dtype=torch.bool),
                "loss_mask": s["loss_mask"].bool()[None],
-               "aux_hidden_states": s["aux_hidden_states"][None], "hidden_states": s["hidden_states"][None]}
+               "aux_hidden_states": h["aux_hidden_states"][None], "hidden_states": h["hidden_states"][None]}
     else:
         new = empty_shared if shared else (lambda shape, dt: torch.empty(shape, dtype=dt))
         out = {"input_ids": new((b, t), torch.int64), "attention_mask": new((b, t), torch.bool),
                "loss_mask": new((b, t), torch.bool), "aux_hidden_states": new((b, t, aux_width), dtype),
                "hidden_states": new((b, t, hidden_size), dtype)}
         # every page of every field is written exactly once: sample rows, then the padding tail
+        jobs = []
         for i, s in enumerate(samples):
             n = s["input_ids"].shape[0]
             out["input_ids"][i, :n] = s["input_ids"]
@@ -165,10 +213,13 @@ def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size
             out["attention_mask"][i, n:] = False
             out["loss_mask"][i, :n] = s["loss_mask"]
             out["loss_mask"][i, n:] = False
-            for k in ("aux_hidden_states", "hidden_states"):
-                dst = _bits(out[k][i])
-                dst[:n] = _bits(s[k])
-                dst[n:] = 0
+            jobs += [(out[k][i], s[k], n) for k in ("aux_hidden_states", "hidden_states")]
+        if threads > 1 and len(jobs) > 2:
+            for f in [_pool(threads).submit(_fill_rows, *j) for j in jobs]:
+                f.result()  # re-raises a worker thread's error here
+        else:
+            for j in jobs:
+                _fill_rows(*j)
     out["keys"] = list(keys)
     if num_skipped:
         out["_skipped"] = num_skipped

@@ -41,6 +41,7 @@ class EagleDataModule(LightningDataModule):
         num_workers: DataLoader workers per rank.
         seed: shuffling seed (order = f(seed, epoch)).
         shuffle_buffer: raw samples buffered per worker for shuffling.
+        shuffle_initial: samples buffered before the first is drawn (the buffer then grows).
         bucket_window: token-budget mode: samples sorted by length within windows of this many.
         max_batch_size: token-budget mode: samples per batch at most.
         pin_memory: pin batch tensors for faster host-to-GPU copies.
@@ -48,22 +49,26 @@ class EagleDataModule(LightningDataModule):
         aux_layer_ids: expected aux layer ids (checked; None: any).
         dtype: expected stored dtype, e.g. "bfloat16" (checked; None: any).
         on_error: "raise" on a corrupt shard/sample, or "skip" to count and continue.
+        read_threads: threads per loader process reading samples into a batch (None: min(4, CPUs)).
         val_batch_size: validation batch size (default: batch_size); val is never shuffled.
     """
 
     def __init__(self, train: Union[str, list[str]], val: Optional[Union[str, list[str]]] = None,
                  batch_size: Optional[int] = 8, max_tokens: Optional[int] = None,
                  max_length: Optional[int] = None, num_workers: int = 2, seed: int = 0, shuffle_buffer: int = 64,
-                 bucket_window: int = 256, max_batch_size: int = 256, pin_memory: bool = True,
+                 shuffle_initial: int = 16, bucket_window: int = 256, max_batch_size: int = 256,
+                 pin_memory: bool = True,
                  hidden_size: Optional[int] = None, aux_layer_ids: Optional[list[int]] = None,
-                 dtype: Optional[str] = None, on_error: str = "raise", val_batch_size: Optional[int] = None):
+                 dtype: Optional[str] = None, on_error: str = "raise", val_batch_size: Optional[int] = None,
+                 read_threads: Optional[int] = None):
         super().__init__()
         self.save_hyperparameters()
         if max_tokens is not None:
             batch_size = None
         self.cfg = dict(batch_size=batch_size, max_tokens=max_tokens, max_length=max_length, seed=seed,
-                        shuffle_buffer=shuffle_buffer, bucket_window=bucket_window, max_batch_size=max_batch_size,
-                        hidden_size=hidden_size, aux_layer_ids=aux_layer_ids, dtype=dtype, on_error=on_error)
+                        shuffle_buffer=shuffle_buffer, shuffle_initial=shuffle_initial, bucket_window=bucket_window, max_batch_size=max_batch_size,
+                        hidden_size=hidden_size, aux_layer_ids=aux_layer_ids, dtype=dtype, on_error=on_error,
+                        read_threads=read_threads)
         self.train_sources, self.val_sources = train, val
         self.num_workers, self.pin_memory, self.val_batch_size = num_workers, pin_memory, val_batch_size
         self._train: Optional[EagleDataLoader] = None

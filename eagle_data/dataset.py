@@ -27,7 +27,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from . import batching as B
 from .schema import HIDDEN_DTYPES, decode_tensors
 from .shards import check_compat, epoch_shard_order, resolve_sources, slot_sizes, slot_spans
-from .tar_reader import read_span, view_tensors
+from .payload import FileTensor, view_tensors
+from .tar_reader import read_span
 
 log = logging.getLogger(__name__)
 class EagleShardDataset(IterableDataset):
@@ -51,10 +52,16 @@ class EagleShardDataset(IterableDataset):
         shuffle: permute shards per epoch and shuffle samples (buffer ``shuffle_buffer``).
         seed: base seed; the order is a function of ``(seed, epoch, slot)`` only.
         shuffle_buffer: raw samples held per worker for shuffling (memory: this x sample size).
+        shuffle_initial: samples buffered before the first one is drawn (webdataset's
+            ``initial``); the buffer then grows to ``shuffle_buffer`` while reading runs ahead
+            of the batches, so the first batch does not wait for a full buffer.
         bucket_window: token mode: samples sorted by length within windows of this many.
         max_batch_size: token mode: samples per batch at most.
         hidden_size, aux_layer_ids, dtype: expected model facts; the manifests must match.
         on_error: ``"raise"`` (default) or ``"skip"`` (count unreadable samples, keep going).
+        read_threads: threads per process that read/copy the samples' hidden states into a
+            batch in parallel (``preadv`` and memory copies release the GIL); None:
+            ``min(4, os.cpu_count())``.
         rank, world_size: override ``torch.distributed`` (simulation, tests).
 
     Raises:
@@ -63,10 +70,11 @@ class EagleShardDataset(IterableDataset):
 
     def __init__(self, sources: str | Sequence[str], *, manifest: str | None = None,
                  batch_size: int | None = None, max_tokens: int | None = None, max_length: int | None = None,
-                 shuffle: bool = True, seed: int = 0, shuffle_buffer: int = 64, bucket_window: int = 256,
+                 shuffle: bool = True, seed: int = 0, shuffle_buffer: int = 64, shuffle_initial: int = 16,
+                 bucket_window: int = 256,
                  max_batch_size: int = 256, hidden_size: int | None = None,
                  aux_layer_ids: Sequence[int] | None = None, dtype: str | None = None, on_error: str = "raise",
-                 rank: int | None = None, world_size: int | None = None):
+                 read_threads: int | None = None, rank: int | None = None, world_size: int | None = None):
         if (batch_size is None) == (max_tokens is None):
             raise ValueError("give exactly one of batch_size or max_tokens")
         if on_error not in ("raise", "skip"):
@@ -76,9 +84,20 @@ class EagleShardDataset(IterableDataset):
                                               "dtype": dtype})
         self.manifests = [u for u, _ in manifests]
         self.batch_size, self.max_tokens, self.max_length = batch_size, max_tokens, max_length
+        if shuffle_buffer < 0 or shuffle_initial < 1:
+            raise ValueError(f"shuffle_buffer must be >= 0 and shuffle_initial >= 1, got {shuffle_buffer}, "
+                             f"{shuffle_initial}")
         self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
+        self.shuffle_initial = shuffle_initial
         self.bucket_window, self.max_batch_size, self.on_error = bucket_window, max_batch_size, on_error
         self.rank, self.world_size = rank, world_size
+        if read_threads is None:
+            import os
+
+            read_threads = min(4, os.cpu_count() or 1)
+        if read_threads < 1:
+            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
+        self.read_threads = read_threads
         self.num_samples = sum(s.num_samples for s in self.shards)
         self.hidden_size = int(self.facts["hidden_size"])
         self.aux_width = len(self.facts["aux_layer_ids"]) * self.hidden_size
@@ -160,7 +179,7 @@ class EagleShardDataset(IterableDataset):
             lens = [n for sp in slot_spans(order, sizes, s)
                     for n in self._lengths()[(sp.shard.manifest, sp.shard.name)][sp.start:sp.stop]]
             plans.append((lens, B.token_plan(lens, self._buf(), self._rng(epoch, s), self.bucket_window,
-                                             self.max_tokens, self.max_batch_size)))
+                                             self.max_tokens, self.max_batch_size, self.shuffle_initial)))
         target = max(len(p) for _, p in plans)
         return spans, B.split_to(plans[slot][1], target, plans[slot][0])
 
@@ -207,7 +226,7 @@ class EagleShardDataset(IterableDataset):
         # in a DataLoader worker the batch is built in shared memory, so torch does not copy it
         # again to send it to the main process
         return B.collate(samples, keys, self.hidden_size, self.aux_width, self.dtype, holes,
-                         shared=get_worker_info() is not None)
+                         shared=get_worker_info() is not None, threads=self.read_threads)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._epoch_cell is not None and get_worker_info() is not None:  # persistent worker
@@ -223,7 +242,7 @@ class EagleShardDataset(IterableDataset):
         skip = max(0, math.ceil((self.skip_batches - w) / k))  # this worker's batches among those consumed
         raw = (r for sp in spans for r in read_span(sp, self.on_error, self.skipped))
         if self.batch_size is not None:
-            stream = B.shuffle_stream(raw, self._buf(), self._rng(self.epoch, slot))
+            stream = B.shuffle_stream(raw, self._buf(), self._rng(self.epoch, slot), self.shuffle_initial)
             for j, size in enumerate(batches):
                 group = [next(stream) for _ in range(size)]
                 if j >= skip:

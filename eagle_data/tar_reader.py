@@ -2,25 +2,23 @@
 with webdataset's rules, and view a sample's safetensors payload as tensors without copying.
 
 One stage: ``read_span(span)`` yields the raw samples ``span.start .. span.stop - 1`` of one
-shard (local files memory-mapped, remote ones read member by member); ``view_tensors`` checks
-the safetensors header (dtype, shape x item size = byte range, in bounds) and returns views.
-Errors name the shard URL and the sample key.
+shard: members of a local file are :class:`~eagle_data.payload.FileSlice` descriptors (read
+later, straight into the batch, after asynchronous readahead), those of other streams are read
+into memory member by member. Errors name the shard URL and the sample key.
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import math
-import mmap
+import os
 import re
 from collections import Counter
 from typing import Any, Iterator
 
 import numpy as np
-import torch
 
-from .schema import decode_tensors, validate_tensors
+from .payload import FileSlice, LocalFile
 from .shards import Span
 
 log = logging.getLogger(__name__)
@@ -51,9 +49,9 @@ def open_url(url: str):
 # ---- tar reading ---------------------------------------------------------------------------------
 # A minimal POSIX/GNU tar reader (ustar + pax ``x``/``g`` + GNU ``L``/``K`` headers) with the
 # member semantics of webdataset's ``tar_file_iterator`` + ``group_by_keys``. Each wanted member
-# is a uint8 numpy array that the decoder views without copying: a slice of a copy-on-write mmap
-# of a local file, else a buffer filled by ONE ``readinto`` (data, padding and the next 512-byte
-# header); unwanted members (before the span) are skipped without reading them when possible.
+# of a local file is a FileSlice (offset, size; readahead requested), else a uint8 numpy array
+# filled by ONE ``readinto`` (data, padding and the next 512-byte header) that the decoder views
+# without copying; unwanted members (before the span) are skipped without reading them.
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
 _REGULAR = (b"0", b"\0", b"7")
@@ -121,18 +119,21 @@ class _TarReader:
                 raise ValueError("unexpected end of tar data")
             n -= got
 
-    def members(self, want) -> Iterator[tuple[str, np.ndarray | None]]:
+    def members(self, want) -> Iterator[tuple[str, np.ndarray | FileSlice | None]]:
         """Yield ``(name, data)`` for regular, non-meta members in archive order; ``data`` is
-        None (skipped, not read) when ``want(name)`` is False. A local file is memory-mapped
-        (copy-on-write) and ``data`` views the page cache: the collate then copies each byte
-        once; other streams read each wanted member with one ``readinto``.
+        None (skipped, not read) when ``want(name)`` is False. For a local file ``data`` is a
+        :class:`~eagle_data.payload.FileSlice` (headers are read with ``pread``; the member's
+        bytes plus ``_LOOKAHEAD`` are handed to the kernel's asynchronous readahead); other
+        streams read each wanted member with one ``readinto``.
 
         Raises:
             ValueError: truncated archive or corrupt header.
         """
-        mm = self._mmap()
+        lf = self._local()
+        end = os.fstat(lf.fd).st_size if lf is not None else 0
+        at = (lambda p, n: os.pread(lf.fd, n, p)) if lf is not None else None
         pos = 0
-        hdr = self._read(_BLOCK) if mm is None else mm[0:_BLOCK]
+        hdr = self._read(_BLOCK) if lf is None else at(0, _BLOCK)
         pax: dict[str, str] = {}
         glob: dict[str, str] = {}
         longname: str | None = None
@@ -151,7 +152,7 @@ class _TarReader:
             size = _tar_num(hdr[124:136])
             padded = (size + _BLOCK - 1) // _BLOCK * _BLOCK
             if typ in (b"x", b"g", b"L", b"K"):
-                data = self._read(padded + _BLOCK) if mm is None else mm[pos:pos + padded + _BLOCK]
+                data = self._read(padded + _BLOCK) if lf is None else at(pos, padded + _BLOCK)
                 if len(data) < size:
                     raise ValueError("unexpected end of tar data")
                 if typ == b"x":
@@ -179,19 +180,19 @@ class _TarReader:
             if not ok or not want(name):
                 if ok:
                     yield name, None
-                if mm is None:
+                if lf is None:
                     self._skip(padded)
                     hdr = self._read(_BLOCK)
                 else:
-                    hdr = mm[pos + padded:pos + padded + _BLOCK]
+                    hdr = at(pos + padded, _BLOCK)
                 pos += padded
                 continue
-            if mm is not None:
-                if pos + size > len(mm):
+            if lf is not None:
+                if pos + size > end:
                     raise ValueError("unexpected end of tar data")
-                self._willneed(mm, pos, size)
-                data = np.frombuffer(mm, dtype=np.uint8, count=size, offset=pos)
-                hdr = mm[pos + padded:pos + padded + _BLOCK]
+                self._willneed(lf.fd, pos, size, end)
+                data = FileSlice(lf, pos, size)
+                hdr = at(pos + padded, _BLOCK)
             else:
                 buf = np.empty(padded + _BLOCK, dtype=np.uint8)
                 got = self._fill(buf)
@@ -204,9 +205,10 @@ class _TarReader:
 
     _LOOKAHEAD = 16 << 20
 
-    def _mmap(self):
-        """A private (copy-on-write) map of a local regular file, or None (then: reads)."""
-        import os
+    def _local(self) -> LocalFile | None:
+        """A :class:`~eagle_data.payload.LocalFile` on a duplicate of the stream's descriptor
+        when it is a non-empty local regular file at offset 0 (else None: stream reads). The
+        duplicate outlives the stream: samples still in a shuffle buffer point into it."""
         import stat
 
         try:
@@ -214,28 +216,24 @@ class _TarReader:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size == 0 or self.f.tell() != 0:
                 return None
-            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            lf = LocalFile(os.dup(fd), getattr(self.f, "name", "?"))
         except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
             return None
+        self._ra = 0  # readahead requested up to here
+        return lf
+
+    def _willneed(self, fd: int, pos: int, size: int, end: int) -> None:
+        """Ask for asynchronous readahead of this member and the next ``_LOOKAHEAD`` bytes (cold
+        cache: the disk works while earlier batches are collated)."""
+        stop = min(end, pos + size + self._LOOKAHEAD)
+        if stop <= self._ra:
+            return
+        a = max(pos, self._ra)
         try:
-            mm.madvise(mmap.MADV_SEQUENTIAL)
+            os.posix_fadvise(fd, a, stop - a, os.POSIX_FADV_WILLNEED)
         except (AttributeError, OSError):
             pass
-        self._ra = 0  # readahead requested up to here
-        return mm
-
-    def _willneed(self, mm, pos: int, size: int) -> None:
-        """Ask for asynchronous readahead of this member and the next ``_LOOKAHEAD`` bytes
-        (cold cache: the disk works while the previous batch is collated)."""
-        end = min(len(mm), pos + size + self._LOOKAHEAD)
-        if end <= self._ra:
-            return
-        a = max(pos, self._ra) // mmap.PAGESIZE * mmap.PAGESIZE
-        try:
-            mm.madvise(mmap.MADV_WILLNEED, a, end - a)
-        except (AttributeError, OSError, ValueError):
-            pass
-        self._ra = end
+        self._ra = stop
 
 
 def read_span(span: Span, on_error: str, skipped: Counter) -> Iterator[dict[str, Any] | None]:
@@ -311,53 +309,3 @@ def _checked(s: dict[str, Any], on_error: str, skipped: Counter) -> dict[str, An
     skipped["missing_field"] += 1
     log.warning("skipping: %s", err)
     return None
-
-
-_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
-              "U8": torch.uint8}
-
-
-def view_tensors(data: bytes | np.ndarray, where: str = "?") -> dict[str, torch.Tensor]:
-    """Zero-copy variant of :func:`eagle_data.schema.decode_tensors`: tensors are views into
-    ``data`` (a writable uint8 ndarray from the tar reader, or bytes: read-only views) after the
-    safetensors JSON header is checked (dtype, shape x itemsize == byte range, ranges inside the
-    payload); the collate copies them into the batch. Anything unusual falls back to
-    ``decode_tensors`` (same errors).
-
-    Raises:
-        ValueError: as :func:`~eagle_data.schema.decode_tensors`.
-    """
-    import json
-    import warnings
-
-    try:
-        if isinstance(data, np.ndarray):
-            u8 = torch.from_numpy(data)
-            head = data[:8].tobytes()
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "non-writable buffer": the views are only read
-                u8 = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-            head = bytes(data[:8])
-        n = int.from_bytes(head, "little")
-        if len(u8) < 8 + n:
-            raise ValueError("short header")
-        header = json.loads(data[8:8 + n].tobytes() if isinstance(data, np.ndarray) else data[8:8 + n])
-        body = len(u8) - 8 - n
-        out = {}
-        for k, v in header.items():
-            if k == "__metadata__":
-                continue
-            dt = _ST_DTYPES[v["dtype"]]
-            shape = [int(x) for x in v["shape"]]
-            a, b = (int(x) for x in v["data_offsets"])
-            if not (0 <= a <= b <= body) or b - a != math.prod(shape) * dt.itemsize or min(shape, default=0) < 0:
-                raise ValueError("bad data_offsets")
-            piece = u8[8 + n + a:8 + n + b]
-            if (8 + n + a) % dt.itemsize:
-                piece = piece.clone()
-            out[k] = piece.view(dt).view(shape)
-    except Exception:
-        return decode_tensors(bytes(data) if isinstance(data, np.ndarray) else data, where=where)
-    validate_tensors(out, where=where)
-    return out

@@ -51,7 +51,7 @@ PY
 fi
 if has loader; then  # issue 7.3: loader vs raw sequential read of the same shards
   need_x1; s=$(ms)
-  ed bench loader --path "$W/x1" --workers '[0,2,4]' --startup false --repeats 1 2>&1 | tail -22 | tee "$OUT/bench_loader.txt"
+  ed bench loader "$W/x1" --workers "${LOADER_WORKERS:-[0,2,4]}" --rounds "${ROUNDS:-2}" --json_out "$OUT/bench_loader.json" 2>&1 | tail -24 | tee "$OUT/bench_loader.txt"
   took $s bench_loader
 fi
 if has train; then  # issue 7.3: drafter step time with the DataModule vs batch held on the GPU

@@ -95,7 +95,11 @@ def test_resume_at_epoch_end_starts_next_epoch(ds30):
     assert run_epoch(dl2) == e1
 
 
-def test_bf16_bit_exact_after_decode_and_collate(tmp_path):
+@pytest.mark.parametrize("stream", [False, True], ids=["local-preadv", "pipe-stream"])
+@pytest.mark.parametrize("batch_size,workers,max_length", [(4, 0, None), (1, 0, None), (4, 2, None), (4, 0, 4)])
+def test_bf16_bit_exact_after_decode_and_collate(tmp_path, stream, batch_size, workers, max_length):
+    """Local shards (hidden states read by preadv straight into the batch) and streamed shards
+    (members in memory, views) give the same bits, also truncated, batched alone, in workers."""
     vals = torch.tensor([1.5, 70144.0, -0.0078125, -0.0], dtype=torch.bfloat16)
     ref = {}
 
@@ -104,18 +108,23 @@ def test_bf16_bit_exact_after_decode_and_collate(tmp_path):
         ref[f"syn_{g:09d}"] = h
         return h
     write_synthetic(tmp_path, [3, 3], values=values, length=lambda g: 3 + g % 3)
-    dl = EagleDataLoader(EagleShardDataset(tmp_path, batch_size=4), num_workers=0, pin_memory=False)
+    src = [f"pipe:cat {p}" for p in sorted(tmp_path.glob("*.tar"))] if stream else tmp_path
+    ds = EagleShardDataset(src, manifest=str(tmp_path / "manifest.json") if stream else None,
+                           batch_size=batch_size, max_length=max_length)
+    dl = EagleDataLoader(ds, num_workers=workers, pin_memory=False)
     n = 0
     for b in dl:
         assert b["hidden_states"].dtype == torch.bfloat16 and b["input_ids"].dtype == torch.int64
         assert b["attention_mask"].dtype == torch.bool and b["loss_mask"].dtype == torch.bool
         for i, k in enumerate(b["keys"]):
-            h = ref[k]
+            h = ref[k][:max_length]
             t = h.shape[0]
+            assert b["hidden_states"].shape[1] >= t and b["attention_mask"][i].sum() == t
             got = b["hidden_states"][i, :t]
             assert torch.equal(got.view(torch.int16), h.view(torch.int16))
             assert torch.equal(b["aux_hidden_states"][i, :t].view(torch.int16), h.repeat(1, 3).view(torch.int16))
-            assert b["attention_mask"][i].sum() == t and not b["loss_mask"][i, t:].any()
+            assert not b["hidden_states"][i, t:].any() and not b["aux_hidden_states"][i, t:].any()
+            assert not b["loss_mask"][i, t:].any() and torch.equal(b["loss_mask"][i, :t], torch.arange(t) % 2 == 1)
             assert (b["input_ids"][i, :t] == int(k[4:])).all()
             n += 1
     assert n == 6
@@ -158,6 +167,42 @@ def test_missing_member_raises_with_key(tmp_path):
     with pytest.raises(ValueError, match="syn_000000001"):
         run_epoch(EagleDataLoader(EagleShardDataset(tmp_path, batch_size=2)))
     dl = EagleDataLoader(EagleShardDataset(tmp_path, batch_size=2, on_error="skip"))
+    assert sorted(k for b in run_epoch(dl) for k in b) == ["syn_000000000", "syn_000000002"]
+    assert dl.num_skipped == 1
+
+
+@pytest.mark.parametrize("bad", ["garbage", "offsets"])
+@pytest.mark.parametrize("stream", [False, True], ids=["local-preadv", "pipe-stream"])
+def test_undecodable_payload_raises_with_key_or_is_skipped(tmp_path, bad, stream):
+    """A payload that is not safetensors, or whose header points outside the payload, raises
+    naming the sample (local lazy reads and in-memory streams alike); "skip" counts it."""
+    import io
+    import json as _json
+    import tarfile
+    write_synthetic(tmp_path, [3])
+    src = tmp_path / "00000-000000.tar"
+    with tarfile.open(src) as t:
+        members = [(m, t.extractfile(m).read()) for m in t.getmembers()]
+    with tarfile.open(src, "w") as t:
+        for m, data in members:
+            if m.name == "syn_000000001.safetensors":
+                if bad == "garbage":
+                    data = b"\xff" * len(data)
+                else:  # hidden_states shifted by 2 bytes (same lengths): overlaps a neighbour
+                    n = int.from_bytes(data[:8], "little")
+                    head = _json.loads(data[8:8 + n])
+                    a, b = head["hidden_states"]["data_offsets"]
+                    d = 2 if len(str(b + 2)) == len(str(b)) else -2
+                    h = data[8:8 + n].replace(f'"data_offsets":[{a},{b}]'.encode(),
+                                              f'"data_offsets":[{a + d},{b + d}]'.encode())
+                    assert h != data[8:8 + n] and len(h) == n
+                    data = data[:8] + h + data[8 + n:]
+            t.addfile(m, io.BytesIO(data))
+    kw = {"manifest": str(tmp_path / "manifest.json")} if stream else {}
+    source = f"pipe:cat {src}" if stream else tmp_path
+    with pytest.raises(ValueError, match="syn_000000001"):
+        run_epoch(EagleDataLoader(EagleShardDataset(source, batch_size=2, **kw)))
+    dl = EagleDataLoader(EagleShardDataset(source, batch_size=2, on_error="skip", **kw))
     assert sorted(k for b in run_epoch(dl) for k in b) == ["syn_000000000", "syn_000000002"]
     assert dl.num_skipped == 1
 
@@ -218,3 +263,36 @@ def test_hf_datasets_webdataset_read_and_decode(ds30):
     dec = hf.with_transform(lambda b: {"n": [decode_hf_example({"safetensors": s, "__key__": k})["input_ids"].shape[0]
                                              for s, k in zip(b["safetensors"], b["__key__"])]})
     assert dec[0]["n"] == 4 + int(hf[0]["__key__"][4:]) % 5
+
+
+def test_shuffle_initial_schedule_permutation_and_replay():
+    """webdataset's (bufsize, initial) schedule: the first draw after ``initial`` items, then two
+    items read per item drawn until the buffer is full; a permutation; replayable on positions."""
+    import random
+
+    from eagle_data.batching import shuffle_stream
+
+    consumed: list[int] = []
+
+    def src():
+        for i in range(100):
+            consumed.append(i)
+            yield i
+
+    it = shuffle_stream(src(), 16, random.Random(3), initial=4)
+    out = [next(it)]
+    assert len(consumed) == 4
+    out += [next(it) for _ in range(5)]
+    assert len(consumed) == 4 + 2 * 5  # reading runs ahead while the buffer grows
+    out += list(it)
+    assert sorted(out) == list(range(100)) and out != list(range(100))
+    assert out == list(shuffle_stream(range(100), 16, random.Random(3), initial=4))
+    assert list(shuffle_stream(range(100), 16, random.Random(3))) != out  # initial=None: full buffer first
+
+
+def test_shuffle_initial_exact_once_and_validated(ds30):
+    ds = EagleShardDataset(ds30, batch_size=2, shuffle_buffer=20, shuffle_initial=2)
+    keys = [k for b in EagleDataLoader(ds) for k in b["keys"]]
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == 30
+    with pytest.raises(ValueError, match="shuffle_initial"):
+        EagleShardDataset(ds30, batch_size=2, shuffle_initial=0)

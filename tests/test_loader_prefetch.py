@@ -1,0 +1,58 @@
+"""The num_workers=0 background prefetch: same batches and resume state as building each batch
+on demand; errors surface in the consumer; an abandoned epoch stops its thread."""
+
+import threading
+import time
+
+import pytest
+
+from eagle_data.dataset import EagleShardDataset
+from eagle_data.loader import EagleDataLoader, background
+from eagle_data.synthetic import write_synthetic
+
+
+def test_background_order_errors_and_early_close():
+    assert list(background(iter(range(50)), 3)) == list(range(50))
+
+    def failing():
+        yield 1
+        raise ValueError("shard x: bad sample k")
+    it = background(failing(), 2)
+    assert next(it) == 1
+    with pytest.raises(ValueError, match="bad sample k"):
+        next(it)
+
+    produced = []
+
+    def slow():
+        for i in range(10_000):
+            produced.append(i)
+            yield i
+    it = background(slow(), 2)
+    assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
+    it.close()  # joins the producer
+    n = len(produced)
+    time.sleep(0.2)
+    assert len(produced) == n <= 5 + 2 + 2  # stopped: at most the queue plus one in hand
+    assert not any(t.name == "eagle-prefetch" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("mode", [{"batch_size": 3}, {"max_tokens": 20}])
+def test_prefetch_same_batches_and_resume_state(tmp_path, mode):
+    write_synthetic(tmp_path, [7, 6, 8])
+
+    def loader(prefetch):
+        return EagleDataLoader(EagleShardDataset(tmp_path, seed=5, **mode), prefetch_batches=prefetch)
+    a, b = loader(0), loader(2)
+    for _ in range(2):  # two epochs
+        assert [x["keys"] for x in a] == [x["keys"] for x in b]
+    it = iter(b)
+    first = [next(it)["keys"] for _ in range(2)]
+    state = b.state_dict()
+    assert state["batches"] == 2  # delivered batches, not the ones built ahead
+    c = loader(2)
+    c.load_state_dict(state)
+    rest = [x["keys"] for x in c]
+    d = loader(0)
+    d.set_epoch(state["epoch"])
+    assert first + rest == [x["keys"] for x in d]
