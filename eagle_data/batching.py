@@ -146,6 +146,46 @@ def empty_shared(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(st, 0, tuple(shape))
 
 
+class BufferPool:
+    """Reusable host memory for the big batch tensors of one process (not shared memory).
+
+    A buffer is handed out again only when nothing else references its storage (torch's
+    storage use count is 1: the pool's own reference), so a batch the caller still holds, or
+    any view of it, is never overwritten. Needed because a batch built in a helper thread gets
+    fresh pages from glibc on every allocation (thread arenas ``mmap`` blocks this large),
+    which costs as much as the copy itself.
+
+    Args:
+        keep: buffers kept at most (more in use at once are allocated without pooling).
+    """
+
+    def __init__(self, keep: int = 8):
+        self.keep, self.bufs = keep, []
+        self._use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy in another process starts empty
+        return {"keep": self.keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["keep"])
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        n = max(1, math.prod(shape) * dtype.itemsize)
+        if self._use_count is not None:
+            free = [st for st in self.bufs if st.nbytes() >= n and self._use_count(st._cdata) == 1]
+            if free:
+                st = min(free, key=lambda x: x.nbytes())
+                return torch.empty(0, dtype=dtype).set_(st, 0, tuple(shape))
+        t = torch.empty(shape, dtype=dtype)
+        if self._use_count is not None and len(self.bufs) < self.keep:
+            self.bufs.append(t.untyped_storage())
+        elif self._use_count is not None:  # full: replace the smallest free buffer, if any
+            free = [i for i, st in enumerate(self.bufs) if self._use_count(st._cdata) == 1]
+            if free:
+                self.bufs[min(free, key=lambda i: self.bufs[i].nbytes())] = t.untyped_storage()
+        return t
+
+
 _POOL: tuple[int, int, Any] | None = None  # (pid, threads, executor): one per process
 
 
@@ -172,7 +212,8 @@ def _fill_rows(dst: torch.Tensor, src: Any, n: int) -> None:
 
 
 def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size: int, aux_width: int,
-            dtype: torch.dtype, num_skipped: int = 0, shared: bool = False, threads: int = 1) -> dict[str, Any]:
+            dtype: torch.dtype, num_skipped: int = 0, shared: bool = False, threads: int = 1,
+            pool: BufferPool | None = None) -> dict[str, Any]:
     """Pad decoded samples to the longest one. Each sample is copied once, into one tensor per
     field; hidden states still in a local shard (:class:`~eagle_data.payload.FileTensor`) are
     read with ``preadv`` straight into their rows. A single in-memory sample outside ``shared``
@@ -182,6 +223,7 @@ def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size
         shared: allocate the batch in shared memory (DataLoader workers: saves torch's copy).
         threads: fill the hidden-state rows of the samples in this many threads (kernel and
             memory copies run in parallel; 1: in the calling thread).
+        pool: where the hidden-state tensors come from outside ``shared`` mode (reused memory).
 
     Returns:
         ``input_ids`` [B, T] int64 (pad 0), ``attention_mask`` [B, T] bool, ``loss_mask``
@@ -200,9 +242,10 @@ def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size
                "aux_hidden_states": h["aux_hidden_states"][None], "hidden_states": h["hidden_states"][None]}
     else:
         new = empty_shared if shared else (lambda shape, dt: torch.empty(shape, dtype=dt))
+        big = new if shared or pool is None else pool.empty
         out = {"input_ids": new((b, t), torch.int64), "attention_mask": new((b, t), torch.bool),
-               "loss_mask": new((b, t), torch.bool), "aux_hidden_states": new((b, t, aux_width), dtype),
-               "hidden_states": new((b, t, hidden_size), dtype)}
+               "loss_mask": new((b, t), torch.bool), "aux_hidden_states": big((b, t, aux_width), dtype),
+               "hidden_states": big((b, t, hidden_size), dtype)}
         # every page of every field is written exactly once: sample rows, then the padding tail
         jobs = []
         for i, s in enumerate(samples):

@@ -98,6 +98,7 @@ class EagleShardDataset(IterableDataset):
         if read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {read_threads}")
         self.read_threads = read_threads
+        self._pool = B.BufferPool()  # batch memory reused in this process (not in workers: shared memory)
         self.num_samples = sum(s.num_samples for s in self.shards)
         self.hidden_size = int(self.facts["hidden_size"])
         self.aux_width = len(self.facts["aux_layer_ids"]) * self.hidden_size
@@ -226,7 +227,7 @@ class EagleShardDataset(IterableDataset):
         # in a DataLoader worker the batch is built in shared memory, so torch does not copy it
         # again to send it to the main process
         return B.collate(samples, keys, self.hidden_size, self.aux_width, self.dtype, holes,
-                         shared=get_worker_info() is not None, threads=self.read_threads)
+                         shared=get_worker_info() is not None, threads=self.read_threads, pool=self._pool)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._epoch_cell is not None and get_worker_info() is not None:  # persistent worker

@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from eagle_data.dataset import EagleShardDataset
 from eagle_data.loader import EagleDataLoader, background
@@ -56,3 +57,37 @@ def test_prefetch_same_batches_and_resume_state(tmp_path, mode):
     d = loader(0)
     d.set_epoch(state["epoch"])
     assert first + rest == [x["keys"] for x in d]
+
+
+def test_buffer_pool_never_hands_out_memory_still_referenced():
+    import pickle
+
+    import torch
+
+    from eagle_data.batching import BufferPool
+
+    pool = BufferPool(keep=2)
+    a = pool.empty((4, 8), torch.bfloat16)
+    a.fill_(1)
+    view = a[1:]
+    del a
+    b = pool.empty((4, 8), torch.bfloat16)  # a's memory is still referenced by ``view``
+    assert b.data_ptr() != view.data_ptr() - view.storage_offset() * 2
+    ptr_b = b.untyped_storage().data_ptr()
+    del b
+    c = pool.empty((2, 8), torch.bfloat16)  # b's storage is free and large enough: reused
+    assert c.untyped_storage().data_ptr() == ptr_b and c.shape == (2, 8)
+    assert (view == 1).all()
+    assert pickle.loads(pickle.dumps(pool)).bufs == []
+
+
+def test_prefetched_batches_stay_intact_while_held(tmp_path):
+    """Batches built ahead in the background thread into pooled memory: holding every batch of
+    an epoch (no reuse possible) gives the same bits as building them on demand."""
+    write_synthetic(tmp_path, [9, 9], hidden_size=8, length=lambda g: 3 + g % 7)
+    held = list(EagleDataLoader(EagleShardDataset(tmp_path, batch_size=4, seed=1), prefetch_batches=2))
+    ref = list(EagleDataLoader(EagleShardDataset(tmp_path, batch_size=4, seed=1), prefetch_batches=0))
+    assert [b["keys"] for b in held] == [b["keys"] for b in ref]
+    for x, y in zip(held, ref):
+        for k in ("hidden_states", "aux_hidden_states", "input_ids", "loss_mask", "attention_mask"):
+            assert torch.equal(x[k], y[k])
