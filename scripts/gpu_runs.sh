@@ -3,6 +3,7 @@
 # No download: the target is a random-weight Llama-3.1-8B-shaped model with the SmolLM2 tokenizer
 # (scripts/make_random_target.py); the data are the first ShareGPT records.
 #   PHASES="bench multi loader train ddp" OUT=/tmp/figs TOK=tok_dir DATA=chats.jsonl bash scripts/gpu_runs.sh
+# Knobs: N (source rows), ROUNDS and LOADER_WORKERS (bench loader), TRAIN_WORKERS (e.g. "4 0"), STEPS.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; W=${WORK:-/tmp/eagle_gpu}; TOK=${TOK:-.gpu/tok}; DATA=${DATA:-.gpu/sharegpt_800.jsonl}
 N=${N:-200}; STEPS=${STEPS:-30}; PHASES=${PHASES:-bench multi loader train ddp}
@@ -55,9 +56,12 @@ if has loader; then  # issue 7.3: loader vs raw sequential read of the same shar
   took $s bench_loader
 fi
 if has train; then  # issue 7.3: drafter step time with the DataModule vs batch held on the GPU
-  need_x1; s=$(ms)
-  ed bench train "$W/x1" "$W/target" --steps "$STEPS" --num_workers 4 --json_out "$OUT/bench_train.json" 2>&1 | tail -15
-  took $s bench_train
+  need_x1
+  for nw in ${TRAIN_WORKERS:-4}; do
+    s=$(ms)
+    ed bench train "$W/x1" "$W/target" --steps "$STEPS" --num_workers "$nw" --json_out "$OUT/bench_train_w$nw.json" 2>&1 | tail -15
+    took $s bench_train_w$nw
+  done
 fi
 if has ddp; then  # issue 8.2: DDP drafter training, 1 GPU vs 2 GPUs
   need_x1
