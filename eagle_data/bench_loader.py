@@ -204,7 +204,7 @@ def bench_loader(path: str, batch_size: int = 8, workers: list[int] = [0, 1, 2],
                  per_sample_baseline: bool = True, startup: bool = True, cold: bool = True,
                  synth_samples: int = 512, synth_hidden: int = 1024, synth_tokens: tuple[int, int] = (256, 768),
                  touch: bool = True, pin_memory: bool = False, json_out: Optional[str] = None) -> dict[str, Any]:
-    """Benchmark the streaming loader against raw reads and a per-sample-file layout.
+    """Loader throughput vs raw reads of the same shards and vs one torch.save file per sample (higher ratios = faster).
 
     Every reader runs over the same samples (the shards of ``path``; the per-sample files hold
     the same samples) under the same cache state (dropped before each pass when ``cold``); its
@@ -223,8 +223,10 @@ def bench_loader(path: str, batch_size: int = 8, workers: list[int] = [0, 1, 2],
         rounds: measurement rounds (medians reported).
         per_sample_baseline: also measure one torch.save file per sample (map-style Dataset +
             DataLoader, shuffled, the same collate).
-        startup: measure construction + first batch for 1k vs 100k samples, both layouts.
-        cold: drop the page cache before each pass (root only; else reads are warm).
+        startup: measure construction + first batch for 1k vs 100k samples, both layouts
+            (writes ~101k small files to a temp dir, removed afterwards).
+        cold: drop the page cache before each pass: as root this drops the WHOLE machine's
+            page cache (``/proc/sys/vm/drop_caches``); without root reads are warm.
         synth_samples: samples of the synthetic dataset (4 shards).
         synth_hidden: H of the synthetic dataset (aux is 3H, bf16).
         synth_tokens: ``[min, max)`` tokens per synthetic sample (spread evenly).
@@ -333,8 +335,8 @@ def _print(res: dict[str, Any]) -> None:
 
     d = res["dataset"]
     t = Table(title=f"loader throughput: {res['path']} ({d['samples']} samples, {d['shards']} shards, "
-                    f"{d['tar_GB']:.2f} GB), B={res['batch_size']}, {res['cache']} page cache, median of "
-                    f"{res['rounds']} rounds (range), touch={res['touch']}, pin_memory={res['pin_memory']}")
+                    f"{d['tar_GB']:.2f} GB), B={res['batch_size']}, {res['cache']} page cache, median over "
+                    f"{res['rounds']} round(s) (min-max), touch={res['touch']}, pin_memory={res['pin_memory']}")
     for c in ("reader", "samples/s", "GB/s", "first batch ms", "GB per CPU-s", "vs raw read", "vs per-sample files"):
         t.add_column(c)
     for name, r in res["rows"].items():
@@ -344,8 +346,11 @@ def _print(res: dict[str, Any]) -> None:
                   _fmt(r["vs_raw"]), _fmt(r.get("vs_per_sample")))
     con = Console(width=200)
     con.print(t)
-    con.print("GB/s: hidden-state bytes delivered (raw read: all tar bytes); ratios are paired within each "
-              "round (same disk state) and compare the times for the same samples")
+    con.print("GB/s: hidden-state bytes delivered (raw rows: all tar bytes). \"vs raw read\" = raw read time / "
+              "reader time for the same shards (1.00 = as fast as just reading the bytes; the reference is the "
+              "faster raw read at the two ends of each round, raw rows show each kind against it). \"vs per-sample "
+              "files\" = per-sample time / loader time at the same worker count (>1: the shards are faster). "
+              "Ratios are paired within a round (same disk state). \"first batch\" includes worker start-up.")
     for layout, s in res.get("startup_s", {}).items():
         con.print(f"start-up (construct + first batch), {layout}: " +
                   ", ".join(f"{n} samples: {v * 1e3:.1f} ms" for n, v in s.items()))

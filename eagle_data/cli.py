@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        CLI(commands(), args=argv if argv is not None else sys.argv[1:])
+        CLI(commands(), args=argv if argv is not None else sys.argv[1:], prog="eagle-data")
     except KeyboardInterrupt:  # Ctrl-C / ExtractionInterrupted: state is consistent, rerun resumes
         print("interrupted; rerun the same command to resume", file=sys.stderr)
         sys.exit(130)

@@ -3,9 +3,12 @@
 Pipeline (webdataset stages; each worker runs it on its own slot, see :mod:`eagle_data.shards`)::
 
     shard list (manifests) -> (seed, epoch) permutation -> split by node -> split by worker
-    -> tar (own reader, webdataset member/key semantics, per span) -> shuffle (raw buffers)
-    -> batch plan -> decode (zero-copy views after the safetensors header checks, no pickle)
-    + truncate -> pad/collate (one copy per sample, straight into shared memory in workers)
+    -> tar (own reader, webdataset member/key semantics, per span; local files: member
+       descriptors + kernel readahead) -> shuffle (webdataset's bufsize/initial schedule)
+    -> batch plan -> decode (safetensors header checks, no pickle; hidden states stay in the
+       file or are views) + truncate -> pad/collate (one copy per sample: ``preadv`` or a
+       memory copy straight into the batch, in ``read_threads`` threads; shared memory in
+       workers, a reused buffer pool otherwise)
 
 Use it through :class:`eagle_data.loader.EagleDataLoader` (epochs, resume, skip counts) or
 :class:`eagle_data.datamodule.EagleDataModule`. See :mod:`eagle_data.batching` for the
@@ -27,7 +30,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from . import batching as B
 from .schema import HIDDEN_DTYPES, decode_tensors
 from .shards import check_compat, epoch_shard_order, resolve_sources, slot_sizes, slot_spans
-from .payload import FileTensor, view_tensors
+from .payload import view_tensors
 from .tar_reader import read_span
 
 log = logging.getLogger(__name__)
@@ -44,14 +47,19 @@ class EagleShardDataset(IterableDataset):
         sources: dataset dir(s)/URL(s) with ``manifest.json``, manifest file(s), or shard
             URLs / brace patterns (``s3://``, ``gs://``, ``https://``, ``pipe:``...).
         manifest: manifest for shard-URL sources (default: the one next to each shard).
-        batch_size: samples per batch (fixed-size batching).
+        batch_size: samples per batch (fixed-size batching). With ``batch_size=1`` and a sample
+            count not divisible by ranks x workers, the last ``N % slots`` positions of each
+            epoch's permuted stream are dropped (warned once), so every slot yields as many
+            batches; every other setting sees each sample exactly once per epoch.
         max_tokens: token budget ``B * max(T)`` per batch (length-bucketed); give exactly one
             of ``batch_size`` / ``max_tokens``. Needs ``index.parquet`` (``num_tokens`` is read
             once, 4 bytes per sample).
         max_length: truncate samples to this many tokens (None: keep all).
         shuffle: permute shards per epoch and shuffle samples (buffer ``shuffle_buffer``).
         seed: base seed; the order is a function of ``(seed, epoch, slot)`` only.
-        shuffle_buffer: raw samples held per worker for shuffling (memory: this x sample size).
+        shuffle_buffer: samples held per worker for shuffling (local shards: descriptors of a
+            few hundred bytes, the data waits in the page cache; remote streams: the samples'
+            bytes, so memory = this x sample size).
         shuffle_initial: samples buffered before the first one is drawn (webdataset's
             ``initial``); the buffer then grows to ``shuffle_buffer`` while reading runs ahead
             of the batches, so the first batch does not wait for a full buffer.
@@ -98,6 +106,7 @@ class EagleShardDataset(IterableDataset):
         if read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {read_threads}")
         self.read_threads = read_threads
+        self._warned_drop = False
         self._pool = B.BufferPool()  # batch memory reused in this process (not in workers: shared memory)
         self.num_samples = sum(s.num_samples for s in self.shards)
         self.hidden_size = int(self.facts["hidden_size"])
@@ -139,9 +148,11 @@ class EagleShardDataset(IterableDataset):
         n, num_slots = self.num_samples, world * workers
         if n < num_slots:
             raise ValueError(f"{n} samples cannot feed {num_slots} rank x worker slots; use fewer workers")
-        if self.batch_size == 1 and n % num_slots:
+        if self.batch_size == 1 and n % num_slots and not self._warned_drop:
+            self._warned_drop = True
             log.warning("batch_size=1: dropping the last %d positions of epoch's permuted stream so all "
                         "%d slots have equal batch counts", n % num_slots, num_slots)
+        if self.batch_size == 1:
             n -= n % num_slots
         # ranks get n // world or one more; each rank's part is split evenly over its workers
         return [m for r in slot_sizes(n, world) for m in slot_sizes(r, workers)]

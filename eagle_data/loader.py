@@ -84,8 +84,8 @@ def tune_malloc() -> bool:
     """Keep freed large blocks in this process's glibc heap for reuse (``M_MMAP_THRESHOLD`` and
     ``M_TRIM_THRESHOLD`` = 1 GiB) instead of unmapping them on ``free``: every batch and every
     member buffer is tens of MB, and faulting in fresh pages costs more than the copy that fills
-    them. The heap then stays at its peak size (about ``shuffle_buffer`` samples + a few
-    batches). No-op (False) where glibc's ``mallopt`` is unavailable."""
+    them. The heap then stays at its peak size (a few batches; plus ``shuffle_buffer`` samples
+    for remote streams). No-op (False) where glibc's ``mallopt`` is unavailable."""
     global _MALLOC_TUNED
     if _MALLOC_TUNED:
         return True
@@ -159,7 +159,8 @@ class EagleDataLoader(DataLoader):
             self._next = (epoch, 0)
 
     def __len__(self) -> int:
-        """Batches per rank in the upcoming epoch (identical on every rank)."""
+        """Batches per rank in the whole upcoming epoch (identical on every rank), counting
+        those a restored state will skip."""
         ep = self._next[0] if self._next is not None else self.epoch + 1
         return self.dataset.batches_per_rank(epoch=ep)
 
@@ -185,7 +186,8 @@ class EagleDataLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "batches", "seed", "num_workers", "world_size"}`` of this rank."""
+        """``{"epoch", "batches", "seed", "num_workers", "world_size", "num_skipped"}`` of this
+        rank (``batches``: delivered in ``epoch``; ``num_skipped``: samples skipped so far)."""
         return {"epoch": self.epoch, "batches": self.batches, "seed": self.dataset.seed,
                 "num_workers": self.num_workers, "world_size": self.dataset.rank_world()[1],
                 "num_skipped": self.num_skipped}

@@ -69,6 +69,12 @@ def read_json(url: str) -> dict[str, Any]:
         with fsspec.open(url, "rt") as f:
             return json.load(f)
     except FileNotFoundError as e:
+        import os
+
+        parent = os.path.dirname(url)
+        if "://" not in url and parent and not os.path.isdir(parent):
+            raise ValueError(f"{parent}: no such dataset directory (extract one with `eagle-data extract`, "
+                             "e.g. the README's main job, or make one with eagle_data.synthetic)") from e
         raise ValueError(f"{url}: not found; a dataset needs its {MANIFEST_NAME} "
                          "(run `eagle-data merge DIR` first)") from e
     except json.JSONDecodeError as e:
@@ -135,7 +141,8 @@ def resolve_sources(sources: str | Path | Sequence[str | Path], manifest: str | 
             shards.append(ShardInfo(url, name, int(s["num_samples"]), int(s.get("num_tokens", 0)), murl))
     urls = [s.url for s in shards]
     if len(set(urls)) != len(urls):
-        raise ValueError("the same shard is listed twice in the sources")
+        twice = sorted({u for u in urls if urls.count(u) > 1})
+        raise ValueError(f"the same shard is listed twice in the sources: {twice[:3]}")
     if not shards:
         raise ValueError(f"no shards in {list(sources)}")
     return shards, list(manifests.items())

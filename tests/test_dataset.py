@@ -238,8 +238,11 @@ def test_compat_refusals(tmp_path):
     (a / "manifest.json").write_text(json.dumps(m | {"schema_version": 99}))
     with pytest.raises(ValueError, match="schema_version"):
         EagleShardDataset(a, batch_size=2)
-    with pytest.raises(ValueError, match="merge"):
+    with pytest.raises(ValueError, match="no such dataset directory"):
         EagleShardDataset(tmp_path / "nothing", batch_size=2)
+    (tmp_path / "unmerged").mkdir()
+    with pytest.raises(ValueError, match="merge"):
+        EagleShardDataset(tmp_path / "unmerged", batch_size=2)
     with pytest.raises(ValueError, match="cannot feed"):
         next(iter(EagleDataLoader(EagleShardDataset(b, batch_size=2, world_size=4, rank=0))))
 
