@@ -160,8 +160,11 @@ class BufferPool:
     """
 
     def __init__(self, keep: int = 8):
+        import threading
+
         self.keep, self.bufs = keep, []
         self._use_count = getattr(torch._C, "_storage_Use_Count", None)
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:  # a copy in another process starts empty
         return {"keep": self.keep}
@@ -171,6 +174,10 @@ class BufferPool:
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         n = max(1, math.prod(shape) * dtype.itemsize)
+        with self._lock:  # two iterations of one dataset may overlap (a stopping prefetch thread)
+            return self._empty(n, shape, dtype)
+
+    def _empty(self, n: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         if self._use_count is not None:
             free = [st for st in self.bufs if st.nbytes() >= n and self._use_count(st._cdata) == 1]
             if free:
@@ -198,6 +205,15 @@ def _pool(threads: int):
     if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] != threads:
         _POOL = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="eagle-collate"))
     return _POOL[2]
+
+
+class SampleReadError(Exception):
+    """Filling some samples' rows failed; ``errors`` maps their index in the batch to the error
+    (``OSError``, or ``ValueError`` for a shard that ends early)."""
+
+    def __init__(self, errors: dict[int, BaseException]):
+        super().__init__(f"{len(errors)} sample(s) unreadable: {next(iter(errors.values()))!r}")
+        self.errors = errors
 
 
 def _fill_rows(dst: torch.Tensor, src: Any, n: int) -> None:
@@ -256,13 +272,24 @@ def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size
             out["attention_mask"][i, n:] = False
             out["loss_mask"][i, :n] = s["loss_mask"]
             out["loss_mask"][i, n:] = False
-            jobs += [(out[k][i], s[k], n) for k in ("aux_hidden_states", "hidden_states")]
+            jobs += [(i, (out[k][i], s[k], n)) for k in ("aux_hidden_states", "hidden_states")]
+        errors: dict[int, BaseException] = {}
         if threads > 1 and len(jobs) > 2:
-            for f in [_pool(threads).submit(_fill_rows, *j) for j in jobs]:
-                f.result()  # re-raises a worker thread's error here
+            futures = [(i, _pool(threads).submit(_fill_rows, *j)) for i, j in jobs]
+            for i, f in futures:
+                e = f.exception()
+                if e is not None:
+                    errors.setdefault(i, e)
         else:
-            for j in jobs:
-                _fill_rows(*j)
+            for i, j in jobs:
+                try:
+                    _fill_rows(*j)
+                except (OSError, ValueError) as e:
+                    errors.setdefault(i, e)
+        if errors:
+            if not all(isinstance(e, (OSError, ValueError)) for e in errors.values()):
+                raise next(e for e in errors.values() if not isinstance(e, (OSError, ValueError)))
+            raise SampleReadError(errors)
     out["keys"] = list(keys)
     if num_skipped:
         out["_skipped"] = num_skipped

@@ -85,6 +85,8 @@ class EagleShardDataset(IterableDataset):
                  read_threads: int | None = None, rank: int | None = None, world_size: int | None = None):
         if (batch_size is None) == (max_tokens is None):
             raise ValueError("give exactly one of batch_size or max_tokens")
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"max_length must be >= 1 (or None: keep all), got {max_length}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.shards, manifests = resolve_sources(sources, manifest)
@@ -117,7 +119,6 @@ class EagleShardDataset(IterableDataset):
         self.skip_batches = 0     # rank-level batches of ``epoch`` already consumed (resume)
         self._epoch_cell: torch.Tensor | None = None  # shared [epoch, skip] for persistent workers
         self.skipped: Counter = Counter()
-        self._yielded = 0
 
     # ---- topology and plan ------------------------------------------------------------------
     def rank_world(self) -> tuple[int, int]:
@@ -135,7 +136,7 @@ class EagleShardDataset(IterableDataset):
 
         Also written to a shared-memory cell that persistent DataLoader workers (forked once,
         holding their own copy of this object) read at the start of every epoch."""
-        self.epoch, self.skip_batches, self._yielded = epoch, skip_batches, skip_batches
+        self.epoch, self.skip_batches = epoch, skip_batches
         if self._epoch_cell is not None:
             self._epoch_cell[0], self._epoch_cell[1] = epoch, skip_batches
 
@@ -221,24 +222,40 @@ class EagleShardDataset(IterableDataset):
             t = {k: v[:self.max_length] for k, v in t.items()}
         return t
 
+    def _drop(self, reason: str, where: str, err: BaseException) -> None:
+        """Apply the error policy to one sample: raise naming it, or count and log."""
+        if self.on_error == "raise":
+            if isinstance(err, ValueError) and where in str(err):
+                raise err
+            raise ValueError(f"sample {where}: {err}") from err
+        self.skipped[reason] += 1
+        log.warning("skipping %s sample %s: %s", reason, where, err)
+
     def _collate(self, raws: list[dict[str, Any] | None]) -> dict[str, Any]:
-        samples, keys, holes = [], [], 0
+        samples, keys, wheres, holes = [], [], [], 0
         for r in raws:
             if r is not None:
+                where = f"{r['__url__']}:{r['__key__']}"
                 try:
                     samples.append(self._decode(r))
                     keys.append(r["__key__"])
+                    wheres.append(where)
                     continue
-                except ValueError:
-                    if self.on_error == "raise":
-                        raise
-                    self.skipped["undecodable"] += 1
-                    log.warning("skipping undecodable sample %s", r["__key__"])
+                except (ValueError, OSError) as e:  # OSError: reading a local shard's payload
+                    self._drop("undecodable", where, e)
             holes += 1
-        # in a DataLoader worker the batch is built in shared memory, so torch does not copy it
-        # again to send it to the main process
-        return B.collate(samples, keys, self.hidden_size, self.aux_width, self.dtype, holes,
-                         shared=get_worker_info() is not None, threads=self.read_threads, pool=self._pool)
+        while True:
+            # in a DataLoader worker the batch is built in shared memory, so torch does not copy
+            # it again to send it to the main process
+            try:
+                return B.collate(samples, keys, self.hidden_size, self.aux_width, self.dtype, holes,
+                                 shared=get_worker_info() is not None, threads=self.read_threads,
+                                 pool=self._pool)
+            except B.SampleReadError as e:  # hidden states unreadable now (shard changed, I/O error)
+                for i in sorted(e.errors, reverse=True):
+                    self._drop("unreadable", wheres[i], e.errors[i])
+                    del samples[i], keys[i], wheres[i]
+                    holes += 1
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._epoch_cell is not None and get_worker_info() is not None:  # persistent worker
@@ -258,7 +275,6 @@ class EagleShardDataset(IterableDataset):
             for j, size in enumerate(batches):
                 group = [next(stream) for _ in range(size)]
                 if j >= skip:
-                    self._yielded += 1
                     yield self._collate(group)
             return
         drop = {i for b in batches[:skip] for i in b}
@@ -269,17 +285,8 @@ class EagleShardDataset(IterableDataset):
                 i, r = next(pos)
                 if i not in drop:
                     pending[i] = r
-            self._yielded += 1
             yield self._collate([pending.pop(i) for i in b])
 
-    # ---- in-process resume (num_workers=0); EagleDataLoader does it for any num_workers -------
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batches": self._yielded, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("seed", self.seed) != self.seed:
-            raise ValueError(f"state was saved with seed {state['seed']}, this dataset has {self.seed}")
-        self.set_epoch(int(state["epoch"]), int(state["batches"]))
 
 
 def decode_hf_example(example: dict[str, Any]) -> dict[str, Any]:

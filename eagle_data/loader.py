@@ -28,7 +28,8 @@ def background(it: Iterator[Any], depth: int) -> Iterator[Any]:
     """Run ``it`` in a daemon thread, ``depth`` items ahead of the consumer (a bounded queue).
 
     The producer's exception is re-raised in the consumer; closing the consumer (``break``,
-    garbage collection) stops the producer after its current item.
+    garbage collection) stops the producer after its current item and waits for it; an
+    exception in the consumer (e.g. ``KeyboardInterrupt``) does not wait for it.
     """
     import queue
     import threading
@@ -60,21 +61,32 @@ def background(it: Iterator[Any], depth: int) -> Iterator[Any]:
 
     th = threading.Thread(target=produce, name="eagle-prefetch", daemon=True)
     th.start()
+    failed = True
     try:
         while True:
             x, err = q.get()
             if x is _END:
                 if err is not None:
-                    raise err
+                    try:
+                        raise err
+                    finally:  # no frame -> exception -> traceback -> frame cycle keeping shards open
+                        err = None
+                failed = False
                 return
             yield x
+    except GeneratorExit:  # closed by the caller: stopping normally
+        failed = False
+        raise
     finally:  # unblock the producer; it stops after the item it is building
         stop.set()
-        while th.is_alive():
+        while th.is_alive() and not failed:
             try:
                 q.get_nowait()
             except queue.Empty:
                 th.join(0.005)
+        if failed:  # the consumer is unwinding an error: drain once, do not wait
+            while not q.empty():
+                q.get_nowait()
 
 
 _MALLOC_TUNED = False
@@ -188,7 +200,8 @@ class EagleDataLoader(DataLoader):
     def state_dict(self) -> dict[str, Any]:
         """``{"epoch", "batches", "seed", "num_workers", "world_size", "num_skipped"}`` of this
         rank (``batches``: delivered in ``epoch``; ``num_skipped``: samples skipped so far)."""
-        return {"epoch": self.epoch, "batches": self.batches, "seed": self.dataset.seed,
+        epoch, batches = self._next if self._next is not None else (self.epoch, self.batches)
+        return {"epoch": epoch, "batches": batches, "seed": self.dataset.seed,
                 "num_workers": self.num_workers, "world_size": self.dataset.rank_world()[1],
                 "num_skipped": self.num_skipped}
 

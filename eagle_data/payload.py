@@ -30,6 +30,10 @@ ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
 LAZY_FIELDS = ("aux_hidden_states", "hidden_states")
 
 
+class ShortRead(ValueError):
+    """A local shard ended before a byte range that its tar walk had seen (changed since)."""
+
+
 class LocalFile:
     """An open local shard shared by the :class:`FileSlice` objects that point into it; the
     descriptor closes when the last of them is gone (or on :meth:`close`)."""
@@ -49,7 +53,8 @@ class LocalFile:
         while got < n:
             k = os.preadv(self.fd, [buf[got:]], offset + got)
             if k <= 0:
-                raise ValueError(f"{self.name}: unexpected end of file at byte {offset + got}")
+                raise ShortRead(f"{self.name}: unexpected end of file at byte {offset + got} (shard changed "
+                                "while being read?)")
             got += k
 
     def close(self) -> None:
@@ -121,6 +126,31 @@ class FileTensor:
         return out
 
 
+def _is_int(x: Any) -> bool:
+    return type(x) is int  # not bool, not float: as the safetensors library requires
+
+
+def _checked_header(header: Any) -> dict:
+    """The header's entries, with the types the safetensors format prescribes.
+
+    Raises:
+        ValueError: a non-dict header or entry, a non-string dtype, non-integer shape or
+            offsets, or a ``__metadata__`` that is not a str -> str dict.
+    """
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    for k, v in header.items():
+        if k == "__metadata__":
+            if not isinstance(v, dict) or not all(isinstance(x, str) for kv in v.items() for x in kv):
+                raise ValueError("__metadata__ must map strings to strings")
+            continue
+        if not (isinstance(v, dict) and isinstance(v.get("dtype"), str) and isinstance(v.get("shape"), list)
+                and all(_is_int(x) for x in v["shape"]) and isinstance(v.get("data_offsets"), list)
+                and len(v["data_offsets"]) == 2 and all(_is_int(x) for x in v["data_offsets"])):
+            raise ValueError(f"bad header entry for {k!r}")
+    return header
+
+
 def _header(data: Any) -> tuple[dict, int, int]:
     """``(header dict, body start, body length)`` of a safetensors payload."""
     size = len(data)
@@ -131,7 +161,7 @@ def _header(data: Any) -> tuple[dict, int, int]:
     if size < 8 + n:
         raise ValueError("short header")
     raw = data.read(8, n) if isinstance(data, FileSlice) else bytes(data[8:8 + n])
-    return json.loads(raw), 8 + n, size - 8 - n
+    return _checked_header(json.loads(raw)), 8 + n, size - 8 - n
 
 
 def view_tensors(data: bytes | np.ndarray | FileSlice, where: str = "?") -> dict[str, Any]:
@@ -170,8 +200,8 @@ def view_tensors(data: bytes | np.ndarray | FileSlice, where: str = "?") -> dict
             if k == "__metadata__":
                 continue
             dt = ST_DTYPES[v["dtype"]]
-            shape = [int(x) for x in v["shape"]]
-            a, b = (int(x) for x in v["data_offsets"])
+            shape = list(v["shape"])
+            a, b = v["data_offsets"]
             if not (0 <= a <= b <= body_len) or b - a != math.prod(shape) * dt.itemsize or min(shape, default=0) < 0:
                 raise ValueError("bad data_offsets")
             if lazy and k in LAZY_FIELDS and len(shape) == 2:
@@ -184,8 +214,13 @@ def view_tensors(data: bytes | np.ndarray | FileSlice, where: str = "?") -> dict
                 if (body + a) % dt.itemsize:
                     piece = piece.clone()
                 out[k] = piece.view(dt).view(shape)
+    except (OSError, ShortRead) as e:  # the shard itself, not its contents
+        raise ValueError(f"sample {where}: cannot read its payload: {e}") from e
     except Exception:
-        raw = data.tobytes() if lazy else (bytes(data) if isinstance(data, np.ndarray) else data)
+        try:
+            raw = data.tobytes() if lazy else (bytes(data) if isinstance(data, np.ndarray) else data)
+        except (OSError, ShortRead) as e:
+            raise ValueError(f"sample {where}: cannot read its payload: {e}") from e
         return decode_tensors(raw, where=where)
     validate_tensors(out, where=where)
     return out

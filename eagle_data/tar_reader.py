@@ -68,10 +68,17 @@ def _tar_num(field: bytes) -> int:
 
 
 def _pax_records(data: bytes) -> dict[str, str]:
+    """Parse pax ``"%d %s=%s\n"`` records.
+
+    Raises:
+        ValueError: a record length that is not positive or runs past the data.
+    """
     out, i = {}, 0
     while i < len(data) and data[i:i + 1] not in (b"\0", b""):
         sp = data.index(b" ", i)
         n = int(data[i:sp])
+        if n <= sp - i or i + n > len(data):
+            raise ValueError(f"corrupt pax record length {n}")
         k, _, v = data[sp + 1:i + n - 1].partition(b"=")
         out[k.decode("utf-8", "surrogateescape")] = v.decode("utf-8", "surrogateescape")
         i += n
@@ -150,6 +157,8 @@ class _TarReader:
             pos += _BLOCK
             typ = hdr[156:157]
             size = _tar_num(hdr[124:136])
+            if size < 0:
+                raise ValueError(f"corrupt tar header: negative size {size}")
             padded = (size + _BLOCK - 1) // _BLOCK * _BLOCK
             if typ in (b"x", b"g", b"L", b"K"):
                 data = self._read(padded + _BLOCK) if lf is None else at(pos, padded + _BLOCK)
@@ -167,6 +176,8 @@ class _TarReader:
             rec = {**glob, **pax}
             if "size" in rec:
                 size = int(rec["size"])
+                if size < 0:
+                    raise ValueError(f"corrupt pax header: negative size {size}")
                 padded = (size + _BLOCK - 1) // _BLOCK * _BLOCK
             name = rec.get("path") or longname
             if name is None:
@@ -290,7 +301,8 @@ def read_span(span: Span, on_error: str, skipped: Counter) -> Iterator[dict[str,
         if on_error == "raise":
             if isinstance(e, ValueError) and str(e).startswith("shard "):
                 raise
-            raise ValueError(f"shard {sh.url}: unreadable after sample {key!r}: {e!r}") from e
+            at = f"at sample {key!r} (or the member after it)" if key is not None else "before its first sample"
+            raise ValueError(f"shard {sh.url}: unreadable {at}: {e!r}") from e
         skipped["unreadable_shard"] += want - got
         log.warning("skipping %d sample(s) of %s: %r", want - got, sh.url, e)
         yield from [None] * (want - got)
