@@ -153,17 +153,23 @@ def test_truncated_tar_raises_with_name_and_skip_counts(tmp_path):
         assert all(int(k[4:]) < 10 or int(k[4:]) < 16 for k in keys)
 
 
-def test_missing_member_raises_with_key(tmp_path):
+def rewrite_members(tar_path: Path, fn) -> None:
+    """Rewrite a tar in place: each member's bytes become ``fn(name, data)`` (None: dropped)."""
+    import io
     import tarfile
-    write_synthetic(tmp_path, [3])
-    src = tmp_path / "00000-000000.tar"
-    with tarfile.open(src) as t:
+    with tarfile.open(tar_path) as t:
         members = [(m, t.extractfile(m).read()) for m in t.getmembers()]
-    with tarfile.open(src, "w") as t:
+    with tarfile.open(tar_path, "w") as t:
         for m, data in members:
-            if m.name != "syn_000000001.json":
-                import io
+            data = fn(m.name, data)
+            if data is not None:
+                m.size = len(data)
                 t.addfile(m, io.BytesIO(data))
+
+
+def test_missing_member_raises_with_key(tmp_path):
+    write_synthetic(tmp_path, [3])
+    rewrite_members(tmp_path / "00000-000000.tar", lambda name, data: None if name == "syn_000000001.json" else data)
     with pytest.raises(ValueError, match="syn_000000001"):
         run_epoch(EagleDataLoader(EagleShardDataset(tmp_path, batch_size=2)))
     dl = EagleDataLoader(EagleShardDataset(tmp_path, batch_size=2, on_error="skip"))
@@ -174,30 +180,25 @@ def test_missing_member_raises_with_key(tmp_path):
 @pytest.mark.parametrize("bad", ["garbage", "offsets"])
 @pytest.mark.parametrize("stream", [False, True], ids=["local-preadv", "pipe-stream"])
 def test_undecodable_payload_raises_with_key_or_is_skipped(tmp_path, bad, stream):
-    """A payload that is not safetensors, or whose header points outside the payload, raises
-    naming the sample (local lazy reads and in-memory streams alike); "skip" counts it."""
-    import io
+    """A payload that is not safetensors, or whose header ranges overlap, raises naming the
+    sample (local lazy reads and in-memory streams alike); "skip" counts it."""
     import json as _json
-    import tarfile
+
+    def corrupt(name, data):
+        if name != "syn_000000001.safetensors":
+            return data
+        if bad == "garbage":
+            return b"\xff" * len(data)
+        # hidden_states shifted by 2 bytes (same lengths): overlaps a neighbour
+        n = int.from_bytes(data[:8], "little")
+        a, b = _json.loads(data[8:8 + n])["hidden_states"]["data_offsets"]
+        d = 2 if len(str(b + 2)) == len(str(b)) else -2
+        h = data[8:8 + n].replace(f'"data_offsets":[{a},{b}]'.encode(), f'"data_offsets":[{a + d},{b + d}]'.encode())
+        assert h != data[8:8 + n] and len(h) == n
+        return data[:8] + h + data[8 + n:]
     write_synthetic(tmp_path, [3])
     src = tmp_path / "00000-000000.tar"
-    with tarfile.open(src) as t:
-        members = [(m, t.extractfile(m).read()) for m in t.getmembers()]
-    with tarfile.open(src, "w") as t:
-        for m, data in members:
-            if m.name == "syn_000000001.safetensors":
-                if bad == "garbage":
-                    data = b"\xff" * len(data)
-                else:  # hidden_states shifted by 2 bytes (same lengths): overlaps a neighbour
-                    n = int.from_bytes(data[:8], "little")
-                    head = _json.loads(data[8:8 + n])
-                    a, b = head["hidden_states"]["data_offsets"]
-                    d = 2 if len(str(b + 2)) == len(str(b)) else -2
-                    h = data[8:8 + n].replace(f'"data_offsets":[{a},{b}]'.encode(),
-                                              f'"data_offsets":[{a + d},{b + d}]'.encode())
-                    assert h != data[8:8 + n] and len(h) == n
-                    data = data[:8] + h + data[8 + n:]
-            t.addfile(m, io.BytesIO(data))
+    rewrite_members(src, corrupt)
     kw = {"manifest": str(tmp_path / "manifest.json")} if stream else {}
     source = f"pipe:cat {src}" if stream else tmp_path
     with pytest.raises(ValueError, match="syn_000000001"):
