@@ -2,7 +2,6 @@
 obey the error policy and name the sample; crafted tar headers raise instead of looping;
 argument and header checks; no descriptors kept alive by a caught error."""
 
-import io
 import os
 import signal
 import tarfile
