@@ -124,7 +124,7 @@ class _PerSampleFiles:
 
 
 def _collate_per_sample(samples):
-    from .batching import collate
+    from .collate import collate
 
     h = samples[0]["hidden_states"]
     return collate(samples, [s["key"] for s in samples], h.shape[1], samples[0]["aux_hidden_states"].shape[1], h.dtype)

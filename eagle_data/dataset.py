@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import batching as B
+from . import collate as C
 from .schema import HIDDEN_DTYPES, decode_tensors
 from .shards import check_compat, epoch_shard_order, resolve_sources, slot_sizes, slot_spans
 from .payload import view_tensors
@@ -109,7 +110,7 @@ class EagleShardDataset(IterableDataset):
             raise ValueError(f"read_threads must be >= 1, got {read_threads}")
         self.read_threads = read_threads
         self._warned_drop = False
-        self._pool = B.BufferPool()  # batch memory reused in this process (not in workers: shared memory)
+        self._pool = C.BufferPool()  # batch memory reused in this process (not in workers: shared memory)
         self.num_samples = sum(s.num_samples for s in self.shards)
         self.hidden_size = int(self.facts["hidden_size"])
         self.aux_width = len(self.facts["aux_layer_ids"]) * self.hidden_size
@@ -248,10 +249,10 @@ class EagleShardDataset(IterableDataset):
             # in a DataLoader worker the batch is built in shared memory, so torch does not copy
             # it again to send it to the main process
             try:
-                return B.collate(samples, keys, self.hidden_size, self.aux_width, self.dtype, holes,
+                return C.collate(samples, keys, self.hidden_size, self.aux_width, self.dtype, holes,
                                  shared=get_worker_info() is not None, threads=self.read_threads,
                                  pool=self._pool)
-            except B.SampleReadError as e:  # hidden states unreadable now (shard changed, I/O error)
+            except C.SampleReadError as e:  # hidden states unreadable now (shard changed, I/O error)
                 for i in sorted(e.errors, reverse=True):
                     self._drop("unreadable", wheres[i], e.errors[i])
                     del samples[i], keys[i], wheres[i]

@@ -64,7 +64,7 @@ def test_buffer_pool_never_hands_out_memory_still_referenced():
 
     import torch
 
-    from eagle_data.batching import BufferPool
+    from eagle_data.collate import BufferPool
 
     pool = BufferPool(keep=2)
     a = pool.empty((4, 8), torch.bfloat16)
