@@ -296,6 +296,12 @@ def bench_loader(path: str, batch_size: int = 8, workers: list[int] = [0, 1, 2],
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _spread(xs) -> list[float]:
+    """``[median, min, max]`` of a sequence of ratios."""
+    xs = sorted(xs)
+    return [statistics.median(xs), xs[0], xs[-1]]
+
+
 def _summarise(passes: dict[str, list[dict[str, float]]], raws: list[dict[str, float]], workers: list[int],
                per_sample: bool) -> dict[str, Any]:
     med = statistics.median
@@ -304,22 +310,19 @@ def _summarise(passes: dict[str, list[dict[str, float]]], raws: list[dict[str, f
     for kind in ("plain", "hinted"):
         rows[f"raw sequential tar read ({kind})"] = {
             "GB_s": med(r[kind]["bytes"] / r[kind]["seconds"] for r in raws) / 1e9,
-            "vs_raw": sorted(r["seconds"] / r[kind]["seconds"] for r in raws)}
-        v = rows[f"raw sequential tar read ({kind})"]["vs_raw"]
-        v[:] = [med(v), v[0], v[-1]]
+            "vs_raw": _spread(r["seconds"] / r[kind]["seconds"] for r in raws)}
     for name, ps in passes.items():
-        ratios = sorted(r / p["seconds"] for r, p in zip(raw_s, ps))
         rows[name] = {"samples_s": med(p["samples"] / p["seconds"] for p in ps),
                       "GB_s": med(p["bytes"] / p["seconds"] for p in ps) / 1e9,
                       "first_ms": med(p["first_s"] for p in ps) * 1e3,
                       "GB_per_cpu_s": med(p["bytes"] / p["cpu_s"] for p in ps if p["cpu_s"] > 0) / 1e9
                       if any(p["cpu_s"] > 0 for p in ps) else float("nan"),
-                      "vs_raw": [med(ratios), ratios[0], ratios[-1]]}
+                      "vs_raw": _spread(r / p["seconds"] for r, p in zip(raw_s, ps))}
     if per_sample:
         for w in workers:
             ours, ps = passes[f"EagleShardDataset workers={w}"], passes[f"per-sample torch.save files workers={w}"]
-            r = sorted(b["seconds"] / a["seconds"] for a, b in zip(ours, ps))
-            rows[f"EagleShardDataset workers={w}"]["vs_per_sample"] = [med(r), r[0], r[-1]]
+            rows[f"EagleShardDataset workers={w}"]["vs_per_sample"] = _spread(
+                b["seconds"] / a["seconds"] for a, b in zip(ours, ps))
     return {"rows": rows}
 
 

@@ -104,15 +104,20 @@ class SampleReadError(Exception):
         self.errors = errors
 
 
-def _fill_rows(dst: torch.Tensor, src: Any, n: int) -> None:
+def _fill_rows(dst: torch.Tensor, src: Any, n: int) -> BaseException | None:
     """``dst[:n] = src`` (a tensor, or a FileTensor read in place), ``dst[n:] = 0``; numpy and
-    ``preadv`` release the GIL, so several fills run in parallel threads."""
+    ``preadv`` release the GIL, so several fills run in parallel threads. Returns a read error
+    (``OSError``, or ``ValueError`` for a shard that ends early) instead of raising it."""
     d = _bits(dst)
-    if isinstance(src, torch.Tensor):
-        d[:n] = _bits(src)
-    else:
-        src.read_into(d[:n])
+    try:
+        if isinstance(src, torch.Tensor):
+            d[:n] = _bits(src)
+        else:
+            src.read_into(d[:n])
+    except (OSError, ValueError) as e:
+        return e
     d[n:] = 0
+    return None
 
 
 def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size: int, aux_width: int,
@@ -161,22 +166,12 @@ def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size
             out["loss_mask"][i, :n] = s["loss_mask"]
             out["loss_mask"][i, n:] = False
             jobs += [(i, (out[k][i], s[k], n)) for k in ("aux_hidden_states", "hidden_states")]
+        fill = _pool(threads).map if threads > 1 and len(jobs) > 2 else map  # the pool re-raises others
         errors: dict[int, BaseException] = {}
-        if threads > 1 and len(jobs) > 2:
-            futures = [(i, _pool(threads).submit(_fill_rows, *j)) for i, j in jobs]
-            for i, f in futures:
-                e = f.exception()
-                if e is not None:
-                    errors.setdefault(i, e)
-        else:
-            for i, j in jobs:
-                try:
-                    _fill_rows(*j)
-                except (OSError, ValueError) as e:
-                    errors.setdefault(i, e)
+        for (i, _), e in zip(jobs, fill(lambda j: _fill_rows(*j[1]), jobs)):
+            if e is not None:
+                errors.setdefault(i, e)
         if errors:
-            if not all(isinstance(e, (OSError, ValueError)) for e in errors.values()):
-                raise next(e for e in errors.values() if not isinstance(e, (OSError, ValueError)))
             raise SampleReadError(errors)
     out["keys"] = list(keys)
     if num_skipped:

@@ -35,6 +35,8 @@ from .payload import view_tensors
 from .tar_reader import read_span
 
 log = logging.getLogger(__name__)
+
+
 class EagleShardDataset(IterableDataset):
     """Padded EAGLE-3 batches from eagle-data shards; every sample exactly once per epoch
     across ``world_size`` ranks x ``num_workers`` workers, equal batch counts on all ranks.
@@ -287,7 +289,6 @@ class EagleShardDataset(IterableDataset):
                 if i not in drop:
                     pending[i] = r
             yield self._collate([pending.pop(i) for i in b])
-
 
 
 def decode_hf_example(example: dict[str, Any]) -> dict[str, Any]:

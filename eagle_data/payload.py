@@ -23,10 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .schema import decode_tensors, validate_tensors
+from .schema import ST_DTYPES_BY_NAME, decode_tensors, validate_tensors
 
-ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
-             "U8": torch.uint8}
 LAZY_FIELDS = ("aux_hidden_states", "hidden_states")
 
 
@@ -89,8 +87,9 @@ class FileSlice:
 
 
 class FileTensor:
-    """A C-contiguous ``[T, W]`` tensor still in a local file; ``t[:n]`` keeps the first ``n``
-    rows (truncation); :meth:`read_into` fills a destination; :meth:`materialize` reads it."""
+    """A C-contiguous tensor (``[T, W]`` hidden states) still in a local file; ``t[:n]`` keeps
+    the first ``n`` rows (truncation); :meth:`read_into` fills a destination;
+    :meth:`materialize` reads it."""
 
     __slots__ = ("file", "offset", "shape", "dtype")
 
@@ -192,23 +191,20 @@ def view_tensors(data: bytes | np.ndarray | FileSlice, where: str = "?") -> dict
                     warnings.simplefilter("ignore")  # "non-writable buffer": the views are only read
                     u8 = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
         out: dict[str, Any] = {}
-        spans = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]))
-                       for k, v in header.items() if k != "__metadata__")
+        spans = sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
         if [a for a, _ in spans] != [0] + [b for _, b in spans[:-1]] or (spans and spans[-1][1] != body_len):
             raise ValueError("data_offsets do not tile the payload")  # safetensors' own rule
         for k, v in header.items():
             if k == "__metadata__":
                 continue
-            dt = ST_DTYPES[v["dtype"]]
+            dt = ST_DTYPES_BY_NAME[v["dtype"]]
             shape = list(v["shape"])
             a, b = v["data_offsets"]
             if not (0 <= a <= b <= body_len) or b - a != math.prod(shape) * dt.itemsize or min(shape, default=0) < 0:
                 raise ValueError("bad data_offsets")
-            if lazy and k in LAZY_FIELDS and len(shape) == 2:
-                out[k] = FileTensor(data.file, data.offset + body + a, tuple(shape), dt)
-            elif lazy:
-                out[k] = torch.frombuffer(bytearray(data.read(body + a, b - a)) or bytearray(dt.itemsize),
-                                          dtype=dt)[:math.prod(shape)].view(shape)
+            if lazy:  # hidden states stay in the file; the small fields are read now
+                t = FileTensor(data.file, data.offset + body + a, tuple(shape), dt)
+                out[k] = t if k in LAZY_FIELDS and len(shape) == 2 else t.materialize()
             else:
                 piece = u8[body + a:body + b]
                 if (body + a) % dt.itemsize:

@@ -78,6 +78,8 @@ def sample_key(dataset_tag: str, row: int) -> str:
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64",
               torch.uint8: "U8"}
+#: safetensors dtype name -> torch dtype, for readers that parse the header themselves
+ST_DTYPES_BY_NAME = {v: k for k, v in _ST_DTYPES.items()}
 
 
 def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> list:

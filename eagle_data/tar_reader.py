@@ -1,5 +1,5 @@
-"""Shard reading for the loader: open a shard URL, walk its tar members, group them by key
-with webdataset's rules, and view a sample's safetensors payload as tensors without copying.
+"""Shard reading for the loader: open a shard URL, walk its tar members and group them by key
+with webdataset's rules (turning a payload into tensors is :mod:`eagle_data.payload`'s job).
 
 One stage: ``read_span(span)`` yields the raw samples ``span.start .. span.stop - 1`` of one
 shard: members of a local file are :class:`~eagle_data.payload.FileSlice` descriptors (read
@@ -137,7 +137,7 @@ class _TarReader:
             ValueError: truncated archive or corrupt header.
         """
         lf = self._local()
-        end = os.fstat(lf.fd).st_size if lf is not None else 0
+        end = self._size if lf is not None else 0
         at = (lambda p, n: os.pread(lf.fd, n, p)) if lf is not None else None
         pos = 0
         hdr = self._read(_BLOCK) if lf is None else at(0, _BLOCK)
@@ -230,7 +230,7 @@ class _TarReader:
             lf = LocalFile(os.dup(fd), getattr(self.f, "name", "?"))
         except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
             return None
-        self._ra = 0  # readahead requested up to here
+        self._ra, self._size = 0, st.st_size  # readahead requested up to here; file size
         return lf
 
     def _willneed(self, fd: int, pos: int, size: int, end: int) -> None:
