@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 
 def vocab(path: str, size: int = 32000, out: Optional[str] = None, rebuild: bool = False,
@@ -29,14 +29,15 @@ def vocab(path: str, size: int = 32000, out: Optional[str] = None, rebuild: bool
     print(p)
 
 
-def train(model: Optional[dict[str, Any]] = None, data: Optional[dict[str, Any]] = None,
+def train(model: Optional[dict[str, Any]] = None, data: Optional[Union[dict[str, Any], str]] = None,
           trainer: Optional[dict[str, Any]] = None, seed_everything: int = 0,
           ckpt_path: Optional[str] = None) -> None:
     """Train an EAGLE-3 drafter (LightningCLI sections; see configs/train/*.yaml).
 
     Args:
         model: eagle_train.module.EagleDrafterModule arguments (e.g. --model.lr 3e-4).
-        data: eagle_data.datamodule.EagleDataModule arguments (e.g. --data.batch_size 4).
+        data: eagle_data.datamodule.EagleDataModule arguments (e.g. --data.batch_size 4), or a
+            YAML file of them (--data configs/datamodule.yaml).
         trainer: lightning Trainer arguments (e.g. --trainer.max_steps 100, --trainer.strategy ddp).
         seed_everything: global seed.
         ckpt_path: resume from this checkpoint ("last": the run's newest).
@@ -93,7 +94,7 @@ def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_v
 
     Args:
         path: dataset directory written by `eagle-data extract`.
-        out: output directory (checkpoint, acceptance.json/.png, sglang_drafter/).
+        out: output directory (checkpoint, demo_summary.json, acceptance.png, sglang_drafter/).
         minutes: training wall time.
         draft_vocab_size: N.
         eval_samples: held-out samples evaluated at most.

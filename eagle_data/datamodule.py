@@ -6,7 +6,9 @@ Plain script::
     dm = EagleDataModule(train="out/ds-train", val="out/ds-val", batch_size=8, num_workers=2)
     trainer.fit(model, datamodule=dm)
 
-YAML (``LightningCLI``): see ``configs/datamodule.yaml``.
+YAML (the ``data`` section of ``LightningCLI``): ``configs/datamodule.yaml`` holds these
+arguments; ``python -m eagle_train.cli fit --config configs/train/smollm2_cpu.yaml --data
+configs/datamodule.yaml`` (or ``eagle-data train ... --data configs/datamodule.yaml``).
 
 Epochs: the train loader is created once and each ``iter()`` is the next epoch (Lightning
 iterates it once per epoch); its ``state_dict`` (epoch, batches delivered) is saved in Lightning

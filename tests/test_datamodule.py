@@ -76,16 +76,30 @@ def test_plain_script_epochs_and_token_budget(tmp_path):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
-def test_configs_parse(path, tmp_path):
-    from jsonargparse import ArgumentParser
+def test_configs_parse(path, tmp_path, capsys):
+    """The documented uses of configs/datamodule*.yaml: a plain script, the project's
+    LightningCLI (``--data FILE``), and ``eagle-data train --data FILE`` (path handed to it)."""
+    from eagle_data import cli
+    from eagle_train.cli import make_cli
 
-    cfg = yaml.safe_load(path.read_text())
-    if cfg.get("class_path") != "eagle_data.datamodule.EagleDataModule":
-        pytest.skip("not a datamodule config")
     write_synthetic(tmp_path, [3])
-    parser = ArgumentParser()
-    parser.add_subclass_arguments(L.LightningDataModule, "data")
-    ns = parser.parse_args(["--data", str(path), "--data.init_args.train", str(tmp_path)])
-    dm = parser.instantiate(ns).data
-    assert isinstance(dm, EagleDataModule)
-    assert sorted(k for b in dm.train_dataloader() for k in b["keys"]) == [f"syn_{g:09d}" for g in range(3)]
+    want = [f"syn_{g:09d}" for g in range(3)]
+    args = yaml.safe_load(path.read_text())
+    dm = EagleDataModule(**{**args, "train": str(tmp_path), "pin_memory": False})
+    assert sorted(k for b in dm.train_dataloader() for k in b["keys"]) == want
+
+    train_cfg = str(Path(__file__).parents[1] / "configs/train/smollm2_cpu.yaml")
+    parsed = make_cli(args=["--config", train_cfg, "--data", str(path), "--data.train", str(tmp_path)],
+                      run=False, parse_only=True).config["data"].as_dict()
+    parsed.pop("__path__", None)  # jsonargparse notes which file the section came from
+    assert parsed == {**args, "train": str(tmp_path)}
+    dm = EagleDataModule(**{**parsed, "pin_memory": False})
+    assert sorted(k for b in dm.train_dataloader() for k in b["keys"]) == want
+
+    cfg = yaml.safe_load(Path(train_cfg).read_text()) | {"data": str(path)}  # what `eagle-data train` passes
+    parsed = make_cli(args=cfg, run=False, parse_only=True).config["data"].as_dict()
+    parsed.pop("__path__", None)
+    assert parsed == args
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--config", train_cfg, "--data", str(path), "--print_config"])
+    assert str(path) in capsys.readouterr().out

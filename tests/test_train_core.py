@@ -228,3 +228,6 @@ def test_acceptance_runs_and_plot(tmp_path):
     assert r["num_chains"] == 4 and 1.0 <= r["tau"] <= 4.0 and len(r["accept_at_least"]) == 3
     p = plot_acceptance({"untrained": r}, tmp_path / "a.png")
     assert p.stat().st_size > 1000
+    for bad in (0, 1):  # `eagle-data eval --max_length 0` used to mean "no truncation"
+        with pytest.raises(ValueError, match="max_length"):
+            acceptance(mod.drafter, tiny_target(), s, steps=3, positions_per_sample=4, max_length=bad)

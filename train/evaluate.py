@@ -110,11 +110,13 @@ def acceptance(drafter, target, samples: dict[str, dict[str, torch.Tensor]], ste
 
     ``max_length`` truncates samples first; ``oracles`` (a dict, filled on first use) shares the
     target's teacher-forced pass between drafters evaluated on the same samples."""
+    if max_length is not None and max_length < 2:
+        raise ValueError(f"max_length must be >= 2 (a position and the token after it), got {max_length}")
     oracles = {} if oracles is None else oracles
     accepted: list[int] = []
     drafter.eval()
     for key in sorted(samples):
-        s = {k: v[:max_length] for k, v in samples[key].items()} if max_length else samples[key]
+        s = {k: v[:max_length] for k, v in samples[key].items()} if max_length is not None else samples[key]
         ids, m = s["input_ids"], s["loss_mask"].bool()
         cand = [t for t in range(ids.shape[0] - 1) if m[t + 1]]
         if not cand:
