@@ -296,7 +296,7 @@ def read_span(span: Span, on_error: str, skipped: Counter) -> Iterator[dict[str,
             yield _checked(sample, on_error, skipped)
         if got < want:
             raise ValueError(f"shard {sh.url}: expected {span.stop} samples, the tar ends after "
-                             f"{span.start + got} (truncated?)")
+                             f"{idx + 1} (truncated?)")
     except Exception as e:
         if on_error == "raise":
             if isinstance(e, ValueError) and str(e).startswith("shard "):

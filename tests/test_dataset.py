@@ -300,3 +300,13 @@ def test_shuffle_initial_exact_once_and_validated(ds30):
     assert sorted(keys) == sorted(set(keys)) and len(keys) == 30
     with pytest.raises(ValueError, match="shuffle_initial"):
         EagleShardDataset(ds30, batch_size=2, shuffle_initial=0)
+
+
+def test_short_tar_message_counts_the_samples_the_tar_holds(tmp_path):
+    """A clean tar that holds fewer samples than the manifest: the error gives the real count,
+    also for a rank whose span starts after the tar's end."""
+    write_synthetic(tmp_path, [10])
+    rewrite_members(tmp_path / "00000-000000.tar", lambda name, data: data if int(name[4:13]) < 3 else None)
+    ds = EagleShardDataset(tmp_path, batch_size=2, shuffle=False, rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"00000-000000.tar: expected 10 samples, the tar ends after 3 \(truncated"):
+        run_epoch(EagleDataLoader(ds))
