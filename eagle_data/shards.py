@@ -94,6 +94,16 @@ def _dir_of(url: str) -> str:
     return posixpath.dirname(url) if _is_url(url) else str(Path(url).parent)
 
 
+def _is_shard_source(src: str) -> bool:
+    """Shard URL / brace pattern / ``pipe:`` command, as opposed to a dataset directory (whose
+    name may well contain ``.tar``, e.g. ``data.tar.d``)."""
+    if src.startswith("pipe:"):
+        return True
+    if not _is_url(src) and Path(src).is_dir():
+        return False
+    return bool(re.search(r"\.tar\}?$", src))
+
+
 def resolve_sources(sources: str | Path | Sequence[str | Path], manifest: str | None = None
                     ) -> tuple[list[ShardInfo], list[tuple[str, dict[str, Any]]]]:
     """Turn sources into shards (with counts) and the manifests they come from.
@@ -124,7 +134,7 @@ def resolve_sources(sources: str | Path | Sequence[str | Path], manifest: str | 
     shards: list[ShardInfo] = []
     for src in sources:
         src = str(src)
-        if src.endswith(MANIFEST_NAME) or not (".tar" in src):
+        if src.endswith(MANIFEST_NAME) or not _is_shard_source(src):
             murl = src if src.endswith(MANIFEST_NAME) else _join(src, MANIFEST_NAME)
             m = load(murl)
             base = _dir_of(murl)

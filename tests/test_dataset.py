@@ -310,3 +310,11 @@ def test_short_tar_message_counts_the_samples_the_tar_holds(tmp_path):
     ds = EagleShardDataset(tmp_path, batch_size=2, shuffle=False, rank=1, world_size=2)
     with pytest.raises(ValueError, match=r"00000-000000.tar: expected 10 samples, the tar ends after 3 \(truncated"):
         run_epoch(EagleDataLoader(ds))
+
+
+def test_dataset_directory_named_like_a_tar(tmp_path):
+    d = tmp_path / "data.tar.d"
+    write_synthetic(d, [3, 2])
+    assert sorted(k for b in run_epoch(EagleDataLoader(EagleShardDataset(d, batch_size=2))) for k in b) == \
+        [f"syn_{g:09d}" for g in range(5)]
+    assert sum(1 for _ in EagleDataLoader(EagleShardDataset(f"{d}/00000-{{000000..000001}}.tar", batch_size=5))) == 1
