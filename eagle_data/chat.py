@@ -1,24 +1,36 @@
 """Chat template rendering, ONE tokenisation, and the assistant loss mask.
 
-The loss mask is computed from character offsets in the single full render, never from
-lengths of partial renders (templates such as Qwen3 drop earlier ``<think>`` blocks, so a
-partial render is not a prefix of the full one).
+Rule: ``loss_mask[t] = 1`` iff token ``t`` overlaps an assistant turn's *output* as the
+template rendered it: everything after the generation prompt (the text
+``add_generation_prompt`` appends, e.g. ``<|im_start|>assistant\\n``) through the turn's last
+field (reasoning, content, tool-call text) and the special end-of-turn token right after it
+(``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ``<end_of_turn>``...; for a tool-call turn, the
+template's call-end token). So a ``<think>`` block or a channel header the template writes
+inside the turn is supervised (the model generates it); system/user/tool text, role headers,
+injected default system prompts and dates are 0. Positions come from an exact alignment of
+the real render with a placeholder render (:mod:`eagle_data.mask`), never from searching for
+the answer's text; a conversation that does not align is skipped with a named reason.
 
-Rule: ``loss_mask[t] = 1`` iff token ``t`` overlaps the characters of an assistant
-message's content as the template rendered it (including a ``<think>...</think>`` block
-the template rendered right before the answer) or the special end-of-turn token that
-immediately follows it (``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ``<end_of_turn>`` ...).
-Everything else (system/user text, role headers, default system prompts, injected dates)
-is 0. Each assistant content is searched only after its own role header, which is found by
-matching the template text of a second render with placeholders in place of the assistant
-contents (see :meth:`ChatRenderer.assistant_spans`): a short answer ("a", "assistant") never
-matches inside a header, a user message or an injected system prompt.
+Reasoning (``reasoning_content``) is given to the template under that name and as
+``thinking`` (gpt-oss). A template that renders neither gets it inline in the content as
+``<think>\\n...\\n</think>\\n\\n`` (recorded in the manifest as ``reasoning: "inline"``).
+Templates that drop the reasoning of earlier turns (Qwen3) drop it here too: it is what the
+model sees when serving.
+
+Checks at start (``ValueError`` naming the template and the marker): the text a template
+writes after an assistant message must start with a special token of the tokenizer that
+encodes as one token (the end-of-turn). Per sample: message text that contains a special
+token's string (``<|im_end|>`` typed in a message would become the real token) is skipped
+(``special_token_in_text``).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import json
+import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +39,11 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from .conversations import Conversation, ErrorPolicy, Skip
+from .mask import (PLACEHOLDER, MaskError, SpecialTokenInText, align, assistant_spans,
+                   placeholder_messages)
 from .schema import sample_key
 
-_THINK_BLOCK = re.compile(r"<think>.*</think>\s*", re.DOTALL)
-
-
-class SpanError(ValueError):
-    """An assistant message could not be located in the rendered text."""
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,6 +68,14 @@ class TokenizedSample:
         return int(self.input_ids.shape[0])
 
 
+_READS_REASONING = re.compile(r"reasoning_content|message\s*\.\s*thinking|\[\s*['\"]thinking['\"]\s*\]|"
+                              r"['\"]thinking['\"]\s+in\s+message")
+
+
+def _ph(j: int) -> str:
+    return f"EAGLEPH{j}HP"
+
+
 @dataclass
 class ChatRenderer:
     """Renders messages with a tokenizer's chat template and computes the loss mask.
@@ -68,14 +86,17 @@ class ChatRenderer:
         date: pinned date for templates that inject today's date (``strftime_now``,
             Llama-3.2's ``date_string``), ISO ``YYYY-MM-DD``; recorded in the manifest.
         variables: extra template variables (e.g. ``{"enable_thinking": False}``).
+        name: how errors name the template (default: ``"the tokenizer's chat template"``).
 
     Raises:
-        ValueError: no template, or a slow tokenizer.
+        ValueError: no template, a slow tokenizer, or a template whose end-of-turn marker is
+            not a single special token (see the module docstring).
     """
     tokenizer: Any
     template: str | None = None
     date: str = "2026-01-01"
     variables: dict[str, Any] = field(default_factory=dict)
+    name: str = "the tokenizer's chat template"
 
     def __post_init__(self):
         if self.template is None:
@@ -93,97 +114,154 @@ class ChatRenderer:
         specials = set(self.tokenizer.all_special_tokens)
         specials.update(t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special)
         self._specials = sorted((s for s in specials if s), key=len, reverse=True)
+        self._special_re = re.compile("|".join([PLACEHOLDER.pattern] + [re.escape(s) for s in self._specials]))
+        self._probe()
 
     @classmethod
     def from_path(cls, tokenizer: Any, template_path: str | Path | None, **kw) -> "ChatRenderer":
-        text = Path(template_path).read_text(encoding="utf-8") if template_path else None
-        return cls(tokenizer, text, **kw)
+        if not template_path:
+            return cls(tokenizer, None, **kw)
+        return cls(tokenizer, Path(template_path).read_text(encoding="utf-8"), name=str(template_path), **kw)
 
     @property
     def template_sha256(self) -> str:
         return hashlib.sha256(self.template.encode("utf-8")).hexdigest()
 
     def describe(self) -> dict[str, Any]:
-        """Manifest entry: template hash and rendering variables."""
+        """Manifest entry: template hash, rendering variables, and what the probe found."""
         return {"template_sha256": self.template_sha256, "date": self.date,
-                "variables": {k: v for k, v in self.variables.items()}}
+                "variables": {k: v for k, v in self.variables.items()},
+                "generation_prompt": self.gen_prompt, "end_of_turn": list(self.eot),
+                "tool_call_end": list(self.call_end), "tool_call_arguments": "json" if self.args_as_json else "dict",
+                "tool_call_anchor": self.call_anchor,
+                "reasoning": "template" if self.reasoning_rendered else "inline"}
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        """Full conversation text, ``add_generation_prompt=False``."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """Full conversation text (reasoning handed over as described in the module docstring)."""
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=False, chat_template=self.template,
-            **self._render_vars)
+            self._for_template(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=self.template, **self._render_vars)
 
-    def assistant_spans(self, text: str, messages: list[dict[str, str]]) -> list[tuple[int, int]]:
-        """Character spans ``[start, end)`` of each assistant message (+ its end-of-turn token).
+    def _for_template(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not any("reasoning_content" in m or "tool_calls" in m for m in messages):
+            return messages
+        out = []
+        for m in messages:
+            if "tool_calls" in m and getattr(self, "args_as_json", False):
+                m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+                    c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
+            if "reasoning_content" in m:
+                r = m["reasoning_content"]
+                m = ({**m, "thinking": r} if getattr(self, "reasoning_rendered", True) else
+                     {k: v for k, v in {**m, "content": f"<think>\n{r}\n</think>\n\n{m['content']}"}.items()
+                      if k != "reasoning_content"})
+            out.append(m)
+        return out
 
-        Anchoring: the conversation is rendered a second time with each assistant content
-        replaced by a unique placeholder. Up to the first assistant content both renders are
-        identical, and between two assistant contents both carry the same template text
-        (end-of-turn, user turn, role header). So for assistant message ``i`` the text of the
-        placeholder render between the previous placeholder and placeholder ``i`` is matched
-        character by character at the current position of the real render; the content is
-        searched only after that header (and after the rendered ``</think>`` when the message
-        has reasoning), never inside headers, user text or injected system prompts.
+    # ---- what the template writes around an assistant turn (once, at start) -------------------
+    def _leading_special(self, text: str) -> str | None:
+        body = text.lstrip()
+        return next((s for s in self._specials if body.startswith(s)), None)
+
+    def _probe(self) -> None:
+        msgs = [{"role": "user", "content": _ph(0)}, {"role": "assistant", "content": _ph(1)},
+                {"role": "user", "content": _ph(2)}, {"role": "assistant", "content": _ph(3)}]
+        try:
+            one = self.render(msgs[:1])
+            gen = self.render(msgs[:1], add_generation_prompt=True)
+            text = self.render(msgs)
+        except Exception as e:
+            raise ValueError(f"{self.name} cannot render a plain user/assistant conversation: "
+                             f"{type(e).__name__}: {e}") from e
+        if any(_ph(j) not in text for j in range(4)):
+            raise ValueError(f"{self.name} does not render every message of a plain user/assistant conversation")
+        # what add_generation_prompt appends (some templates end a conversation with a marker
+        # that the generation prompt replaces, e.g. Phi-3's <|endoftext|>)
+        cut = len(os.path.commonprefix([one, gen]))
+        while 0 < cut < len(one) and not any(one.startswith(s, cut) for s in self._specials):
+            cut -= 1  # never split a special token
+        self.gen_prompt = gen[cut:]
+        mid = text[text.index(_ph(1)) + len(_ph(1)):text.index(_ph(2))]
+        last = text[text.index(_ph(3)) + len(_ph(3)):]
+        eot = self._leading_special(mid)
+        if eot is None:
+            raise ValueError(f"{self.name}: the text after an assistant message, {mid[:40]!r}, does not start "
+                             "with a special token of the tokenizer, so the end of a turn cannot be supervised. "
+                             "Use a tokenizer that declares the template's end-of-turn marker as a special token.")
+        if len(self.tokenizer.encode(eot, add_special_tokens=False)) != 1:
+            raise ValueError(f"{self.name}: the end-of-turn marker {eot!r} does not encode as one token")
+        self.eot = tuple(dict.fromkeys(x for x in (eot, self._leading_special(last)) if x))
+        self.reasoning_rendered = True  # probe renders with reasoning handed to the template
+        think = [msgs[0], {"role": "assistant", "content": _ph(1), "reasoning_content": _ph(2)}]
+        try:
+            self.reasoning_rendered = _ph(2) in self.render(think)
+        except Exception:
+            self.reasoning_rendered = False
+        # a template may render reasoning only in some positions (Kimi-K2-Thinking: inside a
+        # tool-call sequence): if it reads the field at all, it decides
+        code = re.sub(r"\{#.*?#\}", "", self.template, flags=re.DOTALL)
+        self.reasoning_rendered |= bool(_READS_REASONING.search(code))
+        self.call_end = self._probe_tool_call(msgs)
+
+    def _probe_tool_call(self, msgs) -> tuple[str, ...]:
+        """How the template takes tool-call arguments (``self.args_as_json``: a JSON string, as
+        DeepSeek's templates concatenate them, instead of a dict) and the special token that
+        ends a tool-call turn when it is not the end-of-turn marker."""
+        self.args_as_json, self.call_anchor = False, "name"
+        if "tool_calls" not in self.template:
+            return ()
+        for as_json in (False, True):
+            args = {"city": _ph(1)}
+            call = {"type": "function", "id": "call00001",
+                    "function": {"name": _ph(4), "arguments": json.dumps(args) if as_json else args}}
+            conv = [msgs[0], {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "content": _ph(2), "name": "get_weather", "tool_call_id": "call00001"},
+                    {"role": "assistant", "content": _ph(3)}]
+            try:
+                text = self.render(conv)
+            except Exception:
+                continue
+            if _ph(1) in text and _ph(2) in text:
+                self.args_as_json = as_json
+                # the call's name anchors its position, else its id (Kimi-K2 writes only the id)
+                self.call_anchor = "name" if _ph(4) in text else "id"
+                tail = text[text.index(_ph(1)) + len(_ph(1)):text.index(_ph(2))]
+                if any(m in tail for m in self.eot):
+                    return ()
+                hits = [(tail.find(s), s) for s in self._specials if s in tail]
+                return (min(hits)[1],) if hits else ()
+        return ()
+
+    # ---- per conversation ---------------------------------------------------------------------
+    def assistant_spans(self, text: str, messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
+        """Character spans ``[start, end)`` of each assistant turn's output in ``text`` (the
+        render of ``messages``); see :mod:`eagle_data.mask`.
 
         Raises:
-            SpanError: an assistant message's content is not in the render.
+            MaskError: (a subclass naming) why the conversation cannot be masked exactly.
         """
-        ph = [f"@@EAGLE_PLACEHOLDER_{i}@@" for i in range(len(messages))]
-        pmsgs = [{**m, "content": ph[i]} if m["role"] == "assistant" else m for i, m in enumerate(messages)]
-        ptext = self.render(pmsgs)
-        spans, r, p = [], 0, 0
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            pi = ptext.find(ph[i], p)
-            if pi < 0:
-                raise SpanError(f"assistant message {i} is not rendered by the template")
-            seg = ptext[p:pi]
-            common = 0
-            for a, b in zip(text[r:r + len(seg)], seg):
-                if a != b:
-                    break
-                common += 1
-            search = r + common
-            # A reasoning block the template rendered from this message (absent or empty in the
-            # placeholder render) is open at ``search``: the answer comes after its end.
-            tb = text.rfind("<think>", r, search + len("<think>"))
-            if tb >= 0:
-                te = text.find("</think>", tb)
-                if te >= 0 and te + len("</think>") > search:
-                    search = te + len("</think>")
-            answer = m["content"].rsplit("</think>", 1)[-1]
-            found = -1
-            for cand in dict.fromkeys((answer, answer.strip())):
-                if cand and (found := text.find(cand, search)) >= 0:
-                    break
-            if found < 0:
-                raise SpanError(f"assistant message {i} not found in the rendered text")
-            start, end = found, found + len(cand)
-            head = text[r:start]
-            t = head.rfind("<think>")
-            if t >= 0 and _THINK_BLOCK.fullmatch(head[t:]):
-                start = r + t
-            p = pi + len(ph[i])
-            for sp in self._specials:
-                if text.startswith(sp, end):
-                    end += len(sp)
-                    if ptext.startswith(sp, p):
-                        p += len(sp)
-                    break
-            spans.append((start, end))
-            r = end
-        return spans
+        self._check_text(messages)
+        msgs = self._for_template(messages)
+        pmsgs, pieces = placeholder_messages(msgs, self.call_anchor)
+        ptext = self.tokenizer.apply_chat_template(pmsgs, tokenize=False, add_generation_prompt=False,
+                                                   chat_template=self.template, **self._render_vars)
+        where = align(text, ptext, pieces, msgs)
+        return assistant_spans(text, msgs, pieces, where, self.gen_prompt, self.eot, self.call_end)
 
-    def tokenize(self, messages: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _check_text(self, messages: list[dict[str, Any]]) -> None:
+        for i, m in enumerate(messages):
+            for key in ("content", "reasoning_content", "tool_calls"):
+                if key in m and (hit := self._special_re.search(str(m[key]))):
+                    raise SpecialTokenInText(f"message {i} ({m['role']}) field '{key}' contains {hit.group()!r}")
+
+    def tokenize(self, messages: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Render, tokenise once and build the loss mask.
 
         Returns:
             ``(input_ids [T] int64, loss_mask [T] uint8)``.
 
         Raises:
-            SpanError: see :meth:`assistant_spans`.
+            MaskError: see :meth:`assistant_spans`.
         """
         text = self.render(messages)
         spans = self.assistant_spans(text, messages)
@@ -200,16 +278,18 @@ def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag:
              max_length: int, policy: ErrorPolicy) -> Iterator[TokenizedSample]:
     """Stage: conversations -> :class:`TokenizedSample` (truncated to ``max_length``).
 
-    Skips (counted in ``policy``): ``template_error`` (the template raised),
-    ``assistant_span_not_found``, ``no_loss_tokens`` (nothing supervised after truncation).
+    Skips (counted in ``policy``): ``template_error`` (the template raised), the
+    :class:`~eagle_data.mask.MaskError` reasons (``mask_unaligned``, ``message_not_rendered``,
+    ``tool_calls_not_rendered``, ``special_token_in_text``), ``no_loss_tokens`` (nothing
+    supervised after truncation).
     """
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     for c in convs:
         try:
             ids, mask = renderer.tokenize(c.messages)
-        except SpanError as e:
-            policy.handle(Skip(c.row, c.source_id, "assistant_span_not_found", str(e)))
+        except MaskError as e:
+            policy.handle(Skip(c.row, c.source_id, e.reason, str(e)))
             continue
         except Exception as e:  # jinja2 TemplateError / raise_exception from the template
             policy.handle(Skip(c.row, c.source_id, "template_error", f"{type(e).__name__}: {e}"))

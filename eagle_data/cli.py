@@ -20,7 +20,7 @@ def extract(
     data: str = "sharegpt",
     split: str = "train",
     dataset_tag: Optional[str] = None,
-    num_samples: Optional[int] = 64,
+    num_samples: Optional[int] = None,
     max_length: int = 2048,
     chat_template: Optional[str] = None,
     template_date: str = "2026-01-01",
@@ -54,7 +54,8 @@ def extract(
         data: "sharegpt" (embedded default), a .json/.jsonl/.parquet file or folder, or a datasets hub name.
         split: dataset split.
         dataset_tag: prefix of sample keys (default: from the data name); keys are TAG_ROW.
-        num_samples: use the first N source rows (None: all).
+        num_samples: use the first N source rows (default: all rows of your --data; 64 of the embedded
+            "sharegpt" demo). Rerunning with a larger N extends a finished run (resume).
         max_length: truncate the rendered conversation to this many tokens.
         chat_template: path to a Jinja chat template (default: the tokenizer's).
         template_date: date (YYYY-MM-DD) given to templates that print today's date, for reproducible ids.

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -49,6 +49,10 @@ from .writer import ShardSink, atomic_write_json
 log = logging.getLogger(__name__)
 
 
+#: rows of the embedded ShareGPT demo taken when ``num_samples`` is not given
+DEMO_ROWS = 64
+
+
 @dataclass
 class ExtractConfig:
     """All settings of one extraction run (see :func:`eagle_data.cli.extract` for docs)."""
@@ -57,7 +61,7 @@ class ExtractConfig:
     data: str = "sharegpt"
     split: str = "train"
     dataset_tag: str | None = None
-    num_samples: int | None = 64
+    num_samples: int | None = None
     max_length: int = 2048
     chat_template: str | None = None
     template_date: str = "2026-01-01"
@@ -278,6 +282,8 @@ def _run(cfg: ExtractConfig, storage: str, out: Path, backend, tokenizer) -> dic
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
     renderer = ChatRenderer.from_path(tokenizer, cfg.chat_template, date=cfg.template_date,
                                       variables=cfg.template_vars)
+    if cfg.num_samples is None and cfg.data == "sharegpt":
+        cfg = replace(cfg, num_samples=DEMO_ROWS)  # the embedded demo; a user's --data: every row
     tag = cfg.dataset_tag or resolve(cfg.data)[2]
     sample_key(tag, 0)  # validates the tag (ValueError) before any work
     if backend is None:
@@ -316,6 +322,7 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
     prev = _check_outdir(out, cfg.rank, run_cfg)
     if prev is not None:
         check_resume(prev, run_cfg, str(prog))
+        prev["config"]["num_samples"] = run_cfg["num_samples"]  # more rows extend the run
     state = prev or {"config": run_cfg, "config_hash": config_hash(run_cfg), "rank": cfg.rank,
                      "world_size": cfg.world_size, "model": model_facts, "shards": [], "skipped": {},
                      "finished": False}
@@ -328,24 +335,26 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
     published_tokens = sum(s["num_tokens"] for s in state["shards"])
     atomic_write_json(prog, state)
 
-    policy = ErrorPolicy(cfg.on_bad_sample)
-    pending_skips: dict[str, str] = {}
-    _orig_handle = policy.handle
-
+    state.setdefault("notes", {})
+    unsaved: dict[str, dict[str, str]] = {"skipped": {}, "notes": {}}  # str(row) -> reason
     lock = threading.Lock()  # on_publish runs in the shard-writer thread
 
-    def handle(skip):
+    def remember(skip: Skip, note: bool) -> None:
         with lock:
-            _orig_handle(skip)
-            pending_skips[str(skip.row)] = skip.reason
-    policy.handle = handle  # type: ignore[method-assign]
+            unsaved["notes" if note else "skipped"][str(skip.row)] = skip.reason
 
-    def on_publish(rec):  # commit shard + skips seen so far in one atomic progress write
+    policy = ErrorPolicy(cfg.on_bad_sample, listener=remember)
+
+    def commit(extra: dict[str, Any]) -> None:  # skips and notes seen so far, in one atomic write
+        new = {**state, **extra, **{k: {**state[k], **v} for k, v in unsaved.items()}}
+        atomic_write_json(prog, new)
+        state.update(new)
+        for v in unsaved.values():
+            v.clear()
+
+    def on_publish(rec):  # commit shard + skips/notes seen so far in one atomic progress write
         with lock:
-            new = {**state, "shards": [*state["shards"], rec], "skipped": {**state["skipped"], **pending_skips}}
-            atomic_write_json(prog, new)
-            state.update(new)
-            pending_skips.clear()
+            commit({"shards": [*state["shards"], rec]})
 
     # ---- pipeline (finished and skipped rows are dropped before any tokenisation) ------------
     records = ((r, rec) for r, rec in iter_records(cfg.data, cfg.split, cfg.rank, cfg.world_size, cfg.num_samples)
@@ -391,7 +400,7 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
             sigs.check()
         dt = time.perf_counter() - t0
         bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{n_tok / dt:.0f}", skipped=len(state["skipped"]) + len(pending_skips),
+        bar.set_postfix(tok_s=f"{n_tok / dt:.0f}", skipped=len(state["skipped"]) + len(unsaved["skipped"]),
                         written=f"{writer.bytes_written / 2**20:.0f}MiB")
 
     writer = None
@@ -427,9 +436,8 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
                 if inflight is not None:
                     consume(*inflight)
             writer.close()
-            state["skipped"].update(pending_skips)
-            state["finished"] = True
-            atomic_write_json(prog, state)
+            with lock:
+                commit({"finished": True})
         except ExtractionInterrupted as e:
             _abort(writer, sink)
             log.error("interrupted by signal %d: the shard in progress was discarded (%d shard(s) of rank %d "
@@ -453,7 +461,8 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
         stats = {"new_samples": n_new, "new_tokens": n_tok, "seconds": round(elapsed, 3),
                  "tokens_per_s": round(n_tok / elapsed, 1) if elapsed > 0 else None,
                  "total_tokens": published_tokens + n_tok,
-                 "skip_counts": dict(sorted(policy.counter.as_dict().items()))}
+                 "skip_counts": dict(sorted(policy.counter.as_dict().items())),
+                 "note_counts": dict(sorted(policy.counter.notes.items()))}
         log.info("rank %d finished: %s", cfg.rank, stats)
         # The last rank to finish writes the merged manifest (idempotent if several race).
         result: dict[str, Any] = {"progress": state, "run_stats": stats}

@@ -35,20 +35,25 @@ def read_sample(shard: Path, key: str) -> tuple[dict, dict]:
 
 
 def masked_text(tokenizer, input_ids, loss_mask, max_chars: int, brackets: bool = False) -> Text:
-    """Decode token by token; supervised tokens (loss_mask == 1) in bold green, and with
-    ``brackets`` (output without colours: a file or CI log) also between ``⟦`` and ``⟧``."""
+    """Decode each run of equal ``loss_mask`` as a whole (a character split over several byte
+    tokens, as in Greek, Japanese or emoji, decodes correctly); supervised runs in bold green,
+    and with ``brackets`` (output without colours: a file or CI log) also between ``⟦`` and ``⟧``."""
     text = Text()
-    prev = 0
-    for tid, m in zip(input_ids.tolist(), loss_mask.tolist()):
-        if brackets and m != prev:
-            text.append("⟦" if m else "⟧", style="bold")
-        prev = m
-        text.append(tokenizer.decode([tid]), style="bold green" if m else "dim")
-        if len(text) > max_chars:
-            text.append(" …[cut]", style="red")
-            break
-    if brackets and prev:
-        text.append("⟧", style="bold")
+    ids, mask = input_ids.tolist(), loss_mask.tolist()
+    start = 0
+    while start < len(ids) and len(text) <= max_chars:
+        end = start
+        while end < len(ids) and mask[end] == mask[start]:
+            end += 1
+        part = tokenizer.decode(ids[start:end])
+        sup = bool(mask[start])
+        if brackets and sup:
+            part = f"⟦{part}⟧"
+        text.append(part, style="bold green" if sup else "dim")
+        start = end
+    if len(text) > max_chars:
+        text = text[:max_chars]
+        text.append(" …[cut]", style="red")
     return text
 
 

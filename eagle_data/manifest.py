@@ -2,9 +2,10 @@
 
 * ``progress-{rank:05d}.json`` (one per rank, rewritten atomically after every published
   shard): the run config + its hash, published shards (name, samples, bytes, sha256, keys),
-  skipped source rows with their reasons, and ``finished``.
+  skipped source rows with their reasons, noted rows (kept but changed, e.g. a conversation
+  cut before a blank reply) with theirs, and ``finished``.
 * ``manifest.json`` (written by :func:`merge` once every rank has finished): schema
-  version, config, model facts, all shards, skip counts by reason, totals, package
+  version, config, model facts, all shards, skip and note counts by reason, totals, package
   versions; plus ``index.parquet`` consolidated from ``index/*.parquet``.
 
 Crash safety: a rank's progress file is the only truth about what it has published. A
@@ -37,9 +38,10 @@ from .writer import INDEX_DIR, INDEX_SCHEMA, atomic_write_json, write_parquet_at
 log = logging.getLogger(__name__)
 LOCK_NAME = ".eagle-data.lock"
 
-#: config fields that must be equal for a resume or a merge to mix outputs
+#: config fields that must be equal for a resume or a merge to mix outputs (``num_samples`` is
+#: not one: rerunning with more rows of the same source extends a finished run)
 RESUME_KEYS = ("model_path", "weights_fingerprint", "tokenizer_sha256", "template", "dtype", "storage_dtype",
-               "aux_layer_ids", "max_length", "data", "dataset_tag", "split", "num_samples", "world_size")
+               "aux_layer_ids", "max_length", "data", "dataset_tag", "split", "world_size")
 
 
 def progress_path(out_dir: Path, rank: int) -> Path:
@@ -236,9 +238,10 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> dict[str, Any]
     if len(keys) != len(set(keys)):
         dup = [k for k, n in Counter(keys).items() if n > 1][:5]
         raise ValueError(f"{out}: duplicate sample keys across shards, e.g. {dup}")
-    skips = Counter()
+    skips, notes = Counter(), Counter()
     for p in progs:
         skips.update(p["skipped"].values())
+        notes.update(p.get("notes", {}).values())
     parts = [shard_index_part(out, s["name"]) for s in shards]
     missing = [str(pp.relative_to(out)) for pp in parts if not pp.exists()]
     if missing:
@@ -262,6 +265,7 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> dict[str, Any]
         "total_bytes": sum(s["bytes"] for s in shards),
         "skip_counts": dict(sorted(skips.items())),
         "num_skipped": sum(skips.values()),
+        "note_counts": dict(sorted(notes.items())),
         "packages": package_versions(),
         "complete": not unfinished,
     }

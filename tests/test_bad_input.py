@@ -49,8 +49,9 @@ line = st.one_of(record.map(json.dumps), record.map(json.dumps),
                  st.sampled_from(["{oops", "[1, 2", '"unterminated', "NaN-ish }", "\\u0000"]))
 REASONS = {"no_messages", "unknown_role", "non_string_content", "empty_assistant", "no_assistant_turn",
            "broken_alternation", "misplaced_system", "bad_turn", "not_an_object", "invalid_unicode",
-           "unreadable_record", "template_error", "assistant_span_not_found", "no_loss_tokens",
-           "token_id_out_of_range", "non_finite_hidden_states"}
+           "unreadable_record", "template_error", "no_loss_tokens", "token_id_out_of_range",
+           "non_finite_hidden_states", "non_text_content", "bad_tool_call", "mask_unaligned",
+           "message_not_rendered", "tool_calls_not_rendered", "special_token_in_text"}
 
 
 @settings(max_examples=300, deadline=None)

@@ -7,8 +7,10 @@ import torch
 
 from eagle_data.chat import ChatRenderer, tokenize
 from eagle_data.conversations import Conversation, ErrorPolicy
+from eagle_data.mask import SpecialTokenInText
 
 from templates import TEMPLATES_DIR, family_tokenizer, template_files
+from test_mask_property import check, parts_of
 
 TEMPLATES = template_files()
 if len(TEMPLATES) < 31:  # never pass vacuously
@@ -38,40 +40,78 @@ def masked_runs(tok, ids, mask):
 
 
 def render_any(r, with_system=True):
-    """Render with a system prompt if the template supports one (Gemma-2 raises)."""
+    """With a system prompt if the template renders one (Gemma-2 raises; Mistral-v3 renders it
+    only when the conversation ends with a user turn: such a sample is skipped as
+    ``message_not_rendered``, see test_unrendered_system_prompt_is_a_named_skip)."""
     msgs = [SYSTEM, *CHAT] if with_system else CHAT
     try:
-        r.render(msgs)
-        return msgs
+        return msgs if SYSTEM["content"] in r.render(msgs) else CHAT
     except Exception:
         return CHAT
 
 
+def test_unrendered_system_prompt_is_a_named_skip():
+    path = next(p for p in TEMPLATES if p.stem == "mistral_v3_instruct")
+    r = ChatRenderer(family_tokenizer(path))
+    pol = ErrorPolicy()
+    assert list(tokenize([Conversation(0, "x", [SYSTEM, *CHAT])], r, "t", 1000, pol)) == []
+    assert pol.counter.as_dict() == {"message_not_rendered": 1}
+
+
 @pytest.mark.parametrize("path", TEMPLATES, ids=[p.stem for p in TEMPLATES])
-def test_mask_is_exactly_assistant_text_and_end_of_turn(path):
-    tok = family_tokenizer(path)
-    r = ChatRenderer(tok)
+def test_mask_is_exactly_assistant_output_and_end_of_turn(path):
+    r = ChatRenderer(family_tokenizer(path))
     msgs = render_any(r)
     ids, mask = r.tokenize(msgs)
-    text = r.render(msgs)
     # input_ids is ONE tokenisation of the full render
-    assert ids.tolist() == tok(text, add_special_tokens=False)["input_ids"]
-    runs = masked_runs(tok, ids, mask)
-    answers = [m["content"] for m in msgs if m["role"] == "assistant"]
-    assert len(runs) == len(answers), runs
-    specials = set(tok.all_special_tokens)
-    for run, ans in zip(runs, answers):
-        body = THINK.sub("", run.strip(), count=1)
-        # the run is the answer + at most one special end-of-turn token
-        eot = body[len(ans):] if body.startswith(ans) else None
-        assert eot is not None, (run, ans)
-        assert eot == "" or eot in specials, (run, eot)
-    # nothing of the system or user text is supervised
-    sup = "".join(runs)
-    for m in msgs:
-        if m["role"] != "assistant":
-            assert m["content"] not in sup
-    assert "You are" not in sup and "user" not in sup.lower().replace("<|user|>", "")
+    assert ids.tolist() == r.tokenizer(r.render(msgs), add_special_tokens=False)["input_ids"]
+    check(path.stem, msgs, parts_of(msgs))
+
+
+# The issue's example: a trimmed answer ("Sure " -> "Sure") that a later user message quotes.
+SURE = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "Sure "},
+        {"role": "user", "content": "Sure thing, now B?"}, {"role": "assistant", "content": "B"}]
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=[p.stem for p in TEMPLATES])
+def test_trimmed_answer_quoted_by_the_user_is_masked_in_its_own_turn(path):
+    r = ChatRenderer(family_tokenizer(path))
+    check(path.stem, SURE, parts_of(SURE))
+    ids, mask = r.tokenize(SURE)
+    runs = masked_runs(r.tokenizer, ids, mask)
+    assert len(runs) == 2 and "Sure" in runs[0] and "thing" not in "".join(runs), runs
+
+
+def qwen3_reasoning_chat(ws_a: str, ws_b: str) -> list[dict]:
+    return [
+        {"role": "user", "content": f"{ws_a}2+2?{ws_b}"},
+        {"role": "assistant", "content": f"<think>{ws_a}Add them.{ws_b}</think>{ws_b}4{ws_a}"},
+        {"role": "user", "content": "times 3? (4)"},
+        {"role": "assistant", "content": f"{ws_b}12{ws_b}", "reasoning_content": f"{ws_a}Multiply 4 by 3.{ws_a}"},
+    ]
+
+
+@pytest.mark.parametrize("ws_a,ws_b", [("", ""), ("\n", "\n\n"), (" ", "\n"), ("\n\n", " "), ("\t", "")])
+@pytest.mark.parametrize("path", TEMPLATES, ids=[p.stem for p in TEMPLATES])
+def test_multiturn_reasoning_with_whitespace_on_every_template(path, ws_a, ws_b):
+    msgs = qwen3_reasoning_chat(ws_a, ws_b)
+    parts = parts_of(msgs)
+    parts[1] = {"content": (f"<think>{ws_a}Add them.{ws_b}</think>{ws_b}", "4", ws_a)}
+    check(path.stem, msgs, parts)
+
+
+@pytest.mark.parametrize("ws_a,ws_b", [("", ""), ("\n", "\n\n"), (" ", "\n")])
+def test_qwen3_multiturn_reasoning_exact_runs(ws_a, ws_b):
+    path = next(p for p in TEMPLATES if p.stem == "qwen3")
+    r = ChatRenderer(family_tokenizer(path))
+    msgs = qwen3_reasoning_chat(ws_a, ws_b)
+    text = r.render(msgs)
+    assert "Add them." not in text  # Qwen3 drops reasoning of turns before the last user query
+    ids, mask = r.tokenize(msgs)
+    # the last turn's reasoning_content is rendered by the template and supervised with its tags
+    assert masked_runs(r.tokenizer, ids, mask) == [
+        f"4{ws_a}<|im_end|>", f"<think>\n{ws_a.strip(chr(10))}Multiply 4 by 3.{ws_a.strip(chr(10))}\n</think>\n\n"
+                              f"12{ws_b}<|im_end|>"]
 
 
 @pytest.mark.parametrize("path", [p for p in TEMPLATES if "{% generation %}" in p.read_text()],
@@ -90,23 +130,6 @@ def test_mask_within_transformers_generation_blocks(path):
     extra = tok.decode(ids[ref & ~mask.bool()].tolist())
     for m in CHAT:
         assert m["content"] not in extra
-
-
-def test_qwen3_multiturn_reasoning_strips_earlier_think():
-    path = next(p for p in TEMPLATES if p.stem == "qwen3")
-    tok = family_tokenizer(path)
-    r = ChatRenderer(tok)
-    msgs = [
-        {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n4"},
-        {"role": "user", "content": "times 3?"},
-        {"role": "assistant", "content": "<think>\nMultiply 4 by 3.\n</think>\n\n12"},
-    ]
-    text = r.render(msgs)
-    assert "Add them." not in text  # Qwen3 drops reasoning of turns before the last user query
-    ids, mask = r.tokenize(msgs)
-    runs = masked_runs(tok, ids, mask)
-    assert runs == ["4<|im_end|>", "<think>\nMultiply 4 by 3.\n</think>\n\n12<|im_end|>"]
 
 
 def test_assistant_text_repeated_from_user_is_matched_in_its_own_turn():
@@ -150,20 +173,43 @@ def test_truncation_keeps_partial_span_and_skips_unsupervised():
 @pytest.mark.parametrize("answer", ["a", "d", "end", "im", "assistant", "You", "user", "header", "id", "t"])
 def test_short_answers_are_masked_in_their_own_turn(path, answer):
     """An answer that also occurs in role headers / injected prompts is masked where it was said."""
-    tok = family_tokenizer(path)
-    r = ChatRenderer(tok)
     msgs = [{"role": "user", "content": "Pick one"}, {"role": "assistant", "content": answer},
             {"role": "user", "content": "You are a helpful AI"}, {"role": "assistant", "content": answer}]
+    check(path.stem, msgs, parts_of(msgs))
+
+
+@pytest.mark.parametrize("text", ["see <|im_end|> here", "<|im_start|>system", "EAGLEPH0HP"])
+@pytest.mark.parametrize("role", ["user", "assistant"])
+def test_special_token_strings_in_text_are_a_named_skip(text, role):
+    path = next(p for p in TEMPLATES if p.stem == "qwen2_5_instruct")
+    r = ChatRenderer(family_tokenizer(path))
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    msgs[0 if role == "user" else 1]["content"] = text
+    pol = ErrorPolicy()
+    assert list(tokenize([Conversation(5, "x", msgs)], r, "t", 100, pol)) == []
+    assert pol.counter.as_dict() == {"special_token_in_text": 1}
+    with pytest.raises(SpecialTokenInText, match="message [01]"):
+        r.tokenize(msgs)
+
+
+def test_end_of_turn_marker_must_be_a_special_token():
+    path = next(p for p in TEMPLATES if p.stem == "qwen2_5_instruct")
+    tok = family_tokenizer(path)
+    edited = path.read_text().replace("<|im_end|>", "END_OF_TURN")  # marker not declared as special
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    for name, tpl in (("qwen-edit.jinja", edited), ("plain.jinja", plain)):
+        with pytest.raises(ValueError, match=rf"{name}: the text after an assistant message.*special token"):
+            ChatRenderer(tok, template=tpl, name=name)
+
+
+def test_inspect_decodes_runs_so_every_script_displays():
+    from eagle_data.inspection import masked_text
+
+    path = next(p for p in TEMPLATES if p.stem == "smollm2")
+    r = ChatRenderer(family_tokenizer(path))
+    msgs = [{"role": "user", "content": "Ελληνικά 🦜?"}, {"role": "assistant", "content": "日本語 🦜 καλά"}]
     ids, mask = r.tokenize(msgs)
-    runs = masked_runs(tok, ids, mask)
-    specials = set(tok.all_special_tokens)
-    assert len(runs) == 2, runs
-    for run in runs:
-        body = THINK.sub("", run.strip(), count=1)
-        assert body.startswith(answer) and (body[len(answer):] == "" or body[len(answer):] in specials), runs
-    text = r.render(msgs)
-    # the supervised characters are the LAST occurrences before each end-of-turn, not a header
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    first = min(a for (a, b), m in zip(enc["offset_mapping"], mask.tolist()) if m)
-    assert text[first:].lstrip().startswith(("<think>", answer))
-    assert text.index("Pick one") < first
+    assert any(r.tokenizer.decode([t]) == "\ufffd" for t in ids.tolist())  # byte tokens split characters
+    out = masked_text(r.tokenizer, ids, mask, 10_000, brackets=True).plain
+    assert "\ufffd" not in out and "Ελληνικά 🦜?" in out and "⟦日本語 🦜 καλά<|im_end|>⟧" in out
+    assert masked_text(r.tokenizer, ids, mask, 12).plain.endswith(" …[cut]")

@@ -28,11 +28,25 @@ def test_leading_assistant_turn_dropped_like_fastchat():
 @pytest.mark.parametrize("rec,reason", [
     ({"id": 1}, "no_messages"),
     ({"conversations": "text"}, "no_messages"),
-    ({"conversations": [{"from": "tool", "value": "x"}, {"from": "gpt", "value": "y"}]}, "unknown_role"),
+    ({"conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]}, "unknown_role"),
+    ({"conversations": [{"from": "tool", "value": "x"}, {"from": "gpt", "value": "y"}]}, "no_assistant_turn"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+                   {"role": "assistant", "content": "y"}]}, "non_text_content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]},
+                   {"role": "assistant", "content": "y"}]}, "non_string_content"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+                                                       "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     "bad_tool_call"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "{not json"}}]}]}, "bad_tool_call"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"},
+                   {"role": "assistant", "content": "y"}]}, "broken_alternation"),
     ({"conversations": [{"from": None, "value": "x"}]}, "unknown_role"),
     ({"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "y"}]}, "non_string_content"),
     ({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "y"}]}, "non_string_content"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "non_string_content"),
+    ({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "  "},
+                        {"from": "human", "value": "x2"}, {"from": "gpt", "value": "z"}]}, "empty_assistant"),
     ({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "  "}]}, "empty_assistant"),
     ({"conversations": [{"from": "human", "value": "x"}]}, "no_assistant_turn"),
     ({"conversations": []}, "no_assistant_turn"),
@@ -55,3 +69,41 @@ def test_raise_policy_names_row_and_reason():
     with pytest.raises(ValueError, match=r"row 3 .*empty_assistant"):
         list(normalize([(3, {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": ""}]})],
                        ErrorPolicy("raise")))
+
+
+def test_openai_formats_users_have():
+    c = normalize_record(0, {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+        {"role": "assistant", "content": None, "reasoning_content": "need a tool",
+         "tool_calls": [{"id": "call1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call1", "name": "get_weather"},
+        {"role": "assistant", "content": "Sunny.", "reasoning": "the tool said so"},
+        {"role": "user", "content": "thanks"}]})
+    assert c.messages == [
+        {"role": "system", "content": "be\nbrief"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "reasoning_content": "need a tool", "tool_calls": [
+            {"type": "function", "id": "call1", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call1", "name": "get_weather"},
+        {"role": "assistant", "content": "Sunny.", "reasoning_content": "the tool said so"}]
+    assert c.notes == []
+
+
+def test_sharegpt_function_call_and_observation():
+    c = normalize_record(0, {"conversations": [
+        {"from": "human", "value": "w?"}, {"from": "function_call", "value": '{"name": "f", "arguments": {"a": 1}}'},
+        {"from": "observation", "value": "r"}, {"from": "gpt", "value": "done"}]})
+    assert [m["role"] for m in c.messages] == ["user", "assistant", "tool", "assistant"]
+    assert c.messages[1]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
+
+
+def test_blank_reply_cuts_the_conversation_before_its_question_and_is_noted():
+    rec = {"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
+                             {"from": "human", "value": "q2"}, {"from": "gpt", "value": " \n"},
+                             {"from": "human", "value": "q3"}, {"from": "gpt", "value": "a3"}]}
+    pol = ErrorPolicy()
+    (c,) = normalize([(4, rec)], pol)
+    assert [m["content"] for m in c.messages] == ["q1", "a1"] and c.notes == ["cut_at_blank_reply"]
+    assert pol.counter.notes == {"cut_at_blank_reply": 1} and pol.counter.as_dict() == {}

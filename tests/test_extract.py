@@ -197,3 +197,65 @@ def test_bom_and_empty_dataset(tmp_path, model_dir):
     m = run_extract(cfg(tmp_path / "e", model_dir, empty))
     assert m["num_samples"] == 0 and m["skip_counts"] == {"no_assistant_turn": 1}
     assert len(eagle_data.load_index(tmp_path / "e")) == 0
+
+
+USER_FORMATS = [
+    {"id": "reasoning", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "2+2?"}]},
+        {"role": "assistant", "content": "4", "reasoning_content": "Add them."}]},
+    {"id": "tools", "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call1", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."}]},
+    {"id": "blank", "conversations": [
+        {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
+        {"from": "human", "value": "Bye"}, {"from": "gpt", "value": "   "},
+        {"from": "human", "value": "Again"}, {"from": "gpt", "value": "lost"}]},
+]
+
+
+def _masked_runs(tok, t):
+    ids, mask = t["input_ids"].tolist(), t["loss_mask"].tolist()
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs, cur = runs + [tok.decode(cur)], []
+    return runs + ([tok.decode(cur)] if cur else [])
+
+
+def test_user_formats_extract_with_expected_masks(tmp_path):
+    """reasoning_content, list-of-parts content, tool calls and a blank reply, end to end (Qwen3 template)."""
+    model = tmp_path / "m"
+    tiny_llama(vocab=1024).save_pretrained(model)
+    tok = family_tokenizer(TEMPLATES_DIR / "qwen3.jinja")
+    tok.save_pretrained(model)
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in USER_FORMATS))
+    m = run_extract(cfg(tmp_path / "ds", model, data, shard_max_samples=8))
+    assert m["num_samples"] == 3 and m["skip_counts"] == {} and m["note_counts"] == {"cut_at_blank_reply": 1}
+    shards = sorted(str(p) for p in (tmp_path / "ds").glob("*.tar"))
+    got = {s["__key__"].split("_")[-1]: _masked_runs(tok, decode_tensors(s["safetensors"], s["__key__"]))
+           for s in wds.WebDataset(shards, shardshuffle=False)}
+    assert got == {
+        "000000000": ["<think>\nAdd them.\n</think>\n\n4<|im_end|>"],
+        "000000001": ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+                      "<think>\n\n</think>\n\nSunny.<|im_end|>"],
+        "000000002": ["<think>\n\n</think>\n\nHello!<|im_end|>"],
+    }
+
+
+def test_all_rows_of_user_data_by_default_and_more_rows_extend_a_finished_run(tmp_path, model_dir):
+    data = tmp_path / "seventy.jsonl"
+    data.write_text("".join(json.dumps({**GOOD[i % 2], "id": f"r{i}"}) + "\n" for i in range(70)))
+    out = tmp_path / "ds"
+    m = run_extract(cfg(out, model_dir, data, num_samples=None, batch_tokens=4096))
+    assert m["num_samples"] == 70 and m["skip_counts"] == {}
+    ext = tmp_path / "ext"
+    assert run_extract(cfg(ext, model_dir, data, num_samples=20, batch_tokens=4096))["num_samples"] == 20
+    m2 = run_extract(cfg(ext, model_dir, data, num_samples=None, batch_tokens=4096))
+    assert m2["num_samples"] == 70 and m2["run_stats"]["new_samples"] == 50
+    assert m2["config"]["num_samples"] is None
