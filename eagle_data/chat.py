@@ -32,14 +32,14 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from .conversations import Conversation, ErrorPolicy, Skip
-from .mask import (PLACEHOLDER, MaskError, SpecialTokenInText, align, assistant_spans,
+from .mask import (PLACEHOLDER, MaskError, SpecialTokenInText, TurnMarkers, align, assistant_spans,
                    placeholder_messages)
 from .schema import sample_key
 
@@ -131,8 +131,8 @@ class ChatRenderer:
         """Manifest entry: template hash, rendering variables, and what the probe found."""
         return {"template_sha256": self.template_sha256, "date": self.date,
                 "variables": {k: v for k, v in self.variables.items()},
-                "generation_prompt": self.gen_prompt, "end_of_turn": list(self.eot),
-                "tool_call_end": list(self.call_end), "tool_call_arguments": "json" if self.args_as_json else "dict",
+                "generation_prompt": self.markers.prompt, "end_of_turn": list(self.markers.eot),
+                "tool_call_end": list(self.markers.call_end), "tool_call_arguments": "json" if self.args_as_json else "dict",
                 "tool_call_anchor": self.call_anchor,
                 "reasoning": "template" if self.reasoning_rendered else "inline"}
 
@@ -180,7 +180,8 @@ class ChatRenderer:
         cut = len(os.path.commonprefix([one, gen]))
         while 0 < cut < len(one) and not any(one.startswith(s, cut) for s in self._specials):
             cut -= 1  # never split a special token
-        self.gen_prompt = gen[cut:]
+        prompt = gen[cut:]
+        boundary = text[text.index(_ph(0)) + len(_ph(0)):text.index(_ph(1))]
         mid = text[text.index(_ph(1)) + len(_ph(1)):text.index(_ph(2))]
         last = text[text.index(_ph(3)) + len(_ph(3)):]
         eot = self._leading_special(mid)
@@ -190,7 +191,7 @@ class ChatRenderer:
                              "Use a tokenizer that declares the template's end-of-turn marker as a special token.")
         if len(self.tokenizer.encode(eot, add_special_tokens=False)) != 1:
             raise ValueError(f"{self.name}: the end-of-turn marker {eot!r} does not encode as one token")
-        self.eot = tuple(dict.fromkeys(x for x in (eot, self._leading_special(last)) if x))
+        eots = tuple(dict.fromkeys(x for x in (eot, self._leading_special(last)) if x))
         self.reasoning_rendered = True  # probe renders with reasoning handed to the template
         think = [msgs[0], {"role": "assistant", "content": _ph(1), "reasoning_content": _ph(2)}]
         try:
@@ -201,7 +202,10 @@ class ChatRenderer:
         # tool-call sequence): if it reads the field at all, it decides
         code = re.sub(r"\{#.*?#\}", "", self.template, flags=re.DOTALL)
         self.reasoning_rendered |= bool(_READS_REASONING.search(code))
-        self.call_end = self._probe_tool_call(msgs)
+        head = prompt or boundary
+        at, tok = min(((head.find(x), x) for x in self._specials if x in head), default=(len(head), ""))
+        self.markers = TurnMarkers(prompt, boundary, at + len(tok), eots)
+        self.markers = replace(self.markers, call_end=self._probe_tool_call(msgs))
 
     def _probe_tool_call(self, msgs) -> tuple[str, ...]:
         """How the template takes tool-call arguments (``self.args_as_json``: a JSON string, as
@@ -226,7 +230,7 @@ class ChatRenderer:
                 # the call's name anchors its position, else its id (Kimi-K2 writes only the id)
                 self.call_anchor = "name" if _ph(4) in text else "id"
                 tail = text[text.index(_ph(1)) + len(_ph(1)):text.index(_ph(2))]
-                if any(m in tail for m in self.eot):
+                if any(m in tail for m in self.markers.eot):
                     return ()
                 hits = [(tail.find(s), s) for s in self._specials if s in tail]
                 return (min(hits)[1],) if hits else ()
@@ -246,12 +250,12 @@ class ChatRenderer:
         ptext = self.tokenizer.apply_chat_template(pmsgs, tokenize=False, add_generation_prompt=False,
                                                    chat_template=self.template, **self._render_vars)
         where = align(text, ptext, pieces, msgs)
-        return assistant_spans(text, msgs, pieces, where, self.gen_prompt, self.eot, self.call_end)
+        return assistant_spans(text, msgs, pieces, where, self.markers)
 
     def _check_text(self, messages: list[dict[str, Any]]) -> None:
         for i, m in enumerate(messages):
-            for key in ("content", "reasoning_content", "tool_calls"):
-                if key in m and (hit := self._special_re.search(str(m[key]))):
+            for key, value in m.items():
+                if key != "role" and (hit := self._special_re.search(str(value))):
                     raise SpecialTokenInText(f"message {i} ({m['role']}) field '{key}' contains {hit.group()!r}")
 
     def tokenize(self, messages: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:

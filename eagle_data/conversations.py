@@ -21,7 +21,8 @@ Message fields (OpenAI style, as HF chat templates take them):
 * ``reasoning_content`` (aliases ``reasoning``, ``thinking``) on an assistant turn: a string,
   handed to the template (see :mod:`eagle_data.chat`).
 * ``tool_calls`` on an assistant turn: ``[{"type": "function", "function": {"name": str,
-  "arguments": dict | JSON string}}]`` (a JSON-string ``arguments`` is parsed, as vLLM does);
+  "arguments": dict | JSON string}}]`` (a JSON-string ``arguments`` is parsed, as vLLM does;
+  OpenAI's legacy ``function_call`` field is one such call; on any other role: skipped);
   ShareGPT ``function_call`` turns hold one such call (``{"name", "arguments"}``) as JSON text.
 * ``tool`` messages (ShareGPT ``tool``/``observation``/``function``): the tool's result;
   ``tool_call_id`` and ``name`` are kept.
@@ -188,7 +189,12 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
                 raise BadRecord("bad_tool_call", f"{where}[{j}] arguments are not JSON: {e}") from None
         if not isinstance(args, dict):
             raise BadRecord("bad_tool_call", f"{where}[{j}] arguments are {type(args).__name__}, not an object")
-        _text(json.dumps(args, ensure_ascii=False), f"{where}[{j}] arguments")  # lone surrogates
+        try:
+            _text(json.dumps(args, ensure_ascii=False, allow_nan=False), f"{where}[{j}] arguments")
+        except (TypeError, ValueError) as e:  # bytes, sets, NaN (a BadRecord is a ValueError too)
+            if isinstance(e, BadRecord):
+                raise
+            raise BadRecord("bad_tool_call", f"{where}[{j}] arguments are not JSON: {e}") from None
         _text(fn["name"], f"{where}[{j}] name")
         new = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
         if isinstance(call, dict) and isinstance(call.get("id"), str):
@@ -209,7 +215,11 @@ def _message(i: int, turn: Any, rkey: str, ckey: str) -> dict[str, Any]:
         return {"role": "assistant", "content": "",
                 "tool_calls": _tool_calls(_text(turn.get(ckey), f"turn {i} field '{ckey}'"), f"turn {i} field '{ckey}'")}
     msg: dict[str, Any] = {"role": role}
-    calls = turn.get("tool_calls") if role == "assistant" else None
+    calls = turn.get("tool_calls")
+    if calls is None and turn.get("function_call") is not None:  # OpenAI's legacy single call
+        calls = [turn["function_call"]]
+    if calls is not None and role != "assistant":
+        raise BadRecord("bad_tool_call", f"turn {i} is a {role} message with tool calls")
     content = _text(turn.get(ckey), f"turn {i} field '{ckey}'", allow_none=calls is not None)
     msg["content"] = content or ""
     if role == "assistant":

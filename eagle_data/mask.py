@@ -16,6 +16,7 @@ header or an earlier turn cannot be taken from there. Anything that does not ali
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +122,8 @@ def align(text: str, ptext: str, pieces: list[Piece], messages: list[dict[str, A
         raise MaskError("the template text before the first message differs between renders")
     pos, out = len(lits[0]), []
     for j, lit in zip(ids, lits[1:]):
+        if j >= len(pieces):
+            raise MaskError(f"the template rendered a placeholder-like string EAGLEPH{j}HP it was not given")
         p = pieces[j]
         for cand in _renderings(p.core):
             if text.startswith(cand, pos) and text.startswith(lit, pos + len(cand)):
@@ -135,22 +138,57 @@ def align(text: str, ptext: str, pieces: list[Piece], messages: list[dict[str, A
     return out
 
 
-def _tail_end(tail: str, eot: tuple[str, ...], call_end: tuple[str, ...], tool_call: bool) -> int:
-    """How much of ``tail`` (template text after an assistant's last piece) the assistant emits:
-    whitespace + the end-of-turn marker right after it; for a tool-call turn, through the first
-    end-of-turn (else tool-call-end) marker."""
-    ws = len(tail) - len(tail.lstrip())
-    for m in eot:
-        if tail.startswith(m, ws):
-            return ws + len(m)
-    if not tool_call:
-        return 0
-    for markers in (eot, call_end):
+@dataclass(frozen=True)
+class TurnMarkers:
+    """What a template writes around an assistant turn (found once by
+    :class:`~eagle_data.chat.ChatRenderer`'s probe).
+
+    Attributes:
+        prompt: the generation prompt (what ``add_generation_prompt`` appends).
+        boundary: the template text between a user message and the answer to it (used when
+            ``prompt`` is empty, e.g. Mistral's ``[/INST] ``).
+        min_prompt: shortest prefix of ``prompt`` (or ``boundary``) taken as a turn's header:
+            through its first special token.
+        eot: end-of-turn special tokens; ``call_end``: the one ending a tool-call turn when it
+            is not an end-of-turn token (gpt-oss ``<|call|>``).
+    """
+    prompt: str
+    boundary: str
+    min_prompt: int
+    eot: tuple[str, ...]
+    call_end: tuple[str, ...] = ()
+
+
+def _output_start(text: str, before: int, first: int, mk: TurnMarkers) -> int:
+    """Where a turn's output starts in ``text[before:first]`` (the template text before its
+    first piece): after the last generation prompt there, else after the longest prefix of it
+    (at least through its first special token: DeepSeek-R1's prompt ends in ``<think>\\n``,
+    which its tool-call turns do not have); with no generation prompt, after the longest
+    prefix of the user->answer boundary the text starts with; else at the first piece."""
+    if mk.prompt:
+        for n in range(len(mk.prompt), mk.min_prompt - 1, -1):
+            k = text.rfind(mk.prompt[:n], before, first)
+            if k >= 0:
+                return k + n
+        return first
+    n = len(os.path.commonprefix([text[before:first], mk.boundary]))
+    return before + n if n >= mk.min_prompt > 0 else first
+
+
+def _output_end(tail: str, mk: TurnMarkers, tool_call: bool) -> int:
+    """How much of ``tail`` (template text after a turn's last piece, up to the next message's
+    first piece) the turn emits: through its first end-of-turn marker (after e.g. a closing
+    ``</think>`` the template writes), for a tool-call turn else its first call-end marker;
+    nothing if there is none (a last turn the template does not close)."""
+    for markers in (mk.eot, mk.call_end):
         hits = [(tail.find(m), m) for m in markers if m in tail]
         if hits:
             p, m = min(hits)
             return p + len(m)
-    raise MaskError(f"the end of a tool call is not marked by any of {list(eot + call_end)} before the next message")
+    if tool_call:
+        raise MaskError(f"the end of a tool call is not marked by any of {list(mk.eot + mk.call_end)} "
+                        "before the next message")
+    return 0
 
 
 def _own_turn(mine: list[tuple[int, int, int]], where: list[tuple[int, int, int]], pieces: list[Piece],
@@ -171,39 +209,34 @@ def _own_turn(mine: list[tuple[int, int, int]], where: list[tuple[int, int, int]
 
 
 def assistant_spans(text: str, messages: list[dict[str, Any]], pieces: list[Piece],
-                    where: list[tuple[int, int, int]], gen_prompt: str, eot: tuple[str, ...],
-                    call_end: tuple[str, ...]) -> list[tuple[int, int]]:
-    """``[start, end)`` of every assistant turn's output in ``text``, in message order.
-
-    A turn's output starts right after the last generation prompt (``gen_prompt``, the text
-    ``add_generation_prompt`` appends) in the template text before its first piece (so a
-    ``<think>`` tag or a channel header the template writes there is supervised, as the model
-    generates it), else at its first piece; it ends after its last piece plus the
-    whitespace and end-of-turn marker that follow (see :func:`_tail_end`).
+                    where: list[tuple[int, int, int]], mk: TurnMarkers) -> list[tuple[int, int]]:
+    """``[start, end)`` of every assistant turn's output in ``text``, in message order: from
+    :func:`_output_start` (so a ``<think>`` tag, a channel header or a tool-call opener the
+    template writes inside the turn is supervised, as the model generates it) to
+    :func:`_output_end`.
 
     Raises:
-        NotRendered / ToolCallsNotRendered / MaskError.
+        NotRendered / ToolCallsNotRendered: a content or tool-call piece is not rendered
+            (reasoning may be: templates drop old reasoning by design); MaskError.
     """
+    rendered = {j for _, _, j in where}
+    for j, p in enumerate(pieces):
+        if p.kind != "reasoning" and j not in rendered:
+            kind = ToolCallsNotRendered if p.kind == "tool_call" else NotRendered
+            raise kind(f"message {p.msg} ({messages[p.msg]['role']} {p.kind}) is not rendered by the template")
     seen: dict[int, list[tuple[int, int, int]]] = {}
     for s, e, j in where:
         seen.setdefault(pieces[j].msg, []).append((s, e, j))
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant" and i not in seen and m["content"].strip():
-            raise NotRendered(f"message {i} ({m['role']}) is not rendered by the template")
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         mine = _own_turn(seen.get(i, []), where, pieces, i)
-        if m.get("tool_calls") and not any(pieces[j].kind == "tool_call" for _, _, j in mine):
-            raise ToolCallsNotRendered(f"message {i} (assistant) has tool calls the template does not render")
         if not mine:
             raise NotRendered(f"message {i} (assistant) is not rendered by the template")
         first, last = mine[0][0], mine[-1][1]
         before = max((e for s, e, _ in where if e <= first), default=0)
-        k = text.rfind(gen_prompt, before, first) if gen_prompt else -1
-        start = k + len(gen_prompt) if k >= 0 else first
         nxt = min((s for s, e, _ in where if s >= last), default=len(text))
-        end = last + _tail_end(text[last:nxt], eot, call_end, bool(m.get("tool_calls")))
-        spans.append((start, end))
+        end = last + _output_end(text[last:nxt], mk, bool(m.get("tool_calls")))
+        spans.append((_output_start(text, before, first, mk), end))
     return spans

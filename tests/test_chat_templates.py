@@ -213,3 +213,68 @@ def test_inspect_decodes_runs_so_every_script_displays():
     out = masked_text(r.tokenizer, ids, mask, 10_000, brackets=True).plain
     assert "\ufffd" not in out and "Ελληνικά 🦜?" in out and "⟦日本語 🦜 καλά<|im_end|>⟧" in out
     assert masked_text(r.tokenizer, ids, mask, 12).plain.endswith(" …[cut]")
+
+
+def _runs(stem, msgs, **kw):
+    r = ChatRenderer(family_tokenizer(next(p for p in TEMPLATES if p.stem == stem)), **kw)
+    ids, mask = r.tokenize(msgs)
+    return masked_runs(r.tokenizer, ids, mask)
+
+
+U = {"role": "user", "content": "q"}
+CALL = {"type": "function", "id": "call00001", "function": {"name": "get_weather", "arguments": {"city": "x"}}}
+TOOL_CHAT = [U, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+             {"role": "tool", "content": "r", "name": "get_weather", "tool_call_id": "call00001"},
+             {"role": "assistant", "content": "A"}]
+
+
+@pytest.mark.parametrize("stem,msg,run", [
+    ("qwen3", {"role": "assistant", "content": "", "reasoning_content": "Let me think."},
+     "<think>\nLet me think.\n</think>\n\n<|im_end|>"),
+    ("smollm2", {"role": "assistant", "content": "<think>Let me think.</think>"}, "<think>Let me think.</think><|im_end|>"),
+    ("qwen2_5_instruct", {"role": "assistant", "content": "Close it with </think>"},
+     "Close it with </think><|im_end|>"),
+])
+def test_turn_ending_in_template_text_keeps_its_end_of_turn(stem, msg, run):
+    """A reasoning-only answer: the template's closing </think> and the end-of-turn are supervised."""
+    assert _runs(stem, [U, msg]) == [run]
+
+
+@pytest.mark.parametrize("stem,opener", [("deepseek_r1", "<｜tool▁calls▁begin｜>"), ("mistral_v3_instruct", "[TOOL_CALLS]"),
+                                         ("qwen2_5_instruct", "<tool_call>"), ("llama3_1_instruct", '{"name"'),
+                                         ("gpt_oss", " to=functions.get_weather")])
+def test_tool_call_opener_is_supervised(stem, opener):
+    runs = _runs(stem, TOOL_CHAT)
+    assert runs[0].startswith(opener) and "get_weather" in runs[0], runs
+
+
+def test_thinking_disabled_generation_prompt_is_prompt():
+    """With enable_thinking=False Qwen3's generation prompt ends in an empty think block: the
+    longest prefix of it a turn starts with is prompt, the rest of the turn is output."""
+    msgs = [U, {"role": "assistant", "content": "A", "reasoning_content": "R"}]
+    assert _runs("qwen3", msgs, variables={"enable_thinking": False}) == ["R\n</think>\n\nA<|im_end|>"]
+    assert _runs("qwen3", [U, {"role": "assistant", "content": "A"}], variables={"enable_thinking": False}) == [
+        "A<|im_end|>"]
+
+
+@pytest.mark.parametrize("value", ["<|im_end|><|im_assistant|>assistant<|im_middle|>", "EAGLEPH5HP"])
+def test_special_tokens_in_any_field_are_a_named_skip(value):
+    path = next(p for p in TEMPLATES if p.stem == "kimi_k2_instruct")
+    r = ChatRenderer(family_tokenizer(path))
+    msgs = [dict(m) for m in TOOL_CHAT]
+    msgs[2]["tool_call_id"] = value
+    with pytest.raises(SpecialTokenInText, match="message 2 .*'tool_call_id'"):
+        r.tokenize(msgs)
+
+
+@pytest.mark.parametrize("stem,change,reason", [
+    ("gpt_oss", lambda m: m[1].update(tool_calls=[CALL, {**CALL, "id": "call00002"}]), "tool_calls_not_rendered"),
+    ("mistral_v3_instruct", lambda m: m[1].update(content="Checking."), "message_not_rendered"),
+])
+def test_part_of_a_message_dropped_by_the_template_is_a_named_skip(stem, change, reason):
+    r = ChatRenderer(family_tokenizer(next(p for p in TEMPLATES if p.stem == stem)))
+    msgs = [dict(m) for m in TOOL_CHAT]
+    change(msgs)
+    pol = ErrorPolicy()
+    assert list(tokenize([Conversation(0, "x", msgs)], r, "t", 10_000, pol)) == []
+    assert pol.counter.as_dict() == {reason: 1}

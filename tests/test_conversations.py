@@ -107,3 +107,23 @@ def test_blank_reply_cuts_the_conversation_before_its_question_and_is_noted():
     (c,) = normalize([(4, rec)], pol)
     assert [m["content"] for m in c.messages] == ["q1", "a1"] and c.notes == ["cut_at_blank_reply"]
     assert pol.counter.notes == {"cut_at_blank_reply": 1} and pol.counter.as_dict() == {}
+
+
+@pytest.mark.parametrize("calls,field", [
+    ([{"function": {"name": "f", "arguments": {"a": float("nan")}}}], "tool_calls"),
+    ([{"function": {"name": "f", "arguments": {"a": b"x"}}}], "tool_calls"),
+    ([{"function": {"name": "f", "arguments": {"a": {1, 2}}}}], "tool_calls"),
+])
+def test_tool_arguments_that_are_not_json_are_a_named_skip(calls, field):
+    rec = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, field: calls}]}
+    out = normalize_record(0, rec)
+    assert out.reason == "bad_tool_call" and "arguments" in out.detail
+
+
+def test_legacy_function_call_field_and_tool_calls_on_a_user_turn():
+    c = normalize_record(0, {"messages": [{"role": "user", "content": "x"}, {
+        "role": "assistant", "content": None, "function_call": {"name": "f", "arguments": '{"a": 1}'}}]})
+    assert c.messages[1]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
+    bad = normalize_record(1, {"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"function": {"name": "f", "arguments": {}}}]}, {"role": "assistant", "content": "y"}]})
+    assert bad.reason == "bad_tool_call" and "turn 0 is a user message" in bad.detail
