@@ -72,6 +72,20 @@ _READS_REASONING = re.compile(r"reasoning_content|message\s*\.\s*thinking|\[\s*[
                               r"['\"]thinking['\"]\s+in\s+message")
 
 
+@dataclass
+class Encoded:
+    """One rendered, tokenised conversation.
+
+    Attributes:
+        input_ids: [T] int64, ONE tokenisation of the render.
+        loss_mask: [T] uint8.
+        notes: kept-but-changed reasons (e.g. ``final_reasoning_not_rendered``).
+    """
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    notes: list[str]
+
+
 def _ph(j: int) -> str:
     return f"EAGLEPH{j}HP"
 
@@ -244,13 +258,22 @@ class ChatRenderer:
         Raises:
             MaskError: (a subclass naming) why the conversation cannot be masked exactly.
         """
+        return self._locate(text, messages)[0]
+
+    def _locate(self, text: str, messages: list[dict[str, Any]]) -> tuple[list[tuple[int, int]], list[str]]:
+        """Spans, plus notes: ``final_reasoning_not_rendered`` when the template drops the last
+        turn's reasoning (Kimi-K2-Thinking keeps reasoning only inside tool-call sequences)."""
         self._check_text(messages)
         msgs = self._for_template(messages)
         pmsgs, pieces = placeholder_messages(msgs, self.call_anchor)
         ptext = self.tokenizer.apply_chat_template(pmsgs, tokenize=False, add_generation_prompt=False,
                                                    chat_template=self.template, **self._render_vars)
         where = align(text, ptext, pieces, msgs)
-        return assistant_spans(text, msgs, pieces, where, self.markers)
+        spans = assistant_spans(text, msgs, pieces, where, self.markers)
+        rendered = {j for _, _, j in where}
+        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        dropped = any(p.kind == "reasoning" and p.msg == last and j not in rendered for j, p in enumerate(pieces))
+        return spans, ["final_reasoning_not_rendered"] if dropped else []
 
     def _check_text(self, messages: list[dict[str, Any]]) -> None:
         for i, m in enumerate(messages):
@@ -258,24 +281,26 @@ class ChatRenderer:
                 if key != "role" and (hit := self._special_re.search(str(value))):
                     raise SpecialTokenInText(f"message {i} ({m['role']}) field '{key}' contains {hit.group()!r}")
 
-    def tokenize(self, messages: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Render, tokenise once and build the loss mask.
-
-        Returns:
-            ``(input_ids [T] int64, loss_mask [T] uint8)``.
+    def encode(self, messages: list[dict[str, Any]]) -> Encoded:
+        """Render, tokenise once and build the loss mask (see :class:`Encoded`).
 
         Raises:
             MaskError: see :meth:`assistant_spans`.
         """
         text = self.render(messages)
-        spans = self.assistant_spans(text, messages)
+        spans, notes = self._locate(text, messages)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = torch.tensor(enc["input_ids"], dtype=torch.int64)
         off = torch.tensor(enc["offset_mapping"], dtype=torch.int64).reshape(-1, 2)
         mask = torch.zeros(ids.shape[0], dtype=torch.bool)
         for s, e in spans:
             mask |= (off[:, 0] < e) & (off[:, 1] > s)
-        return ids, mask.to(torch.uint8)
+        return Encoded(ids, mask.to(torch.uint8), notes)
+
+    def tokenize(self, messages: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids [T] int64, loss_mask [T] uint8)`` of :meth:`encode`."""
+        e = self.encode(messages)
+        return e.input_ids, e.loss_mask
 
 
 def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag: str,
@@ -285,19 +310,22 @@ def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag:
     Skips (counted in ``policy``): ``template_error`` (the template raised), the
     :class:`~eagle_data.mask.MaskError` reasons (``mask_unaligned``, ``message_not_rendered``,
     ``tool_calls_not_rendered``, ``special_token_in_text``), ``no_loss_tokens`` (nothing
-    supervised after truncation).
+    supervised after truncation). Notes: ``final_reasoning_not_rendered``.
     """
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     for c in convs:
         try:
-            ids, mask = renderer.tokenize(c.messages)
+            enc = renderer.encode(c.messages)
         except MaskError as e:
             policy.handle(Skip(c.row, c.source_id, e.reason, str(e)))
             continue
         except Exception as e:  # jinja2 TemplateError / raise_exception from the template
             policy.handle(Skip(c.row, c.source_id, "template_error", f"{type(e).__name__}: {e}"))
             continue
+        ids, mask = enc.input_ids, enc.loss_mask
+        for n in enc.notes:
+            policy.note(Skip(c.row, c.source_id, n, "the template does not render the last turn's reasoning"))
         truncated = ids.shape[0] > max_length
         ids, mask = ids[:max_length], mask[:max_length]
         if int(mask.sum()) == 0:

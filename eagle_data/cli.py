@@ -101,8 +101,10 @@ def extract(
     con.print(f"[bold]extracted[/] {st['new_samples']} samples, {st['new_tokens']} tokens in {st['seconds']} s "
               f"({st['tokens_per_s']} tok/s); skipped in this run: {st['skip_counts'] or 'none'}")
     if res.get("num_samples") == 0:
-        con.print(f"[bold red]error:[/] no sample was extracted; every source row was skipped "
-                  f"({res.get('skip_counts')}). Check --data, the record layout and --chat_template.")
+        why = (f"every source row was skipped ({res.get('skip_counts')})" if res.get("skip_counts")
+               else f"the source {data!r} has no rows")
+        con.print(f"[bold red]error:[/] no sample was extracted; {why}. Check --data, the record layout "
+                  "and --chat_template.")
         sys.exit(2)
     if "schema_version" in res:
         bpt = res["total_bytes"] / max(res["num_tokens"], 1)

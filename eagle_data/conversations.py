@@ -109,6 +109,9 @@ class DropCounter:
         if n <= self.log_first:
             log.warning(msg)
         else:
+            if n == self.log_first + 1:
+                log.warning("more skipped/noted rows are logged at debug level (an extraction writes every one, "
+                            "with its detail, to skips-RANK.jsonl in its output directory)")
             log.debug(msg)
 
     def as_dict(self) -> dict[str, int]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -41,7 +42,7 @@ from .chat import ChatRenderer, TokenizedSample, tokenize
 from .conversations import ErrorPolicy, Skip, normalize
 from .manifest import (check_resume, config_hash, load_progress, lock_rank, merge, progress_path, repair_rank,
                        weights_fingerprint)
-from .schema import HIDDEN_DTYPES, MANIFEST_NAME, sample_key
+from .schema import HIDDEN_DTYPES, MANIFEST_NAME, SKIP_LOG_NAME, sample_key
 from .sources import iter_records, resolve
 from .async_sink import AsyncShardWriter
 from .writer import ShardSink, atomic_write_json
@@ -213,6 +214,8 @@ def _check_config(cfg: ExtractConfig) -> str:
         raise ValueError(f"num_samples must be >= 1 (or null for all rows), got {cfg.num_samples!r}")
     if cfg.on_bad_sample not in ("skip", "raise"):
         raise ValueError(f"on_bad_sample must be 'skip' or 'raise', got {cfg.on_bad_sample!r}")
+    if cfg.data != "sharegpt":
+        resolve(cfg.data)  # a missing local file: ValueError before any model is loaded
     if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
         raise ValueError(f"chat_template {cfg.chat_template!r} is not a file")
     return storage
@@ -339,9 +342,13 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
     unsaved: dict[str, dict[str, str]] = {"skipped": {}, "notes": {}}  # str(row) -> reason
     lock = threading.Lock()  # on_publish runs in the shard-writer thread
 
-    def remember(skip: Skip, note: bool) -> None:
+    skip_log = open(out / SKIP_LOG_NAME.format(rank=cfg.rank), "a", encoding="utf-8", buffering=1)
+
+    def remember(skip: Skip, note: bool) -> None:  # every skip/note, with its detail, in the skip log
         with lock:
             unsaved["notes" if note else "skipped"][str(skip.row)] = skip.reason
+            skip_log.write(json.dumps({"row": skip.row, "id": skip.source_id, "kind": "note" if note else "skip",
+                                       "reason": skip.reason, "detail": skip.detail}, ensure_ascii=False) + "\n")
 
     policy = ErrorPolicy(cfg.on_bad_sample, listener=remember)
 
@@ -457,6 +464,7 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
             raise
         finally:
             bar.close()
+            skip_log.close()
         elapsed = time.perf_counter() - t0
         stats = {"new_samples": n_new, "new_tokens": n_tok, "seconds": round(elapsed, 3),
                  "tokens_per_s": round(n_tok / elapsed, 1) if elapsed > 0 else None,

@@ -77,7 +77,7 @@ def inspect_dataset(path: str, sample: int | None = None, max_chars: int = 3000)
     t = Table(title=f"{path}", show_header=False)
     for k in ("schema_version", "model_path", "backend", "dtype", "compute_dtype", "hidden_size", "num_layers",
               "aux_layer_ids", "layer_id_convention", "final_state_norm", "num_samples", "num_tokens",
-              "total_bytes", "skip_counts"):
+              "total_bytes", "skip_counts", "note_counts"):
         t.add_row(k, escape(str(m.get(k))))
     t.add_row("shards", f"{len(m['shards'])} ({', '.join(s['name'] for s in m['shards'][:4])}"
                         f"{', …' if len(m['shards']) > 4 else ''})")
@@ -87,7 +87,9 @@ def inspect_dataset(path: str, sample: int | None = None, max_chars: int = 3000)
     if len(idx) == 0:
         con.print("[red]no samples[/]")
         return
-    row = idx[min(pick_sample(idx) if sample is None else sample, len(idx) - 1)]
+    if sample is not None and not 0 <= sample < len(idx):
+        raise ValueError(f"--sample {sample} is out of range: {path} holds {len(idx)} samples (0..{len(idx) - 1})")
+    row = idx[pick_sample(idx) if sample is None else sample]
     tensors, meta = read_sample(Path(path) / row["shard"], row["key"])
     con.print(f"[bold]sample[/] {row['key']} from {row['shard']}: {escape(json.dumps(meta))}")
     con.print({k: f"{tuple(v.shape)} {v.dtype}" for k, v in tensors.items()})

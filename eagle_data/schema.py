@@ -44,6 +44,8 @@ FINAL_STATE_NORM = "post"  # hidden_states are taken after the model's final nor
 TENSOR_EXT = "safetensors"
 META_EXT = "json"
 MANIFEST_NAME = "manifest.json"
+#: every skipped or noted source row of a rank, one JSON object a line: row, id, kind, reason, detail
+SKIP_LOG_NAME = "skips-{rank:05d}.jsonl"
 INDEX_NAME = "index.parquet"
 
 TENSOR_FIELDS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")

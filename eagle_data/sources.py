@@ -39,6 +39,12 @@ def resolve(data: str) -> tuple[str, dict[str, Any], str]:
     files = (sorted(p.glob("*")) if p.is_dir() else sorted(Path(f) for f in _glob.glob(data))
              if any(c in data for c in "*?[") else [p])
     files = [f for f in files if f.suffix in _FORMATS]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"data: {missing[0]} does not exist")
+    if not files and (data.endswith("/") or data.startswith((".", "/", "~")) or p.is_dir()):
+        raise ValueError(f"data: {data} is not a .json/.jsonl/.parquet file or a directory holding them"
+                         + ("" if p.exists() else " (it does not exist)"))
     if files:
         kinds = {_FORMATS[f.suffix] for f in files}
         if len(kinds) > 1:

@@ -278,3 +278,14 @@ def test_part_of_a_message_dropped_by_the_template_is_a_named_skip(stem, change,
     pol = ErrorPolicy()
     assert list(tokenize([Conversation(0, "x", msgs)], r, "t", 10_000, pol)) == []
     assert pol.counter.as_dict() == {reason: 1}
+
+
+def test_final_reasoning_dropped_by_the_template_is_noted():
+    """Kimi-K2-Thinking keeps reasoning only inside tool-call sequences: the last turn's is dropped."""
+    r = ChatRenderer(family_tokenizer(next(p for p in TEMPLATES if p.stem == "kimi_k2_thinking")))
+    msgs = [U, {"role": "assistant", "content": "A", "reasoning_content": "R"}]
+    pol = ErrorPolicy()
+    (s,) = tokenize([Conversation(0, "x", msgs)], r, "t", 1000, pol)
+    assert pol.counter.notes == {"final_reasoning_not_rendered": 1} and pol.counter.as_dict() == {}
+    q = ChatRenderer(family_tokenizer(next(p for p in TEMPLATES if p.stem == "qwen3")))
+    assert q.encode(msgs).notes == []

@@ -58,6 +58,10 @@ def test_extract_end_to_end(tmp_path, model_dir, data_file):
     check_manifest_compat(m, {"hidden_size": 64, "aux_layer_ids": AUX, "dtype": "float32"})
     assert m["schema_version"] == SCHEMA_VERSION and m["num_samples"] == 10
     assert m["skip_counts"] == {"empty_assistant": 1, "no_assistant_turn": 1, "unknown_role": 1}
+    log = [json.loads(x) for x in (out / "skips-00000.jsonl").read_text().splitlines()]
+    assert sorted((x["row"], x["id"], x["reason"]) for x in log) == [
+        (10, "b1", "no_assistant_turn"), (11, "b2", "unknown_role"), (12, "b3", "empty_assistant")]
+    assert "turn 0 field 'from' = 'alien'" in next(x["detail"] for x in log if x["id"] == "b2")
     assert [s["num_samples"] for s in m["shards"]] == [4, 4, 2]
     assert read_manifest(out)["num_samples"] == 10
     idx = eagle_data.load_index(out)
@@ -259,3 +263,15 @@ def test_all_rows_of_user_data_by_default_and_more_rows_extend_a_finished_run(tm
     m2 = run_extract(cfg(ext, model_dir, data, num_samples=None, batch_tokens=4096))
     assert m2["num_samples"] == 70 and m2["run_stats"]["new_samples"] == 50
     assert m2["config"]["num_samples"] is None
+
+
+def test_missing_data_path_is_a_clear_error_before_any_work(tmp_path, model_dir, data_file):
+    for data in (tmp_path / "nope.jsonl", f"{tmp_path}/missing_dir/"):
+        with pytest.raises(ValueError, match="does not exist"):
+            run_extract(cfg(tmp_path / "ds", model_dir, data))
+    assert not (tmp_path / "ds").exists()
+    from eagle_data.inspection import inspect_dataset
+
+    run_extract(cfg(tmp_path / "ok", model_dir, data_file))
+    with pytest.raises(ValueError, match=r"--sample 99 is out of range: .* holds 10 samples"):
+        inspect_dataset(str(tmp_path / "ok"), sample=99)
