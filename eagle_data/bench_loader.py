@@ -158,6 +158,7 @@ def _startup_sets(tmp: Path, batch_size: int, per_sample: bool) -> dict[str, dic
 
     from .dataset import EagleShardDataset
     from .loader import EagleDataLoader
+    from .schema import MANIFEST_NAME, shard_name
     from .synthetic import write_synthetic
 
     small = tmp / "start-1k"
@@ -166,10 +167,10 @@ def _startup_sets(tmp: Path, batch_size: int, per_sample: bool) -> dict[str, dic
     big.mkdir()
     shard, shards = m["shards"][0], []
     for i in range(100):
-        name = f"00000-{i:06d}.tar"
+        name = shard_name(0, i)
         os.link(small / shard["name"], big / name)
         shards.append({**shard, "name": name})
-    (big / "manifest.json").write_text(json.dumps({**m, "shards": shards, "num_samples": 100 * 1000}))
+    (big / MANIFEST_NAME).write_text(json.dumps({**m, "shards": shards, "num_samples": 100 * 1000}))
 
     def first(make) -> float:
         best = float("inf")
@@ -242,6 +243,7 @@ def bench_loader(path: str, batch_size: int = 8, workers: list[int] = [0, 1, 2],
 
     from .dataset import EagleShardDataset
     from .loader import EagleDataLoader
+    from .schema import MANIFEST_NAME
 
     if rounds < 1 or not workers:
         raise ValueError("rounds must be >= 1 and workers non-empty")
@@ -259,7 +261,7 @@ def bench_loader(path: str, batch_size: int = 8, workers: list[int] = [0, 1, 2],
             path = str(tmp / "data")
             write_synthetic(path, [synth_samples // 4] * 4, hidden_size=synth_hidden, length=length,
                             values=lambda g: torch.randn(length(g), synth_hidden))
-        elif not (Path(path) / "manifest.json").is_file():
+        elif not (Path(path) / MANIFEST_NAME).is_file():
             raise ValueError(f"{path}: no manifest.json (give a dataset directory, or 'synthetic')")
         cold = cold and drop_caches()
         files = sorted(Path(path).glob("*.tar"))

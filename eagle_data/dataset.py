@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import batching as B
 from . import collate as C
-from .schema import HIDDEN_DTYPES, decode_tensors
+from .schema import HIDDEN_DTYPES, INDEX_NAME, decode_tensors
 from .shards import check_compat, epoch_shard_order, resolve_sources, slot_sizes, slot_spans
 from .payload import view_tensors
 from .tar_reader import read_span
@@ -171,7 +171,7 @@ class EagleShardDataset(IterableDataset):
         for murl in self.manifests:
             base = _dir_of(murl)
             try:
-                t = pq.read_table(_join(base, "index.parquet"), columns=["shard", "num_tokens"])
+                t = pq.read_table(_join(base, INDEX_NAME), columns=["shard", "num_tokens"])
             except Exception as e:
                 raise ValueError(f"max_tokens batching needs {base}/index.parquet: {e}") from e
             for name, n in zip(t.column("shard").to_pylist(), t.column("num_tokens").to_pylist()):

@@ -42,7 +42,8 @@ from .chat import ChatRenderer, TokenizedSample, tokenize
 from .conversations import ErrorPolicy, Skip, normalize
 from .manifest import (check_resume, config_hash, load_progress, lock_rank, merge, progress_path, repair_rank,
                        weights_fingerprint)
-from .schema import HIDDEN_DTYPES, MANIFEST_NAME, SKIP_LOG_NAME, sample_key
+from .schema import (HIDDEN_DTYPES, MANIFEST_NAME, PROGRESS_GLOB, SKIP_LOG_NAME, parse_progress_name,
+                     parse_shard_name, rank_shard_prefix, sample_key)
 from .sources import iter_records, resolve
 from .async_sink import AsyncShardWriter
 from .writer import ShardSink, atomic_write_json
@@ -230,16 +231,17 @@ def _check_outdir(out: Path, rank: int, run_cfg: dict[str, Any]) -> dict[str, An
             rank's progress file was written with a different configuration (world size...).
     """
     prev = load_progress(out, rank)
-    if prev is None and (any(out.glob(f"{rank:05d}-*.tar")) or
-                         ((out / MANIFEST_NAME).exists() and not any(out.glob("progress-*.json")))):
-        raise ValueError(f"{out} already holds a dataset ({MANIFEST_NAME} or {rank:05d}-*.tar) without "
+    pre = rank_shard_prefix(rank)
+    if prev is None and (any(out.glob(f"{pre}*.tar")) or
+                         ((out / MANIFEST_NAME).exists() and not any(out.glob(PROGRESS_GLOB)))):
+        raise ValueError(f"{out} already holds a dataset ({MANIFEST_NAME} or {pre}*.tar) without "
                          f"{progress_path(out, rank).name}: refusing to write into it (a resume would delete "
                          "its shards). Use a new --out directory.")
     if prev is not None and not prev["shards"] and not prev["skipped"] and not prev.get("finished"):
         prev = None  # nothing was ever published: a corrected command simply starts over
-    for other in sorted(out.glob("progress-*.json")):
-        r = int(other.stem.split("-")[1])
-        if r != rank and (p := load_progress(out, r)) is not None:
+    for other in sorted(out.glob(PROGRESS_GLOB)):
+        r = parse_progress_name(other.name)
+        if r is not None and r != rank and (p := load_progress(out, r)) is not None:
             check_resume(p, run_cfg, str(other))
     return prev
 
@@ -334,7 +336,7 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
     state["finished"] = False
     done = {k for s in state["shards"] for k in s["keys"]}
     skipped_before = set(state["skipped"])  # str(row) -> reason
-    next_shard = 1 + max((int(s["name"][6:12]) for s in state["shards"]), default=-1)
+    next_shard = 1 + max((parse_shard_name(s["name"])[1] for s in state["shards"]), default=-1)
     published_tokens = sum(s["num_tokens"] for s in state["shards"])
     atomic_write_json(prog, state)
 

@@ -32,7 +32,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .schema import FINAL_STATE_NORM, INDEX_NAME, LAYER_ID_CONVENTION, MANIFEST_NAME, SCHEMA_VERSION
+from .schema import (FINAL_STATE_NORM, INDEX_NAME, LAYER_ID_CONVENTION, MANIFEST_NAME, PROGRESS_GLOB,
+                     PROGRESS_NAME, SCHEMA_VERSION, rank_shard_prefix)
 from .writer import INDEX_DIR, INDEX_SCHEMA, atomic_write_json, write_parquet_atomic
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ RESUME_KEYS = ("model_path", "weights_fingerprint", "tokenizer_sha256", "templat
 
 
 def progress_path(out_dir: Path, rank: int) -> Path:
-    return Path(out_dir) / f"progress-{rank:05d}.json"
+    return Path(out_dir) / PROGRESS_NAME.format(rank=rank)
 
 
 def config_hash(cfg: dict[str, Any]) -> str:
@@ -133,14 +134,14 @@ def repair_rank(out_dir: Path, rank: int, state: dict[str, Any]) -> list[str]:
     ``stat``-ed, never read. Mutates ``state["shards"]``; returns what was done, one line each.
     Only call it while holding :func:`lock_rank`.
     """
-    out, pre = Path(out_dir), f"{rank:05d}-"
+    out, pre = Path(out_dir), rank_shard_prefix(rank)
     actions: list[str] = []
 
     def rm(p: Path, why: str) -> None:
         p.unlink(missing_ok=True)
         actions.append(f"deleted {p.relative_to(out)} ({why})")
 
-    for p in [*out.glob(f"{pre}*.tmp"), *out.glob(f"progress-{rank:05d}.json*.tmp"),
+    for p in [*out.glob(f"{pre}*.tmp"), *out.glob(PROGRESS_NAME.format(rank=rank) + "*.tmp"),
               *(out / INDEX_DIR).glob(f"{pre}*.tmp")]:
         rm(p, "temporary of an interrupted write")
     kept = []
@@ -210,7 +211,7 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> dict[str, Any]
     """
     out = Path(out_dir)
     _remove_stale_tmps(out, (MANIFEST_NAME, INDEX_NAME))
-    paths = sorted(out.glob("progress-*.json"))
+    paths = sorted(out.glob(PROGRESS_GLOB))
     if not paths:
         raise ValueError(f"{out}: no progress-*.json files; is this an eagle-data output directory?")
     progs = []
@@ -225,7 +226,7 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> dict[str, Any]
         raise ValueError(f"{out}: expected progress files for ranks 0..{world - 1} (world_size {world}), "
                          f"found {ranks}")
     for p in progs[1:]:
-        check_resume(progs[0], p["config"], f"{out}/progress-{p['rank']:05d}.json")
+        check_resume(progs[0], p["config"], str(progress_path(out, p["rank"])))
     unfinished = [p["rank"] for p in progs if not p.get("finished")]
     if unfinished and not allow_unfinished:
         raise ValueError(f"{out}: rank(s) {unfinished} have not finished; rerun them (same command) to resume")

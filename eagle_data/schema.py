@@ -32,6 +32,7 @@ layer ``k`` (0-based), i.e. HF ``output_hidden_states[k + 1]``; this is what SGL
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -44,9 +45,37 @@ FINAL_STATE_NORM = "post"  # hidden_states are taken after the model's final nor
 TENSOR_EXT = "safetensors"
 META_EXT = "json"
 MANIFEST_NAME = "manifest.json"
+#: rank ``r``'s progress file (see :mod:`eagle_data.manifest`)
+PROGRESS_NAME = "progress-{rank:05d}.json"
+PROGRESS_GLOB = "progress-*.json"
+#: shard files: each rank writes its own series; a shard is ``.tar.tmp`` until published
+SHARD_NAME = "{rank:05d}-{shard:06d}.tar"
+_SHARD_RE = re.compile(r"(\d{5})-(\d{6})\.tar")
 #: every skipped or noted source row of a rank, one JSON object a line: row, id, kind, reason, detail
 SKIP_LOG_NAME = "skips-{rank:05d}.jsonl"
 INDEX_NAME = "index.parquet"
+
+
+def shard_name(rank: int, shard: int) -> str:
+    """The file name of shard ``shard`` of rank ``rank`` (:data:`SHARD_NAME`)."""
+    return SHARD_NAME.format(rank=rank, shard=shard)
+
+
+def rank_shard_prefix(rank: int) -> str:
+    """What every shard (and index part) name of rank ``rank`` starts with."""
+    return shard_name(rank, 0)[:6]
+
+
+def parse_progress_name(name: str) -> int | None:
+    """The rank of a :data:`PROGRESS_NAME`, or None for any other name."""
+    m = re.fullmatch(r"progress-(\d{5})\.json", name)
+    return int(m[1]) if m else None
+
+
+def parse_shard_name(name: str) -> tuple[int, int] | None:
+    """``(rank, shard)`` of a :data:`SHARD_NAME`, or None for any other name."""
+    m = _SHARD_RE.fullmatch(name)
+    return (int(m[1]), int(m[2])) if m else None
 
 TENSOR_FIELDS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
 INT_DTYPES = {"input_ids": torch.int64, "loss_mask": torch.uint8}

@@ -34,7 +34,8 @@ from typing import Any, Iterator
 import torch
 
 from .manifest import read_manifest
-from .schema import HIDDEN_DTYPES, INDEX_NAME, META_EXT, TENSOR_EXT, check_manifest_compat, decode_tensors, sample_key
+from .schema import (HIDDEN_DTYPES, INDEX_NAME, MANIFEST_NAME, META_EXT, TENSOR_EXT, check_manifest_compat, decode_tensors,
+                     parse_shard_name, sample_key)
 from .writer import INDEX_DIR
 
 CATEGORIES = ("manifest", "shards", "samples", "keys", "index", "directory", "recompute")
@@ -195,13 +196,13 @@ def verify_dataset(path: str | Path, recompute: int = 0, seed: int = 0, device: 
         m = read_manifest(out)
         check_manifest_compat(m)
     except (ValueError, KeyError) as e:
-        rep.add("manifest", "manifest.json", str(e))
+        rep.add("manifest", MANIFEST_NAME, str(e))
         return rep
     shards = m.get("shards", [])
     world = int(m.get("world_size") or m.get("config", {}).get("world_size") or 1)
     for k, agg in (("num_samples", "num_samples"), ("num_tokens", "num_tokens"), ("total_bytes", "bytes")):
         if m.get(k) != sum(s.get(agg, 0) for s in shards):
-            rep.add("manifest", "manifest.json", f"{k} {m.get(k)} != sum over shards {sum(s.get(agg, 0) for s in shards)}")
+            rep.add("manifest", MANIFEST_NAME, f"{k} {m.get(k)} != sum over shards {sum(s.get(agg, 0) for s in shards)}")
     facts: dict[str, dict[str, Any]] = {}
     key_shards: dict[str, list[str]] = defaultdict(list)
     for s in shards:
@@ -210,7 +211,7 @@ def verify_dataset(path: str | Path, recompute: int = 0, seed: int = 0, device: 
         if not p.exists():
             rep.add("shards", name, "listed in the manifest but missing")
             continue
-        rank = int(name[:5]) if name[:5].isdigit() else None
+        rank = parsed[0] if (parsed := parse_shard_name(name)) else None
         n, res = 0, {}
         try:
             for key, tb, jb in _iter_tar(p, rep, name, res):

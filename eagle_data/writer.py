@@ -27,7 +27,7 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from .schema import encode_sample_parts
+from .schema import encode_sample_parts, shard_name
 
 INDEX_DIR = "index"
 INDEX_SCHEMA = pa.schema([
@@ -202,7 +202,7 @@ class ShardSink:
         self._closed = False
 
     def _open(self) -> None:
-        self._path = self.out / f"{self.rank:05d}-{self.shard:06d}.tar.tmp"
+        self._path = self.out / (shard_name(self.rank, self.shard) + ".tmp")
         self.shard += self.step
         self._file = _HashingFile(str(self._path))
         self._rows = []

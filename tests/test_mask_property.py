@@ -24,7 +24,6 @@ import os
 from functools import lru_cache
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

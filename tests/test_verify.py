@@ -102,3 +102,14 @@ def test_recompute_matches_reference_and_catches_wrong_model(ds, tmp_path, kr):
     rep = verify_dataset(ds, recompute=2)
     assert not rep.ok and {c for c, _, _ in rep.problems} == {"recompute"}
     assert max(rep.recompute.values()) > 0.1
+
+
+def test_on_disk_names_are_made_and_parsed_in_one_place():
+    from eagle_data.schema import (PROGRESS_NAME, parse_progress_name, parse_shard_name, rank_shard_prefix,
+                                   shard_name)
+
+    assert shard_name(3, 12) == "00003-000012.tar" and parse_shard_name("00003-000012.tar") == (3, 12)
+    assert rank_shard_prefix(3) == "00003-" and shard_name(3, 0).startswith(rank_shard_prefix(3))
+    for bad in ("00003-000012.tar.tmp", "3-12.tar", "00003-000012.parquet", "x00003-000012.tar"):
+        assert parse_shard_name(bad) is None
+    assert parse_progress_name(PROGRESS_NAME.format(rank=7)) == 7 and parse_progress_name("progress-7.json") is None
