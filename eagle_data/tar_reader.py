@@ -295,14 +295,14 @@ def read_span(span: Span, on_error: str, skipped: Counter) -> Iterator[dict[str,
             got += 1
             yield _checked(sample, on_error, skipped)
         if got < want:
-            raise ValueError(f"shard {sh.url}: expected {span.stop} samples, the tar ends after "
+            raise ShardError(f"shard {sh.url}: expected {span.stop} samples, the tar ends after "
                              f"{idx + 1} (truncated?)")
     except Exception as e:
         if on_error == "raise":
-            if isinstance(e, ValueError) and str(e).startswith("shard "):
+            if isinstance(e, ShardError):  # already names the shard
                 raise
             at = f"at sample {key!r} (or the member after it)" if key is not None else "before its first sample"
-            raise ValueError(f"shard {sh.url}: unreadable {at}: {e!r}") from e
+            raise ShardError(f"shard {sh.url}: unreadable {at}: {e!r}") from e
         skipped["unreadable_shard"] += want - got
         log.warning("skipping %d sample(s) of %s: %r", want - got, sh.url, e)
         yield from [None] * (want - got)
@@ -311,11 +311,15 @@ def read_span(span: Span, on_error: str, skipped: Counter) -> Iterator[dict[str,
             stream.close()
 
 
+class ShardError(ValueError):
+    """A shard cannot be read; the message names the shard (and the sample where known)."""
+
+
 def _checked(s: dict[str, Any], on_error: str, skipped: Counter) -> dict[str, Any] | None:
     missing = [m for m in REQUIRED_MEMBERS if m not in s]
     if not missing:
         return s
-    err = ValueError(f"shard {s['__url__']}: sample {s['__key__']} lacks member(s) {missing}")
+    err = ShardError(f"shard {s['__url__']}: sample {s['__key__']} lacks member(s) {missing}")
     if on_error == "raise":
         raise err
     skipped["missing_field"] += 1

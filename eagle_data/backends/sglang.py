@@ -51,7 +51,7 @@ import torch
 
 from .base import BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
 from .sglang_engine import CPU_KERNEL_DIR, base_engine_kwargs, model_facts, prepare_cpu_environment  # noqa: F401
-from .sglang_spool import Spool, StitchError, list_spool, read_error, read_piece, stitch
+from .sglang_spool import RowsMissing, Spool, StitchError, list_spool, read_error, read_piece, stitch
 
 log = logging.getLogger(__name__)
 
@@ -330,10 +330,13 @@ class SGLangBackend:
                 Spool.remove(files)
                 self._chunks[rid] = len(files)
                 return Captured(key, aux, final)
-            except StitchError as e:
-                if "missing" not in str(e) or time.monotonic() > deadline:
+            except RowsMissing:  # pieces may still be arriving
+                if time.monotonic() > deadline:
                     Spool.remove(files)
                     raise
+            except StitchError:
+                Spool.remove(files)
+                raise
             await asyncio.sleep(0.01)
 
     def close(self) -> None:

@@ -43,6 +43,11 @@ class StitchError(RuntimeError):
     """Captured rows of one sample do not tile ``[0, T)`` exactly. The message names the sample."""
 
 
+class RowsMissing(StitchError):
+    """Rows of the sample are missing (a gap, a skipped prefix, an incomplete prefill): while
+    the engine's pieces are still arriving this may resolve itself."""
+
+
 @dataclass
 class Piece:
     """One prefill chunk of one request.
@@ -84,7 +89,7 @@ def stitch(key: str, input_ids: torch.Tensor, pieces: Iterable[Piece]) -> tuple[
     if not ps:
         raise StitchError(f"sample {key!r}: no hidden-state rows captured for {t} tokens")
     if ps[0].offset != 0:
-        raise StitchError(f"sample {key!r}: rows [0, {ps[0].offset}) of {t} missing (a cached prefix was "
+        raise RowsMissing(f"sample {key!r}: rows [0, {ps[0].offset}) of {t} missing (a cached prefix was "
                           f"skipped: the radix cache must be disabled)")
     end, width = 0, None
     for i, p in enumerate(ps):
@@ -101,7 +106,7 @@ def stitch(key: str, input_ids: torch.Tensor, pieces: Iterable[Piece]) -> tuple[
         if p.offset < end:
             raise StitchError(f"sample {key!r}: chunk at offset {p.offset} overlaps rows up to {end}")
         if p.offset > end:
-            raise StitchError(f"sample {key!r}: gap: rows [{end}, {p.offset}) of {t} missing")
+            raise RowsMissing(f"sample {key!r}: gap: rows [{end}, {p.offset}) of {t} missing")
         if i and p.seq >= 0 and ps[i - 1].seq >= 0 and p.seq < ps[i - 1].seq:
             raise StitchError(f"sample {key!r}: chunk at offset {p.offset} was produced before the chunk at "
                               f"offset {ps[i - 1].offset} (out of order)")
@@ -112,7 +117,7 @@ def stitch(key: str, input_ids: torch.Tensor, pieces: Iterable[Piece]) -> tuple[
                               f"sample's (rows belong to another request)")
         end = p.offset + n
     if end != t:
-        raise StitchError(f"sample {key!r}: rows [{end}, {t}) of {t} missing (incomplete prefill)")
+        raise RowsMissing(f"sample {key!r}: rows [{end}, {t}) of {t} missing (incomplete prefill)")
     if len(ps) == 1:
         return ps[0].aux, ps[0].final
     return torch.cat([p.aux for p in ps]), torch.cat([p.final for p in ps])
