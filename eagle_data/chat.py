@@ -72,6 +72,18 @@ _READS_REASONING = re.compile(r"reasoning_content|message\s*\.\s*thinking|\[\s*[
                               r"['\"]thinking['\"]\s+in\s+message")
 
 
+def _check_normalised(messages: Any) -> None:
+    """The message shape :func:`eagle_data.conversations.normalize_record` produces."""
+    if not isinstance(messages, list) or not any(isinstance(m, dict) and m.get("role") == "assistant"
+                                                 for m in messages):
+        raise ValueError("messages must be a list of message dicts with at least one assistant turn")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
+                and isinstance(m.get("content"), str) and isinstance(m.get("reasoning_content", ""), str)):
+            raise ValueError(f"message {i} is not normalised (role system/user/assistant/tool, string content and "
+                             f"reasoning_content): pass records through eagle_data.conversations.normalize_record")
+
+
 @dataclass
 class Encoded:
     """One rendered, tokenised conversation.
@@ -164,6 +176,8 @@ class ChatRenderer:
             if "tool_calls" in m and getattr(self, "args_as_json", False):
                 m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
                     c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
+            if "tool_calls" in m and not m["content"] and getattr(self, "call_content_none", False):
+                m = {**m, "content": None}
             if "reasoning_content" in m:
                 r = m["reasoning_content"]
                 m = ({**m, "thinking": r} if getattr(self, "reasoning_rendered", True) else
@@ -216,23 +230,29 @@ class ChatRenderer:
         # tool-call sequence): if it reads the field at all, it decides
         code = re.sub(r"\{#.*?#\}", "", self.template, flags=re.DOTALL)
         self.reasoning_rendered |= bool(_READS_REASONING.search(code))
-        head = prompt or boundary
-        at, tok = min(((head.find(x), x) for x in self._specials if x in head), default=(len(head), ""))
-        self.markers = TurnMarkers(prompt, boundary, at + len(tok), eots)
+        self.markers = TurnMarkers(prompt, self._prompt_cuts(prompt), boundary, eots)
         self.markers = replace(self.markers, call_end=self._probe_tool_call(msgs))
+
+    def _prompt_cuts(self, prompt: str) -> tuple[int, ...]:
+        """See :class:`~eagle_data.mask.TurnMarkers`: ``prompt_cuts``."""
+        think = [k for k in (prompt.find("<think>"), prompt.find("</think>")) if k >= 0]
+        least = min(think, default=len(prompt))  # only a thinking part may be missing from a turn
+        ends = {i + len(x) for x in self._specials for i in range(len(prompt)) if prompt.startswith(x, i)}
+        ends |= {i + 1 for i, c in enumerate(prompt) if c == "\n"} | {least, len(prompt)}
+        return tuple(sorted((n for n in ends if n >= least), reverse=True))
 
     def _probe_tool_call(self, msgs) -> tuple[str, ...]:
         """How the template takes tool-call arguments (``self.args_as_json``: a JSON string, as
         DeepSeek's templates concatenate them, instead of a dict) and the special token that
         ends a tool-call turn when it is not the end-of-turn marker."""
-        self.args_as_json, self.call_anchor = False, "name"
+        self.args_as_json, self.call_anchor, self.call_content_none = False, "name", False
         if "tool_calls" not in self.template:
             return ()
-        for as_json in (False, True):
+        for as_json, none in ((False, False), (True, False), (False, True), (True, True)):
             args = {"city": _ph(1)}
             call = {"type": "function", "id": "call00001",
                     "function": {"name": _ph(4), "arguments": json.dumps(args) if as_json else args}}
-            conv = [msgs[0], {"role": "assistant", "content": "", "tool_calls": [call]},
+            conv = [msgs[0], {"role": "assistant", "content": None if none else "", "tool_calls": [call]},
                     {"role": "tool", "content": _ph(2), "name": "get_weather", "tool_call_id": "call00001"},
                     {"role": "assistant", "content": _ph(3)}]
             try:
@@ -240,7 +260,9 @@ class ChatRenderer:
             except Exception:
                 continue
             if _ph(1) in text and _ph(2) in text:
-                self.args_as_json = as_json
+                # DeepSeek-V3 renders calls only when content is None (HF's convention for a
+                # turn that is only tool calls)
+                self.args_as_json, self.call_content_none = as_json, none
                 # the call's name anchors its position, else its id (Kimi-K2 writes only the id)
                 self.call_anchor = "name" if _ph(4) in text else "id"
                 tail = text[text.index(_ph(1)) + len(_ph(1)):text.index(_ph(2))]
@@ -285,8 +307,11 @@ class ChatRenderer:
         """Render, tokenise once and build the loss mask (see :class:`Encoded`).
 
         Raises:
+            ValueError: ``messages`` are not normalised (see
+                :func:`eagle_data.conversations.normalize_record`).
             MaskError: see :meth:`assistant_spans`.
         """
+        _check_normalised(messages)
         text = self.render(messages)
         spans, notes = self._locate(text, messages)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

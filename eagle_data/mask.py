@@ -16,7 +16,6 @@ header or an earlier turn cannot be taken from there. Anything that does not ali
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -85,14 +84,14 @@ def placeholder_messages(messages: list[dict[str, Any]], call_anchor: str = "nam
     for i, m in enumerate(messages):
         new = dict(m)
         if m["role"] == "assistant":
-            parts = _THINK_TAGS.split(m["content"])
+            parts = _THINK_TAGS.split(m["content"] or "")  # None: a tool-call turn (DeepSeek-V3)
             depth = 0
             for j, part in enumerate(parts):
                 if part in ("<think>", "</think>"):
                     depth = 1 if part == "<think>" else 0
                 else:
                     parts[j] = _hole(part, pieces, i, "reasoning" if depth else "content")
-            new["content"] = "".join(parts)
+            new["content"] = "".join(parts) if m["content"] is not None else None
             if "reasoning_content" in m:  # "thinking" (gpt-oss's name) is the same text: one piece
                 hole = _hole(m["reasoning_content"], pieces, i, "reasoning")
                 new.update({k: hole for k in ("reasoning_content", "thinking") if k in m})
@@ -145,50 +144,55 @@ class TurnMarkers:
 
     Attributes:
         prompt: the generation prompt (what ``add_generation_prompt`` appends).
-        boundary: the template text between a user message and the answer to it (used when
-            ``prompt`` is empty, e.g. Mistral's ``[/INST] ``).
-        min_prompt: shortest prefix of ``prompt`` (or ``boundary``) taken as a turn's header:
-            through its first special token.
+        prompt_cuts: lengths of the prefixes of ``prompt`` that may stand for it, longest
+            first: the whole, and where the prompt ends in a thinking part, the prefix before it
+            and those ending at a special token or a line end inside it (DeepSeek-R1's prompt
+            ends in ``<think>\\n``, which its tool-call turns do not have).
+        boundary: the template text between a user message and the answer to it, for
+            templates with no generation prompt (Mistral ``[/INST] ``, Phi-4).
         eot: end-of-turn special tokens; ``call_end``: the one ending a tool-call turn when it
-            is not an end-of-turn token (gpt-oss ``<|call|>``).
+            is not an end-of-turn token (gpt-oss ``<|call|>``, Llama ``<|eom_id|>``).
     """
     prompt: str
+    prompt_cuts: tuple[int, ...]
     boundary: str
-    min_prompt: int
     eot: tuple[str, ...]
     call_end: tuple[str, ...] = ()
 
 
 def _output_start(text: str, before: int, first: int, mk: TurnMarkers) -> int:
     """Where a turn's output starts in ``text[before:first]`` (the template text before its
-    first piece): after the last generation prompt there, else after the longest prefix of it
-    (at least through its first special token: DeepSeek-R1's prompt ends in ``<think>\\n``,
-    which its tool-call turns do not have); with no generation prompt, after the longest
-    prefix of the user->answer boundary the text starts with; else at the first piece."""
+    first piece): after the last generation prompt (or the longest of its ``prompt_cuts``)
+    there; with no generation prompt, after the user->answer boundary that ends the text
+    (the turn's own leading whitespace aside), else after the last boundary in it (Mistral's
+    ``[/INST]`` before ``[TOOL_CALLS]``); else at the first piece."""
     if mk.prompt:
-        for n in range(len(mk.prompt), mk.min_prompt - 1, -1):
+        for n in mk.prompt_cuts:
             k = text.rfind(mk.prompt[:n], before, first)
             if k >= 0:
                 return k + n
         return first
-    n = len(os.path.commonprefix([text[before:first], mk.boundary]))
-    return before + n if n >= mk.min_prompt > 0 else first
+    head, bound = text[before:first], mk.boundary.rstrip()
+    if bound and head.rstrip().endswith(bound):
+        return before + len(head.rstrip())
+    k = head.rfind(bound) if bound else -1
+    return before + k + len(bound) if k >= 0 else first
 
 
-def _output_end(tail: str, mk: TurnMarkers, tool_call: bool) -> int:
+def _output_end(tail: str, mk: TurnMarkers, tool_call: bool, last: bool) -> int:
     """How much of ``tail`` (template text after a turn's last piece, up to the next message's
     first piece) the turn emits: through its first end-of-turn marker (after e.g. a closing
-    ``</think>`` the template writes), for a tool-call turn else its first call-end marker;
-    nothing if there is none (a last turn the template does not close)."""
-    for markers in (mk.eot, mk.call_end):
-        hits = [(tail.find(m), m) for m in markers if m in tail]
-        if hits:
-            p, m = min(hits)
-            return p + len(m)
+    ``</think>`` the template writes); for a tool-call turn through its first end-of-turn or
+    call-end marker; the last turn of a template that does not close it (GLM) emits the rest
+    of the text but trailing whitespace."""
+    markers = mk.eot + mk.call_end if tool_call else mk.eot
+    hits = [(tail.find(m), m) for m in markers if m in tail]
+    if hits:
+        p, m = min(hits)
+        return p + len(m)
     if tool_call:
-        raise MaskError(f"the end of a tool call is not marked by any of {list(mk.eot + mk.call_end)} "
-                        "before the next message")
-    return 0
+        raise MaskError(f"the end of a tool call is not marked by any of {list(markers)} before the next message")
+    return len(tail.rstrip()) if last else 0
 
 
 def _own_turn(mine: list[tuple[int, int, int]], where: list[tuple[int, int, int]], pieces: list[Piece],
@@ -237,6 +241,6 @@ def assistant_spans(text: str, messages: list[dict[str, Any]], pieces: list[Piec
         first, last = mine[0][0], mine[-1][1]
         before = max((e for s, e, _ in where if e <= first), default=0)
         nxt = min((s for s, e, _ in where if s >= last), default=len(text))
-        end = last + _output_end(text[last:nxt], mk, bool(m.get("tool_calls")))
+        end = last + _output_end(text[last:nxt], mk, bool(m.get("tool_calls")), nxt == len(text))
         spans.append((_output_start(text, before, first, mk), end))
     return spans

@@ -289,3 +289,50 @@ def test_final_reasoning_dropped_by_the_template_is_noted():
     assert pol.counter.notes == {"final_reasoning_not_rendered": 1} and pol.counter.as_dict() == {}
     q = ChatRenderer(family_tokenizer(next(p for p in TEMPLATES if p.stem == "qwen3")))
     assert q.encode(msgs).notes == []
+
+
+BLANK_USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": " "},
+              {"role": "assistant", "content": "Anything else?"}]
+
+
+@pytest.mark.parametrize("stem,msgs,kw,runs", [
+    # no generation prompt (Phi-4): a blank user message does not pull its header into the answer
+    ("phi4", BLANK_USER, {}, ["Hello!<|im_end|>", "Anything else?<|im_end|>"]),
+    # the answer's own leading whitespace after a user text ending in whitespace
+    ("phi4", [{"role": "user", "content": "q\n"}, {"role": "assistant", "content": "\n\nfin"}], {},
+     ["\n\nfin<|im_end|>"]),
+    ("mistral_small_3_1_instruct_2503", [{"role": "user", "content": "q\n"}, {"role": "assistant", "content": "\n\nfin"}],
+     {}, ["\n\nfin</s>"]),
+    # a tool call ends at its call-end token even when a blank tool result follows
+    ("llama3_1_instruct", [U, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                           {"role": "tool", "content": "", "tool_call_id": "call00001"}, {"role": "assistant", "content": "fin"}],
+     {"builtin_tools": ["brave_search"]}, None),
+    ("gpt_oss", [U, {"role": "assistant", "content": "", "tool_calls": [CALL]}, {"role": "user", "content": ""},
+                 {"role": "assistant", "content": "fin"}], {}, None),
+    # GLM does not close the last turn: its reasoning-only answer keeps the closing </think>
+    ("glm4_5", [U, {"role": "assistant", "content": "", "reasoning_content": "rsn"}], {}, ["\n<think>rsn</think>"]),
+    # a prefix of the generation prompt is taken only at a token/line boundary (DeepSeek-V3.1 thinking)
+    ("deepseek_v3_1", [U, {"role": "assistant", "content": "ans"}, U, {"role": "assistant", "content": "two"}],
+     {"thinking": True}, ["</think>ans<｜end▁of▁sentence｜>", "</think>two<｜end▁of▁sentence｜>"]),
+    # DeepSeek-V3 renders a turn's tool calls only when its content is None
+    ("deepseek_v3", TOOL_CHAT, {}, [
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "x"}\n```<｜tool▁call▁end｜>',
+        "A<｜end▁of▁sentence｜>"]),
+])
+def test_turn_boundaries_from_breaking_passes(stem, msgs, kw, runs):
+    got = _runs(stem, msgs, variables=kw)
+    if runs is None:  # tool-call turns: the run ends at the call-end token, the next turn is separate
+        assert len(got) == 2 and got[0].endswith(("<|eom_id|>", "<|call|>")) and got[1].startswith(
+            ("fin", "<|channel|>final<|message|>fin")), got
+    else:
+        assert got == runs
+
+
+@pytest.mark.parametrize("msgs", [[], [U], [U, {"role": "assistant", "content": None}],
+                                  [U, {"role": "assistant"}], [U, {"role": "assistant", "content": [{"type": "text"}]}],
+                                  [U, {"role": "assistant", "content": "a", "reasoning_content": None}]])
+def test_unnormalised_messages_are_a_clear_value_error(msgs):
+    r = ChatRenderer(family_tokenizer(next(p for p in TEMPLATES if p.stem == "qwen3")))
+    with pytest.raises(ValueError, match="normalis|at least one assistant"):
+        r.encode(msgs)

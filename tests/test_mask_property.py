@@ -94,8 +94,11 @@ def conversations(draw, system_ok: bool, tools_ok: bool):
 
     if system_ok and draw(st.booleans()):
         add("system", content=field())
+    def maybe_blank():  # blank user/tool text: the template's headers with nothing between them
+        return (draw(st.sampled_from(WS)), "", "") if draw(st.integers(0, 6)) == 0 else field()
+
     for turn in range(draw(st.integers(1, 3))):
-        add("user", content=field())
+        add("user", content=maybe_blank())
         if tools_ok and draw(st.integers(0, 3)) == 0:
             name = draw(st.sampled_from(["get_weather", "search_web"]))
             call = {"type": "function", "function": {"name": name, "arguments": {"query": text()}}, "id": f"call{turn:05d}"}
@@ -103,7 +106,7 @@ def conversations(draw, system_ok: bool, tools_ok: bool):
             msgs[-1]["tool_calls"] = [call]
             parts[-1]["tool_name"] = ("", name, "")
             parts[-1]["tool_id"] = ("", f"call{turn:05d}", "")
-            add("tool", content=field())
+            add("tool", content=maybe_blank())
             msgs[-1].update(name=name, tool_call_id=f"call{turn:05d}")
         style = draw(st.sampled_from(["plain", "plain", "reasoning_content", "inline_think", "reasoning_only"]))
         answer = field(draw(st.sampled_from(WORDS)) if draw(st.booleans()) else None)
