@@ -68,12 +68,12 @@ class Conversation:
         source_id: the record's own id (kept verbatim in metadata, may contain '.').
         messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}]``;
             assistant turns may hold ``reasoning_content`` (str) and ``tool_calls``.
-        notes: names of changes made to the record (e.g. ``cut_at_blank_reply``).
+        notes: ``(reason, detail)`` of changes made to the record (e.g. ``cut_at_blank_reply``).
     """
     row: int
     source_id: str
     messages: list[dict[str, Any]]
-    notes: list[str] = field(default_factory=list)
+    notes: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -292,8 +292,9 @@ def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
         cut = max(i for i in range(blank) if chat[i]["role"] == "user")
         if not any(m["role"] == "assistant" for m in chat[:cut]):
             raise BadRecord("empty_assistant", f"turn {blank + lead} (the first answer) is blank")
+        notes.append(("cut_at_blank_reply", f"turn {blank + lead} (assistant) is blank: the conversation is cut "
+                                            f"before turn {cut + lead}, {len(chat) - cut} of {len(chat)} turns dropped"))
         chat = chat[:cut]
-        notes.append("cut_at_blank_reply")
     while chat[-1]["role"] != "assistant":  # a trailing user/tool turn has no supervised answer
         chat.pop()
     return Conversation(row, sid, system + chat, notes)
@@ -325,6 +326,6 @@ def normalize(records: Iterable[tuple[int, dict[str, Any]]], policy: ErrorPolicy
         if isinstance(out, Skip):
             policy.handle(out)
             continue
-        for n in out.notes:
-            policy.note(Skip(row, out.source_id, n))
+        for reason, detail in out.notes:
+            policy.note(Skip(row, out.source_id, reason, detail))
         yield out

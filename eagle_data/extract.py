@@ -217,6 +217,10 @@ def _check_config(cfg: ExtractConfig) -> str:
         raise ValueError(f"on_bad_sample must be 'skip' or 'raise', got {cfg.on_bad_sample!r}")
     if cfg.data != "sharegpt":
         resolve(cfg.data)  # a missing local file: ValueError before any model is loaded
+    if cfg.model != "smollm2" and cfg.model.startswith(("/", ".", "~")) and not Path(cfg.model).expanduser().is_dir():
+        raise ValueError(f"model {cfg.model!r} is not a model folder (a local HF folder with config.json)")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"out {cfg.out!r} exists and is not a directory")
     if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
         raise ValueError(f"chat_template {cfg.chat_template!r} is not a file")
     return storage
@@ -335,12 +339,15 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
         (out / MANIFEST_NAME).unlink()  # no longer describes the directory; merged again at the end
     state["finished"] = False
     done = {k for s in state["shards"] for k in s["keys"]}
-    skipped_before = set(state["skipped"])  # str(row) -> reason
+    # Rows an earlier run skipped or noted are decided again (a row fixed in the source since is
+    # extracted), except those beyond a smaller num_samples, which this run does not read.
+    beyond = (lambda r: cfg.num_samples is not None and int(r) >= cfg.num_samples)
+    state["skipped"] = {r: v for r, v in state["skipped"].items() if beyond(r)}
+    state["notes"] = {r: v for r, v in state.get("notes", {}).items() if beyond(r) or sample_key(tag, int(r)) in done}
     next_shard = 1 + max((parse_shard_name(s["name"])[1] for s in state["shards"]), default=-1)
     published_tokens = sum(s["num_tokens"] for s in state["shards"])
     atomic_write_json(prog, state)
 
-    state.setdefault("notes", {})
     unsaved: dict[str, dict[str, str]] = {"skipped": {}, "notes": {}}  # str(row) -> reason
     lock = threading.Lock()  # on_publish runs in the shard-writer thread
 
@@ -365,9 +372,9 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
         with lock:
             commit({"shards": [*state["shards"], rec]})
 
-    # ---- pipeline (finished and skipped rows are dropped before any tokenisation) ------------
+    # ---- pipeline (finished rows are dropped before any tokenisation) -----------------------
     records = ((r, rec) for r, rec in iter_records(cfg.data, cfg.split, cfg.rank, cfg.world_size, cfg.num_samples)
-               if str(r) not in skipped_before and sample_key(tag, r) not in done)
+               if sample_key(tag, r) not in done)
     samples = _check_vocab(tokenize(normalize(records, policy), renderer, tag, cfg.max_length, policy),
                            info.vocab_size, policy)
     sigs = _Signals()

@@ -281,6 +281,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         ValueError: missing or unreadable manifest.
     """
     p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{p} does not exist")
     if p.is_dir():
         p = p / MANIFEST_NAME
     if not p.exists():

@@ -13,8 +13,9 @@ not with ``datasets``: its schema inference fails on files whose rows disagree i
 content that is a string in one row and a list in another), which would stop a run in the
 middle. Here every line is its own record; a line that is not valid JSON becomes a
 :class:`~eagle_data.conversations.Skip` (``unreadable_record``) in its row, counted like any
-other bad record. A ``.json`` file holding one JSON array is read as that array (else as
-JSON lines).
+other bad record. A ``.json`` file holding one JSON array (or one record object) is read as
+that; one whose first line is a JSON value on its own is read as JSON lines; anything else is
+a ``ValueError`` naming the syntax error's position.
 """
 
 from __future__ import annotations
@@ -59,21 +60,41 @@ def _tag(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9-]+", "-", name).strip("-") or "data"
 
 
+def _whole_json(path: str) -> Any:
+    """A ``.json`` file that is one JSON value: an array of records, or one record object.
+
+    Raises:
+        ValueError: invalid JSON (with its position), or an object that is not a record.
+    """
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            value = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        at = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise ValueError(f"data: {path} is not valid JSON{at}: {e}") from None
+    if isinstance(value, dict) and not ({"conversations", "messages"} & set(value)):
+        raise ValueError(f"data: {path} holds one JSON object with keys {sorted(value)[:6]}, not a record, "
+                         "an array of records or JSON lines")
+    return value if isinstance(value, list) else [value]
+
+
 def _iter_json_file(path: str) -> Iterator[Any]:
     """Records of one local file: ``.jsonl`` = one JSON value per line; ``.json`` = a JSON array
-    of records if the whole file is one, else read as JSON lines (see module docstring)."""
+    of records (or one record object) if the file is one JSON value, else JSON lines; a ``.json``
+    file that is neither (its first line is not a JSON value either) is a ValueError naming the
+    position of the syntax error."""
     if Path(path).suffix == ".json":
         with open(path, "rb") as f:
             head = f.read(1 << 16).removeprefix(b"\xef\xbb\xbf").lstrip()
-        if head.startswith(b"["):
-            try:
-                with open(path, encoding="utf-8-sig") as f:
-                    records = json.load(f)
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-                records = None  # not one array: JSON lines whose first line is an array
-            if isinstance(records, list):
-                yield from records
-                return
+        first = head.split(b"\n", 1)[0]
+        try:
+            json.loads(first)
+            lines = b"\n" in head.rstrip()  # a first line that is a value on its own: JSON lines...
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            lines = False
+        if not lines:  # ...else the file is one JSON value (or broken)
+            yield from _whole_json(path)
+            return
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             if n == 1:
@@ -95,7 +116,12 @@ def _iter_source(data: str, split: str) -> Iterator[Any]:
         return
     import datasets
 
-    yield from datasets.load_dataset(builder, split=split, streaming=True, **kw)
+    try:
+        ds = datasets.load_dataset(builder, split=split, streaming=True, **kw)
+    except Exception as e:  # no hub reachable, unknown name, bad split: a data error, not a crash
+        raise ValueError(f"data: {data!r} is not a local .json/.jsonl/.parquet file or folder, and loading it as "
+                         f"a `datasets` hub name failed: {type(e).__name__}: {e}") from e
+    yield from ds
 
 
 def iter_records(data: str, split: str = "train", rank: int = 0, world_size: int = 1,

@@ -186,11 +186,13 @@ def verify_dataset(path: str | Path, recompute: int = 0, seed: int = 0, device: 
     problem goes into the returned :class:`VerifyReport`.
 
     Raises:
-        ValueError: ``recompute`` is negative.
+        ValueError: ``recompute`` is negative; ``path`` does not exist.
     """
     if recompute < 0:
         raise ValueError(f"recompute must be >= 0, got {recompute}")
     out = Path(path)
+    if not out.is_dir():
+        raise ValueError(f"{out} is not a dataset directory" + ("" if out.exists() else " (it does not exist)"))
     rep = VerifyReport(str(out))
     try:
         m = read_manifest(out)

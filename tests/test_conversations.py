@@ -105,7 +105,9 @@ def test_blank_reply_cuts_the_conversation_before_its_question_and_is_noted():
                              {"from": "human", "value": "q3"}, {"from": "gpt", "value": "a3"}]}
     pol = ErrorPolicy()
     (c,) = normalize([(4, rec)], pol)
-    assert [m["content"] for m in c.messages] == ["q1", "a1"] and c.notes == ["cut_at_blank_reply"]
+    assert [m["content"] for m in c.messages] == ["q1", "a1"]
+    assert c.notes == [("cut_at_blank_reply", "turn 3 (assistant) is blank: the conversation is cut before turn 2, "
+                                              "4 of 6 turns dropped")]
     assert pol.counter.notes == {"cut_at_blank_reply": 1} and pol.counter.as_dict() == {}
 
 

@@ -275,3 +275,52 @@ def test_missing_data_path_is_a_clear_error_before_any_work(tmp_path, model_dir,
     run_extract(cfg(tmp_path / "ok", model_dir, data_file))
     with pytest.raises(ValueError, match=r"--sample 99 is out of range: .* holds 10 samples"):
         inspect_dataset(str(tmp_path / "ok"), sample=99)
+
+
+def test_rerun_extracts_a_row_fixed_in_the_source(tmp_path, model_dir):
+    data = tmp_path / "chats.jsonl"
+    rows = [json.dumps({**GOOD[i % 2], "id": f"r{i}"}) for i in range(6)]
+    data.write_text("\n".join(["{broken", *rows[1:]]) + "\n")
+    out = tmp_path / "ds"
+    m = run_extract(cfg(out, model_dir, data))
+    assert m["num_samples"] == 5 and m["skip_counts"] == {"unreadable_record": 1}
+    data.write_text("\n".join(rows) + "\n")  # row 0 fixed
+    m2 = run_extract(cfg(out, model_dir, data))
+    assert m2["num_samples"] == 6 and m2["skip_counts"] == {} and m2["run_stats"]["new_samples"] == 1
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(model="/nonexistent/model"), "is not a model folder"),
+    (dict(model="./nomodel"), "is not a model folder"),
+    (dict(out="FILE"), "exists and is not a directory"),
+])
+def test_user_mistakes_are_clear_errors(tmp_path, model_dir, data_file, change, match):
+    (tmp_path / "f.txt").write_text("x")
+    kw = {k: (str(tmp_path / "f.txt") if v == "FILE" else v) for k, v in change.items()}
+    with pytest.raises(ValueError, match=match):
+        run_extract(cfg(kw.pop("out", tmp_path / "ds"), model_dir, data_file, **kw))
+
+
+@pytest.mark.parametrize("text,match", [
+    ('[\n {"messages": []},\n]\n', r"not valid JSON \(line 3, column 1\)"),
+    ('{"data": [{"messages": []}]}', r"one JSON object with keys \['data'\]"),
+])
+def test_broken_json_file_is_one_clear_error(tmp_path, text, match):
+    from eagle_data.sources import iter_records
+
+    p = tmp_path / "d.json"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        list(iter_records(str(p)))
+    p.write_text('{\n "messages": [{"role": "user", "content": "q"}]\n}\n')  # one pretty-printed record
+    assert [r for _, r in iter_records(str(p))] == [{"messages": [{"role": "user", "content": "q"}]}]
+
+
+def test_unreachable_hub_name_is_a_value_error(monkeypatch):
+    from eagle_data.sources import iter_records
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # CI has no hub either; offline fails at once
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+    with pytest.raises(ValueError, match="not a local .* hub name failed"):
+        list(iter_records("surely-not-a-local-dataset-name-xyz"))
