@@ -44,9 +44,9 @@ from .manifest import (check_resume, config_hash, load_progress, lock_rank, merg
                        weights_fingerprint)
 from .schema import (HIDDEN_DTYPES, MANIFEST_NAME, PROGRESS_GLOB, SKIP_LOG_NAME, parse_progress_name,
                      parse_shard_name, rank_shard_prefix, sample_key)
-from .sources import iter_records, resolve
+from .sources import check_unchanged, combine, iter_records, record_fingerprint, resolve
 from .async_sink import AsyncShardWriter
-from .writer import ShardSink, atomic_write_json
+from .writer import ShardSink, atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,12 @@ def _run(cfg: ExtractConfig, storage: str, out: Path, backend, tokenizer) -> dic
     else:
         model_path = cfg.model
     if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"model {model_path}: its tokenizer cannot be loaded (tokenizer.json / "
+                             f"tokenizer_config.json missing or unreadable?): {first}") from e
     renderer = ChatRenderer.from_path(tokenizer, cfg.chat_template, date=cfg.template_date,
                                       variables=cfg.template_vars)
     if cfg.num_samples is None and cfg.data == "sharegpt":
@@ -302,6 +307,22 @@ def _run(cfg: ExtractConfig, storage: str, out: Path, backend, tokenizer) -> dic
         return _extract(cfg, storage, out, backend, renderer, model_path, tag)
     finally:
         backend.close()
+
+
+def _reopen_skip_log(path: Path, state: dict[str, Any]):
+    """The rank's skip log, keeping only the lines of rows an earlier run decided that this run
+    does not decide again (``state`` after pruning), then open for appending."""
+    kept = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                x = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+            if str(x.get("row")) in state["notes" if x.get("kind") == "note" else "skipped"]:
+                kept.append(line + "\n")
+    atomic_write_bytes(path, "".join(kept).encode("utf-8"))
+    return open(path, "a", encoding="utf-8", buffering=1)
 
 
 def _abort(writer: AsyncShardWriter | None, sinks: list[ShardSink] | None) -> None:
@@ -351,10 +372,14 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
     unsaved: dict[str, dict[str, str]] = {"skipped": {}, "notes": {}}  # str(row) -> reason
     lock = threading.Lock()  # on_publish runs in the shard-writer thread
 
-    skip_log = open(out / SKIP_LOG_NAME.format(rank=cfg.rank), "a", encoding="utf-8", buffering=1)
+    skip_log = _reopen_skip_log(out / SKIP_LOG_NAME.format(rank=cfg.rank), state)
+
+    fps: dict[str, int] = {}  # key -> fingerprint of its source row, until published or skipped
 
     def remember(skip: Skip, note: bool) -> None:  # every skip/note, with its detail, in the skip log
         with lock:
+            if not note:
+                fps.pop(sample_key(tag, skip.row), None)
             unsaved["notes" if note else "skipped"][str(skip.row)] = skip.reason
             skip_log.write(json.dumps({"row": skip.row, "id": skip.source_id, "kind": "note" if note else "skip",
                                        "reason": skip.reason, "detail": skip.detail}, ensure_ascii=False) + "\n")
@@ -370,11 +395,22 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
 
     def on_publish(rec):  # commit shard + skips/notes seen so far in one atomic progress write
         with lock:
+            rec["source_digest"] = combine(fps.pop(k) for k in rec["keys"])
             commit({"shards": [*state["shards"], rec]})
 
+    if done and all("source_digest" in s for s in state["shards"]):
+        check_unchanged(cfg.data, cfg.split, cfg.rank, cfg.world_size, done, lambda r: sample_key(tag, r),
+                        combine(int(s["source_digest"], 16) for s in state["shards"]))
+
+    def fresh_records():  # rows not extracted yet, each fingerprinted for its shard's digest
+        for r, rec in iter_records(cfg.data, cfg.split, cfg.rank, cfg.world_size, cfg.num_samples):
+            if (key := sample_key(tag, r)) not in done:
+                with lock:
+                    fps[key] = record_fingerprint(r, rec)
+                yield r, rec
+
     # ---- pipeline (finished rows are dropped before any tokenisation) -----------------------
-    records = ((r, rec) for r, rec in iter_records(cfg.data, cfg.split, cfg.rank, cfg.world_size, cfg.num_samples)
-               if sample_key(tag, r) not in done)
+    records = fresh_records()
     samples = _check_vocab(tokenize(normalize(records, policy), renderer, tag, cfg.max_length, policy),
                            info.vocab_size, policy)
     sigs = _Signals()

@@ -21,10 +21,11 @@ a ``ValueError`` naming the syntax error's position.
 from __future__ import annotations
 
 import glob as _glob
+import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from .conversations import Skip
 
@@ -143,3 +144,41 @@ def iter_records(data: str, split: str = "train", rank: int = 0, world_size: int
             if isinstance(rec, Skip):
                 rec.row = row
             yield row, rec
+
+
+def record_fingerprint(row: int, record: Any) -> int:
+    """64-bit fingerprint of source row ``row`` holding ``record`` (its canonical JSON)."""
+    text = json.dumps([row, record], sort_keys=True, ensure_ascii=False, default=repr)
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:8], "little")
+
+
+def combine(fingerprints: Iterable[int]) -> str:
+    """Order-free digest of row fingerprints (XOR, hex): a shard's rows, or a rank's."""
+    out = 0
+    for f in fingerprints:
+        out ^= f
+    return f"{out:016x}"
+
+
+def check_unchanged(data: str, split: str, rank: int, world_size: int, keys: set[str], key_of,
+                    expected: str) -> None:
+    """Refuse to resume when the source rows an earlier run extracted are not the same rows
+    now (a row removed or inserted before them shifts every later row; a file added to a data
+    folder does the same; an extracted row was edited). Reads the source up to the last of them.
+
+    Raises:
+        ValueError: the source changed.
+    """
+    found, seen = [], 0
+    for row, rec in iter_records(data, split, rank, world_size):
+        if key_of(row) in keys:
+            found.append(record_fingerprint(row, rec))
+            seen += 1
+            if seen == len(keys):
+                break
+    if seen != len(keys) or combine(found) != expected:
+        raise ValueError(f"data: {data} changed since the earlier run into this directory: the rows it extracted "
+                         f"are not the same rows now ({seen} of {len(keys)} still there, contents "
+                         f"{'equal' if combine(found) == expected else 'differ'}). A row removed or inserted "
+                         "shifts the rows after it (edit bad rows in place instead), and a file added to a data "
+                         "folder shifts the rows of the files sorted after it. Use a new --out directory.")

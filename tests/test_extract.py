@@ -324,3 +324,45 @@ def test_unreachable_hub_name_is_a_value_error(monkeypatch):
 
     with pytest.raises(ValueError, match="not a local .* hub name failed"):
         list(iter_records("surely-not-a-local-dataset-name-xyz"))
+
+
+def test_source_changed_under_extracted_rows_is_refused(tmp_path, model_dir):
+    rows = [json.dumps({**GOOD[i % 2], "id": f"r{i}"}) for i in range(6)]
+    bad = json.dumps({"id": "bad", "conversations": [{"from": "alien", "value": "x"}]})
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join([*rows[:2], bad, *rows[2:]]) + "\n")
+    out = tmp_path / "ds"
+    assert run_extract(cfg(out, model_dir, data))["num_samples"] == 6
+    data.write_text("\n".join(rows) + "\n")  # the bad row deleted: every later row shifts
+    with pytest.raises(ValueError, match="changed since the earlier run"):
+        run_extract(cfg(out, model_dir, data))
+    folder = tmp_path / "fold"
+    folder.mkdir()
+    (folder / "b.jsonl").write_text("\n".join(rows[:3]) + "\n")
+    assert run_extract(cfg(tmp_path / "f", model_dir, folder))["num_samples"] == 3
+    (folder / "a.jsonl").write_text("\n".join(rows[3:]) + "\n")  # sorts first: shifts b.jsonl's rows
+    with pytest.raises(ValueError, match="changed since the earlier run"):
+        run_extract(cfg(tmp_path / "f", model_dir, folder))
+    (folder / "a.jsonl").unlink()
+    (folder / "c.jsonl").write_text("\n".join(rows[3:]) + "\n")  # sorts last: extends the run
+    assert run_extract(cfg(tmp_path / "f", model_dir, folder))["num_samples"] == 6
+
+
+def test_skip_log_holds_the_current_state_after_a_rerun(tmp_path, model_dir):
+    rows = [json.dumps({**GOOD[i % 2], "id": f"r{i}"}) for i in range(4)]
+    bad = json.dumps({"id": "bad", "conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]})
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join([bad, bad, *rows]) + "\n")
+    out = tmp_path / "ds"
+    run_extract(cfg(out, model_dir, data))
+    data.write_text("\n".join([rows[0], bad, *rows]) + "\n")  # row 0 fixed in place
+    m = run_extract(cfg(out, model_dir, data))
+    log = [json.loads(x) for x in (out / "skips-00000.jsonl").read_text().splitlines()]
+    assert m["skip_counts"] == {"unknown_role": 1} and [(x["row"], x["reason"]) for x in log] == [(1, "unknown_role")]
+
+
+def test_model_folder_without_tokenizer_is_a_clear_error(tmp_path, data_file):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="its tokenizer cannot be loaded"):
+        run_extract(cfg(tmp_path / "ds", tmp_path / "m", data_file))
