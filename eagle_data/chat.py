@@ -141,6 +141,8 @@ class ChatRenderer:
         specials.update(t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special)
         self._specials = sorted((s for s in specials if s), key=len, reverse=True)
         self._special_re = re.compile("|".join([PLACEHOLDER.pattern] + [re.escape(s) for s in self._specials]))
+        # how messages are handed to the template; the probe settles each (see _for_template)
+        self.reasoning_rendered, self.args_as_json, self.call_content_none, self.call_anchor = True, False, False, "name"
         self._probe()
 
     @classmethod
@@ -173,14 +175,14 @@ class ChatRenderer:
             return messages
         out = []
         for m in messages:
-            if "tool_calls" in m and getattr(self, "args_as_json", False):
+            if "tool_calls" in m and self.args_as_json:
                 m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
                     c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
-            if "tool_calls" in m and not m["content"] and getattr(self, "call_content_none", False):
+            if "tool_calls" in m and not m["content"] and self.call_content_none:
                 m = {**m, "content": None}
             if "reasoning_content" in m:
                 r = m["reasoning_content"]
-                m = ({**m, "thinking": r} if getattr(self, "reasoning_rendered", True) else
+                m = ({**m, "thinking": r} if self.reasoning_rendered else
                      {k: v for k, v in {**m, "content": f"<think>\n{r}\n</think>\n\n{m['content']}"}.items()
                       if k != "reasoning_content"})
             out.append(m)
@@ -220,7 +222,6 @@ class ChatRenderer:
         if len(self.tokenizer.encode(eot, add_special_tokens=False)) != 1:
             raise ValueError(f"{self.name}: the end-of-turn marker {eot!r} does not encode as one token")
         eots = tuple(dict.fromkeys(x for x in (eot, self._leading_special(last)) if x))
-        self.reasoning_rendered = True  # probe renders with reasoning handed to the template
         think = [msgs[0], {"role": "assistant", "content": _ph(1), "reasoning_content": _ph(2)}]
         try:
             self.reasoning_rendered = _ph(2) in self.render(think)
@@ -245,7 +246,6 @@ class ChatRenderer:
         """How the template takes tool-call arguments (``self.args_as_json``: a JSON string, as
         DeepSeek's templates concatenate them, instead of a dict) and the special token that
         ends a tool-call turn when it is not the end-of-turn marker."""
-        self.args_as_json, self.call_anchor, self.call_content_none = False, "name", False
         if "tool_calls" not in self.template:
             return ()
         for as_json, none in ((False, False), (True, False), (False, True), (True, True)):
