@@ -38,7 +38,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .conversations import Conversation, ErrorPolicy, Skip
+from .conversations import Conversation, ErrorPolicy, Skip, normalize_message
 from .mask import (PLACEHOLDER, MaskError, SpecialTokenInText, TurnMarkers, align, assistant_spans,
                    placeholder_messages)
 from .schema import sample_key
@@ -70,18 +70,6 @@ class TokenizedSample:
 
 _READS_REASONING = re.compile(r"reasoning_content|message\s*\.\s*thinking|\[\s*['\"]thinking['\"]\s*\]|"
                               r"['\"]thinking['\"]\s+in\s+message")
-
-
-def _check_normalised(messages: Any) -> None:
-    """The message shape :func:`eagle_data.conversations.normalize_record` produces."""
-    if not isinstance(messages, list) or not any(isinstance(m, dict) and m.get("role") == "assistant"
-                                                 for m in messages):
-        raise ValueError("messages must be a list of message dicts with at least one assistant turn")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
-                and isinstance(m.get("content"), str) and isinstance(m.get("reasoning_content", ""), str)):
-            raise ValueError(f"message {i} is not normalised (role system/user/assistant/tool, string content and "
-                             f"reasoning_content): pass records through eagle_data.conversations.normalize_record")
 
 
 @dataclass
@@ -306,12 +294,19 @@ class ChatRenderer:
     def encode(self, messages: list[dict[str, Any]]) -> Encoded:
         """Render, tokenise once and build the loss mask (see :class:`Encoded`).
 
+        ``messages`` may be raw OpenAI messages: each goes through
+        :func:`~eagle_data.conversations.normalize_message` (list-of-parts content, ``content:
+        None`` on a tool-call turn, reasoning aliases, JSON-string tool arguments).
+
         Raises:
-            ValueError: ``messages`` are not normalised (see
-                :func:`eagle_data.conversations.normalize_record`).
+            ValueError: a message cannot be used (names it and the field), or no assistant turn.
             MaskError: see :meth:`assistant_spans`.
         """
-        _check_normalised(messages)
+        if not isinstance(messages, list):
+            raise ValueError(f"messages must be a list, got {type(messages).__name__}")
+        messages = [normalize_message(i, m) for i, m in enumerate(messages)]
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError("messages have no assistant turn: nothing to supervise")
         text = self.render(messages)
         spans, notes = self._locate(text, messages)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

@@ -206,8 +206,9 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _message(i: int, turn: Any, rkey: str, ckey: str) -> dict[str, Any]:
-    """One turn -> ``{"role", "content", ...}``. Raises :class:`BadRecord`."""
+def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "content") -> dict[str, Any]:
+    """One turn (OpenAI fields by default) -> ``{"role", "content": str, ...}`` as described in
+    the module docstring. Raises :class:`BadRecord` (a ValueError) naming the turn and field."""
     if not isinstance(turn, dict):
         raise BadRecord("bad_turn", f"turn {i} is {type(turn).__name__}, not an object")
     raw_role = turn.get(rkey)
@@ -271,7 +272,7 @@ def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
             system.append({"role": "system", "content": text})
     chat: list[dict[str, Any]] = []
     for i, turn in enumerate(turns):
-        m = _message(i, turn, rkey, ckey)
+        m = normalize_message(i, turn, rkey, ckey)
         if m["role"] == "system":
             if system or chat:
                 raise BadRecord("misplaced_system", f"turn {i} is a system message after other turns")

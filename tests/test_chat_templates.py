@@ -329,10 +329,27 @@ def test_turn_boundaries_from_breaking_passes(stem, msgs, kw, runs):
         assert got == runs
 
 
-@pytest.mark.parametrize("msgs", [[], [U], [U, {"role": "assistant", "content": None}],
-                                  [U, {"role": "assistant"}], [U, {"role": "assistant", "content": [{"type": "text"}]}],
-                                  [U, {"role": "assistant", "content": "a", "reasoning_content": None}]])
-def test_unnormalised_messages_are_a_clear_value_error(msgs):
+@pytest.mark.parametrize("msgs,match", [
+    ([], "no assistant turn"), ([U], "no assistant turn"), ("text", "must be a list"),
+    ([U, {"role": "assistant", "content": None}], "turn 1 field 'content' is NoneType"),
+    ([U, {"role": "assistant"}], "turn 1 field 'content' is NoneType"),
+    ([U, {"role": "assistant", "content": [{"type": "text"}]}], "turn 1 field 'content' part 0 field 'text'"),
+    ([U, {"role": "alien", "content": "a"}], "turn 1 field 'role' = 'alien'"),
+])
+def test_unusable_messages_are_a_clear_value_error(msgs, match):
     r = ChatRenderer(family_tokenizer(next(p for p in TEMPLATES if p.stem == "qwen3")))
-    with pytest.raises(ValueError, match="normalis|at least one assistant"):
+    with pytest.raises(ValueError, match=match):
         r.encode(msgs)
+
+
+def test_raw_openai_messages_are_normalised_by_the_renderer():
+    r = ChatRenderer(family_tokenizer(next(p for p in TEMPLATES if p.stem == "qwen3")))
+    raw = [{"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "x"}'}}]},
+           {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+           {"role": "assistant", "content": "Sunny.", "reasoning": "the tool said so"}]
+    ids, mask = r.tokenize(raw)
+    assert masked_runs(r.tokenizer, ids, mask) == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "x"}}\n</tool_call><|im_end|>',
+        "<think>\nthe tool said so\n</think>\n\nSunny.<|im_end|>"]
