@@ -360,6 +360,9 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
         (out / MANIFEST_NAME).unlink()  # no longer describes the directory; merged again at the end
     state["finished"] = False
     done = {k for s in state["shards"] for k in s["keys"]}
+    if done and all("source_digest" in s for s in state["shards"]):  # before anything is changed
+        check_unchanged(cfg.data, cfg.split, cfg.rank, cfg.world_size, done, lambda r: sample_key(tag, r),
+                        combine(int(s["source_digest"], 16) for s in state["shards"]))
     # Rows an earlier run skipped or noted are decided again (a row fixed in the source since is
     # extracted), except those beyond a smaller num_samples, which this run does not read.
     beyond = (lambda r: cfg.num_samples is not None and int(r) >= cfg.num_samples)
@@ -397,10 +400,6 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
         with lock:
             rec["source_digest"] = combine(fps.pop(k) for k in rec["keys"])
             commit({"shards": [*state["shards"], rec]})
-
-    if done and all("source_digest" in s for s in state["shards"]):
-        check_unchanged(cfg.data, cfg.split, cfg.rank, cfg.world_size, done, lambda r: sample_key(tag, r),
-                        combine(int(s["source_digest"], 16) for s in state["shards"]))
 
     def fresh_records():  # rows not extracted yet, each fingerprinted for its shard's digest
         for r, rec in iter_records(cfg.data, cfg.split, cfg.rank, cfg.world_size, cfg.num_samples):
