@@ -219,7 +219,7 @@ def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "conten
         return {"role": "assistant", "content": "",
                 "tool_calls": _tool_calls(_text(turn.get(ckey), f"turn {i} field '{ckey}'"), f"turn {i} field '{ckey}'")}
     msg: dict[str, Any] = {"role": role}
-    calls = turn.get("tool_calls")
+    calls = turn.get("tool_calls") or None  # [] (as vLLM's responses carry): no calls
     if calls is None and turn.get("function_call") is not None:  # OpenAI's legacy single call
         calls = [turn["function_call"]]
     if calls is not None and role != "assistant":

@@ -352,7 +352,8 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
     prev = _check_outdir(out, cfg.rank, run_cfg)
     if prev is not None:
         check_resume(prev, run_cfg, str(prog))
-        prev["config"]["num_samples"] = run_cfg["num_samples"]  # more rows extend the run
+        old = prev["config"].get("num_samples")  # more rows extend the run; fewer do not shrink it
+        prev["config"]["num_samples"] = None if None in (old, cfg.num_samples) else max(old, cfg.num_samples)
     state = prev or {"config": run_cfg, "config_hash": config_hash(run_cfg), "rank": cfg.rank,
                      "world_size": cfg.world_size, "model": model_facts, "shards": [], "skipped": {},
                      "finished": False}
@@ -381,8 +382,10 @@ def _extract(cfg, storage, out, backend, renderer, model_path, tag) -> dict[str,
 
     def remember(skip: Skip, note: bool) -> None:  # every skip/note, with its detail, in the skip log
         with lock:
-            if not note:
+            if not note:  # a skipped row is not in the dataset: no fingerprint, no note
                 fps.pop(sample_key(tag, skip.row), None)
+                unsaved["notes"].pop(str(skip.row), None)
+                state["notes"].pop(str(skip.row), None)
             unsaved["notes" if note else "skipped"][str(skip.row)] = skip.reason
             skip_log.write(json.dumps({"row": skip.row, "id": skip.source_id, "kind": "note" if note else "skip",
                                        "reason": skip.reason, "detail": skip.detail}, ensure_ascii=False) + "\n")

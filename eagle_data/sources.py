@@ -86,11 +86,13 @@ def _iter_json_file(path: str) -> Iterator[Any]:
     position of the syntax error."""
     if Path(path).suffix == ".json":
         with open(path, "rb") as f:
-            head = f.read(1 << 16).removeprefix(b"\xef\xbb\xbf").lstrip()
-        first = head.split(b"\n", 1)[0]
+            first = f.readline().removeprefix(b"\xef\xbb\xbf")
+            while first and not first.strip():
+                first = f.readline()
+            rest = f.read(1 << 16).strip()
         try:
             json.loads(first)
-            lines = b"\n" in head.rstrip()  # a first line that is a value on its own: JSON lines...
+            lines = bool(rest)  # a first line that is a value on its own, and more: JSON lines...
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             lines = False
         if not lines:  # ...else the file is one JSON value (or broken)
@@ -146,9 +148,25 @@ def iter_records(data: str, split: str = "train", rank: int = 0, world_size: int
             yield row, rec
 
 
+def _canonical(x: Any) -> Any:
+    """``x`` with None-valued keys dropped (a column a later file version adds reads as None in
+    the old rows) and values JSON has no form for made stable (bytes, arrays, images)."""
+    if isinstance(x, dict):
+        return {str(k): _canonical(v) for k, v in x.items() if v is not None}
+    if isinstance(x, (list, tuple)):
+        return [_canonical(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    if isinstance(x, (bytes, bytearray)):
+        return hashlib.sha256(x).hexdigest()
+    if hasattr(x, "tobytes"):  # numpy arrays, PIL images (their repr holds a memory address)
+        return hashlib.sha256(x.tobytes()).hexdigest()
+    return type(x).__name__
+
+
 def record_fingerprint(row: int, record: Any) -> int:
     """64-bit fingerprint of source row ``row`` holding ``record`` (its canonical JSON)."""
-    text = json.dumps([row, record], sort_keys=True, ensure_ascii=False, default=repr)
+    text = json.dumps([row, _canonical(record)], sort_keys=True, ensure_ascii=False)
     return int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:8], "little")
 
 

@@ -366,3 +366,43 @@ def test_model_folder_without_tokenizer_is_a_clear_error(tmp_path, data_file):
     (tmp_path / "m" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="its tokenizer cannot be loaded"):
         run_extract(cfg(tmp_path / "ds", tmp_path / "m", data_file))
+
+
+def test_fingerprint_is_stable_and_ignores_columns_added_as_none():
+    from eagle_data.sources import record_fingerprint
+
+    class Img:  # like a PIL image: a repr with a memory address, bytes that are the content
+        def tobytes(self):
+            return b"pixels"
+
+    a = {"messages": [{"role": "user", "content": "q"}], "image": Img()}
+    assert record_fingerprint(3, a) == record_fingerprint(3, {**a, "image": Img(), "system": None})
+    assert record_fingerprint(3, a) != record_fingerprint(4, a)
+    assert record_fingerprint(3, a) != record_fingerprint(3, {**a, "system": "Be brief."})
+
+
+def test_long_first_line_json_lines_and_empty_tool_calls(tmp_path):
+    from eagle_data.conversations import normalize_record
+    from eagle_data.sources import iter_records
+
+    r = {"conversations": [{"from": "human", "value": "x" * 70_000}, {"from": "gpt", "value": "y"}]}
+    p = tmp_path / "big.json"
+    p.write_text(json.dumps(r) + "\n" + json.dumps(r) + "\n")
+    assert [rec for _, rec in iter_records(str(p))] == [r, r]
+    c = normalize_record(0, {"messages": [{"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": "hello", "tool_calls": []}]})
+    assert c.messages[1] == {"role": "assistant", "content": "hello"}
+
+
+def test_note_of_a_skipped_row_is_dropped_and_fewer_rows_do_not_shrink_the_config(tmp_path, model_dir):
+    rows = [json.dumps({**GOOD[i % 2], "id": f"r{i}"}) for i in range(4)]
+    cut_then_skipped = json.dumps({"id": "x", "conversations": [
+        {"from": "human", "value": "<|im_end|> hi"}, {"from": "gpt", "value": "ok"},
+        {"from": "human", "value": "more"}, {"from": "gpt", "value": " "}]})
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join([rows[0], cut_then_skipped, *rows[1:]]) + "\n")
+    out = tmp_path / "ds"
+    m = run_extract(cfg(out, model_dir, data))
+    assert m["skip_counts"] == {"special_token_in_text": 1} and m["note_counts"] == {}
+    m2 = run_extract(cfg(out, model_dir, data, num_samples=2))
+    assert m2["num_samples"] == 4 and m2["config"]["num_samples"] is None
