@@ -53,7 +53,7 @@ ROLE_MAP = {
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
     "bard": "assistant", "model": "assistant", "function_call": "assistant",
     "tool": "tool", "observation": "tool", "function": "tool",
-    "system": "system",
+    "system": "system", "developer": "system",  # OpenAI's newer name for the system role
 }
 #: message fields holding the assistant's reasoning, first found wins
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")

@@ -14,6 +14,8 @@ def test_sharegpt_and_openai_layouts_with_system():
     o = normalize_record(1, {"system": "be nice", "messages": [
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]})
     assert [m["role"] for m in o.messages] == ["system", "user", "assistant"]  # trailing user dropped
+    assert normalize_record(3, {"messages": [{"role": "developer", "content": "be"}, {"role": "user", "content": "q"},
+                                             {"role": "assistant", "content": "a"}]}).messages[0]["role"] == "system"
     for r in ("chatgpt", "bing", "bard", "model", "GPT"):
         assert isinstance(normalize_record(2, {"conversations": [{"from": "user", "value": "x"},
                                                                   {"from": r, "value": "y"}]}), Conversation)
