@@ -154,9 +154,12 @@ class ChatRenderer:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         """Full conversation text (reasoning handed over as described in the module docstring)."""
-        return self.tokenizer.apply_chat_template(
-            self._for_template(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=self.template, **self._render_vars)
+        return self._apply(self._for_template(messages), add_generation_prompt)
+
+    def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """The template on messages already in the form it takes (:meth:`_for_template`)."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  chat_template=self.template, **self._render_vars)
 
     def _for_template(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not any("reasoning_content" in m or "tool_calls" in m for m in messages):
@@ -268,17 +271,15 @@ class ChatRenderer:
         Raises:
             MaskError: (a subclass naming) why the conversation cannot be masked exactly.
         """
-        return self._locate(text, messages)[0]
-
-    def _locate(self, text: str, messages: list[dict[str, Any]]) -> tuple[list[tuple[int, int]], list[str]]:
-        """Spans, plus notes: ``final_reasoning_not_rendered`` when the template drops the last
-        turn's reasoning (Kimi-K2-Thinking keeps reasoning only inside tool-call sequences)."""
         self._check_text(messages)
-        msgs = self._for_template(messages)
+        return self._locate(text, self._for_template(messages))[0]
+
+    def _locate(self, text: str, msgs: list[dict[str, Any]]) -> tuple[list[tuple[int, int]], list[str]]:
+        """Spans in ``text``, the render of ``msgs`` (already in the template's form), plus notes:
+        ``final_reasoning_not_rendered`` when the template drops the last turn's reasoning
+        (Kimi-K2-Thinking keeps reasoning only inside tool-call sequences)."""
         pmsgs, pieces = placeholder_messages(msgs, self.call_anchor)
-        ptext = self.tokenizer.apply_chat_template(pmsgs, tokenize=False, add_generation_prompt=False,
-                                                   chat_template=self.template, **self._render_vars)
-        where = align(text, ptext, pieces, msgs)
+        where = align(text, self._apply(pmsgs), pieces, msgs)
         spans = assistant_spans(text, msgs, pieces, where, self.markers)
         rendered = {j for _, _, j in where}
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
@@ -307,8 +308,14 @@ class ChatRenderer:
         messages = [normalize_message(i, m) for i, m in enumerate(messages)]
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError("messages have no assistant turn: nothing to supervise")
-        text = self.render(messages)
-        spans, notes = self._locate(text, messages)
+        return self._encode(messages)
+
+    def _encode(self, messages: list[dict[str, Any]]) -> Encoded:
+        """:meth:`encode` of messages already normalised (the pipeline's conversations)."""
+        self._check_text(messages)
+        msgs = self._for_template(messages)
+        text = self._apply(msgs)
+        spans, notes = self._locate(text, msgs)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = torch.tensor(enc["input_ids"], dtype=torch.int64)
         off = torch.tensor(enc["offset_mapping"], dtype=torch.int64).reshape(-1, 2)
@@ -336,7 +343,7 @@ def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     for c in convs:
         try:
-            enc = renderer.encode(c.messages)
+            enc = renderer._encode(c.messages)  # normalize() made them
         except MaskError as e:
             policy.handle(Skip(c.row, c.source_id, e.reason, str(e)))
             continue
