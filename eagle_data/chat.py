@@ -39,7 +39,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from .conversations import Conversation, ErrorPolicy, Skip, normalize_message
-from .mask import (PLACEHOLDER, MaskError, SpecialTokenInText, TurnMarkers, align, assistant_spans,
+from .mask import (PLACEHOLDER, MaskError, SpecialTokenInText, TurnMarkers, align, assistant_spans, first_marker,
                    placeholder_messages)
 from .schema import sample_key
 
@@ -259,8 +259,8 @@ class ChatRenderer:
                 tail = text[text.index(_ph(1)) + len(_ph(1)):text.index(_ph(2))]
                 if any(m in tail for m in self.markers.eot):
                     return ()
-                hits = [(tail.find(s), s) for s in self._specials if s in tail]
-                return (min(hits)[1],) if hits else ()
+                hit = first_marker(tail, self._specials)
+                return (hit[1],) if hit else ()
         return ()
 
     # ---- per conversation ---------------------------------------------------------------------

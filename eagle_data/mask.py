@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 PLACEHOLDER = re.compile(r"EAGLEPH(\d+)HP")  # ASCII: survives tojson unchanged
 _THINK_TAGS = re.compile(r"(<think>|</think>)")
@@ -179,6 +179,11 @@ def _output_start(text: str, before: int, first: int, mk: TurnMarkers) -> int:
     return before + k + len(bound) if k >= 0 else first
 
 
+def first_marker(text: str, markers: Iterable[str]) -> tuple[int, str] | None:
+    """``(position, marker)`` of the earliest of ``markers`` in ``text``, or None."""
+    return min(((text.find(m), m) for m in markers if m in text), default=None)
+
+
 def _output_end(tail: str, mk: TurnMarkers, tool_call: bool, last: bool) -> int:
     """How much of ``tail`` (template text after a turn's last piece, up to the next message's
     first piece) the turn emits: through its first end-of-turn marker (after e.g. a closing
@@ -186,10 +191,8 @@ def _output_end(tail: str, mk: TurnMarkers, tool_call: bool, last: bool) -> int:
     call-end marker; the last turn of a template that does not close it (GLM) emits the rest
     of the text but trailing whitespace."""
     markers = mk.eot + mk.call_end if tool_call else mk.eot
-    hits = [(tail.find(m), m) for m in markers if m in tail]
-    if hits:
-        p, m = min(hits)
-        return p + len(m)
+    if hit := first_marker(tail, markers):
+        return hit[0] + len(hit[1])
     if tool_call:
         raise MaskError(f"the end of a tool call is not marked by any of {list(markers)} before the next message")
     return len(tail.rstrip()) if last else 0
