@@ -127,7 +127,7 @@ def read_truncated_json_array(text: str):
 def sharegpt_jsonl() -> Path:
     """JSONL of the complete ShareGPT records (``id``, ``conversations``), one per line.
 
-    Records are kept verbatim; validation happens in :mod:`eagle_data.conversations`.
+    Records are kept verbatim; validation happens in :mod:`eagle_data.extract.conversations`.
     """
     out = cache_root() / "data" / "sharegpt_v3.jsonl"
     with FileLock(str(out) + ".lock"):

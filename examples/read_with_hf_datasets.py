@@ -9,7 +9,7 @@ from pathlib import Path
 import datasets
 
 import eagle_data
-from eagle_data.dataset import decode_hf_example
+from eagle_data.stream.dataset import decode_hf_example
 
 root = Path(sys.argv[1] if len(sys.argv) > 1 else "out/smollm2-sharegpt")
 idx = eagle_data.load_index(root)  # datasets.Dataset, one row per sample

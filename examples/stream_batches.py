@@ -4,12 +4,12 @@
 
 The default directory is what the README's main job writes (``SKIP_TRAIN=1 bash scripts/main.sh``);
 any eagle-data dataset works, e.g. a synthetic one:
-``python -c "from eagle_data.synthetic import write_synthetic; write_synthetic('/tmp/syn', [20, 20])"``.
+``python -c "from eagle_data.tools.synthetic import write_synthetic; write_synthetic('/tmp/syn', [20, 20])"``.
 """
 
 import sys
 
-from eagle_data.datamodule import EagleDataModule
+from eagle_data.stream.datamodule import EagleDataModule
 
 dm = EagleDataModule(train=sys.argv[1] if len(sys.argv) > 1 else "out/smollm2-sharegpt",
                      max_tokens=8192, num_workers=2, dtype="bfloat16", pin_memory=False)

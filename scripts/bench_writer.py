@@ -4,8 +4,8 @@
     python scripts/bench_writer.py
 """
 import hashlib, os, shutil, threading, time, torch
-from eagle_data.async_sink import AsyncShardWriter
-from eagle_data.writer import ShardSink
+from eagle_data.extract.async_sink import AsyncShardWriter
+from eagle_data.extract.sink import ShardSink
 buf = os.urandom(64 << 20)
 def sha(nthreads, reps=8):
     def w():

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from eagle_data import load_index as eagle_index
-from eagle_data.datamodule import EagleDataModule
+from eagle_data.stream.datamodule import EagleDataModule
 from eagle_train.module import EagleDrafterModule
 
 

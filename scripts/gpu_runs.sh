@@ -8,7 +8,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; W=${WORK:-/tmp/eagle_gpu}; TOK=${TOK:-.gpu/tok}; DATA=${DATA:-.gpu/sharegpt_800.jsonl}
 N=${N:-200}; STEPS=${STEPS:-30}; PHASES=${PHASES:-bench multi loader train ddp}
 mkdir -p "$OUT" "$W"
-ed() { python3 -m eagle_data.cli "$@"; }
+ed() { python3 -m eagle_data.cli.main "$@"; }
 ms() { date +%s%N; }
 took() { echo "  [$(( ($(ms) - $1) / 1000000 )) ms] $2" | tee -a "$OUT/timings.txt"; }
 has() { [[ " $PHASES " == *" $1 "* ]]; }
@@ -33,7 +33,7 @@ if has multi; then  # issue 8.1: one rank on GPU 0, then two ranks on GPUs 0 and
   if [ "$NG" -ge 2 ]; then
     s=$(ms)
     for r in 0 1; do
-      CUDA_VISIBLE_DEVICES=$r python3 -m eagle_data.cli extract --out "$W/x2" --rank $r --world_size 2 "${common[@]}" \
+      CUDA_VISIBLE_DEVICES=$r python3 -m eagle_data.cli.main extract --out "$W/x2" --rank $r --world_size 2 "${common[@]}" \
         2>&1 | grep -E "extracted|dataset" > "$OUT/extract_2rank_r$r.txt" &
     done
     wait; took $s extract_2ranks_wall

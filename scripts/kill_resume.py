@@ -14,7 +14,7 @@
    disk listed, every listed shard present). Each time the same extraction resumes.
 3. A final resume to completion, then: identical sample keys, bit-identical tensors and
    metadata, identical index rows and skip counts, no duplicates, no leftovers
-   (``*.tmp``, unlisted tars or index parts), and :func:`eagle_data.verify.verify_dataset` passes.
+   (``*.tmp``, unlisted tars or index parts), and :func:`eagle_data.tools.verify.verify_dataset` passes.
 
 Children are ``os.fork()``-ed from this already-initialised process (imports once, ~ms per
 start); ``--spawn`` runs each as a real ``eagle-data extract`` process instead (slower:
@@ -40,9 +40,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # tiny model + offline tokenizer helpers
 
 import torch  # noqa: E402
-from eagle_data.extract import ExtractConfig, ExtractionInterrupted, run_extract  # noqa: E402
-from eagle_data.manifest import load_progress, shard_index_part  # noqa: E402
-from eagle_data.schema import decode_tensors  # noqa: E402
+from eagle_data.extract.config import ExtractConfig
+from eagle_data.extract.signals import ExtractionInterrupted
+from eagle_data.extract.run import run_extract  # noqa: E402
+from eagle_data.extract.manifest import load_progress
+from eagle_data.format.layout import index_part  # noqa: E402
+from eagle_data.format.schema import decode_tensors  # noqa: E402
 
 
 def make_fixture(work: Path, samples: int, seed: int = 0) -> tuple[Path, Path]:
@@ -112,7 +115,7 @@ class _Forked:
 def start(cfg: ExtractConfig, spawn: bool):
     if not spawn:
         return _Forked(cfg)
-    cmd = [sys.executable, "-m", "eagle_data.cli", "extract", "--out", cfg.out, "--model", cfg.model,
+    cmd = [sys.executable, "-m", "eagle_data.cli.main", "extract", "--out", cfg.out, "--model", cfg.model,
            "--data", cfg.data, "--num_samples", "null", "--dtype", cfg.dtype, "--aux_layer_ids", "[1, 3, 5]",
            "--shard_max_samples", str(cfg.shard_max_samples), "--batch_tokens", str(cfg.batch_tokens),
            "--max_batch_size", str(cfg.max_batch_size), "--sort_window", str(cfg.sort_window),
@@ -140,7 +143,7 @@ def leftovers(out: Path) -> list[str]:
     bad = [str(p.relative_to(out)) for p in out.rglob("*.tmp")]
     bad += [p.name for p in out.glob("*.tar") if p.name not in listed]
     bad += [f"index/{p.name}" for p in (out / "index").glob("*.parquet") if p.name[:-8] + ".tar" not in listed]
-    bad += [f"missing {n}" for n in listed if not (out / n).exists() or not shard_index_part(out, n).exists()]
+    bad += [f"missing {n}" for n in listed if not (out / n).exists() or not index_part(out, n).exists()]
     return bad
 
 
@@ -192,7 +195,7 @@ def compare(ref: Path, run: Path) -> list[str]:
 
 def kill_resume(work: Path, kills: int = 10, samples: int = 50, terms: int = 2, seed: int = 0,
                 spawn: bool = False, log=print) -> dict:
-    from eagle_data.verify import verify_dataset
+    from eagle_data.tools.verify import verify_dataset
 
     if not spawn:
         torch.set_num_threads(1)  # before this process's first torch op: no OpenMP pool exists when we fork
@@ -269,7 +272,7 @@ def main() -> int:
 
     transformers.utils.logging.disable_progress_bar()
     logging.basicConfig(level=logging.WARNING, format="  [child %(process)d] %(levelname)s %(message)s")
-    logging.getLogger("eagle_data.conversations").setLevel(logging.ERROR)  # the planted bad rows
+    logging.getLogger("eagle_data.extract.conversations").setLevel(logging.ERROR)  # the planted bad rows
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=10, help="SIGKILLs during the run")
     ap.add_argument("--samples", type=int, default=50, help="good chats in the test data (a few bad rows are added)")

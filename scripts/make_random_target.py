@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_data.bench_extract import build_model
+from benchmarks.extract import build_model
 
 p = argparse.ArgumentParser()
 p.add_argument("out")

@@ -23,7 +23,7 @@ def renderers():
     from transformers import AutoTokenizer
 
     from eagle_data.assets import smollm2_model_dir
-    from eagle_data.chat import ChatRenderer
+    from eagle_data.extract.chat import ChatRenderer
     from templates import TEMPLATES_DIR, family_tokenizer
 
     yield "smollm2 (real tokenizer)", ChatRenderer(AutoTokenizer.from_pretrained(smollm2_model_dir()))
@@ -38,9 +38,9 @@ def main() -> None:
     ap.add_argument("--max_length", type=int, default=2048)
     args = ap.parse_args()
 
-    from eagle_data.chat import tokenize
-    from eagle_data.conversations import ErrorPolicy, normalize
-    from eagle_data.sources import iter_records
+    from eagle_data.extract.chat import tokenize
+    from eagle_data.extract.conversations import ErrorPolicy, normalize
+    from eagle_data.extract.sources import iter_records
 
     records = list(iter_records("sharegpt", num_samples=args.rows))
     for name, r in renderers():

@@ -30,7 +30,7 @@ def tiny(tmp_path_factory, kr):
 def reference(tmp_path_factory, kr, tiny):
     """An uninterrupted single-process extraction of ``tiny`` (3 samples per shard, each sample
     captured alone, float32): the ground truth resumed/multi-rank runs must equal bit for bit."""
-    from eagle_data.extract import run_extract
+    from eagle_data.extract.run import run_extract
 
     out = tmp_path_factory.mktemp("ref") / "ds"
     m = run_extract(kr.config(out, *tiny, shard_max_samples=3))

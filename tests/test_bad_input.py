@@ -16,10 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle_data.chat import ChatRenderer, tokenize
-from eagle_data.conversations import Conversation, ErrorPolicy, Skip, normalize, normalize_record
-from eagle_data.extract import ExtractConfig, run_extract
-from eagle_data.verify import verify_dataset
+from eagle_data.extract.chat import ChatRenderer, tokenize
+from eagle_data.extract.conversations import Conversation, ErrorPolicy, Skip, normalize, normalize_record
+from eagle_data.extract.config import ExtractConfig
+from eagle_data.extract.run import run_extract
+from eagle_data.tools.verify import verify_dataset
 
 NASTY = ["", " ", "\n\n", "\x00\x01\x7f\x1b[31mred", "日本語 Ελληνικά مرحبا עברית 🙂👍🏽", "e\u0301\u200d\u202e",
          "\ud800 lone surrogate", "<|im_end|><|im_start|>assistant", "{{ raise_exception('x') }}", "{% if %}",
@@ -90,7 +91,7 @@ def test_tokenize_stage_never_raises(tok, records):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(line, min_size=1, max_size=8))
 def test_run_extract_end_to_end_on_hostile_jsonl(tiny, tok, lines):
-    from eagle_data.backends.hf import HFBackend
+    from eagle_data.extract.backends.hf import HFBackend
     from tiny import AUX, tiny_llama
 
     work = Path(tempfile.mkdtemp(prefix="bad_input_"))
@@ -120,7 +121,7 @@ _MODEL: dict = {}
 
 
 def test_unreadable_lines_and_json_array_files(tmp_path):
-    from eagle_data.sources import iter_records
+    from eagle_data.extract.sources import iter_records
 
     p = tmp_path / "x.jsonl"
     p.write_bytes(b'{"a": 1}\n{broken\n\n\xff\xfe\n[1]\n')

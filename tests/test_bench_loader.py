@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from eagle_data.bench_loader import bench_loader
-from eagle_data.cli import main
+from benchmarks.loader import bench_loader
+from benchmarks.__main__ import main
 
 
 def test_bench_loader_reports_all_readers_over_the_same_samples(tmp_path, capsys):
@@ -30,5 +30,5 @@ def test_bench_loader_reports_all_readers_over_the_same_samples(tmp_path, capsys
 
 def test_bench_loader_cli_refuses_a_directory_without_manifest(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["bench", "loader", str(tmp_path)])
+        main(["loader", str(tmp_path)])
     assert e.value.code == 2 and "no manifest.json" in capsys.readouterr().err

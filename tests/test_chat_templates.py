@@ -5,9 +5,9 @@ import re
 import pytest
 import torch
 
-from eagle_data.chat import ChatRenderer, tokenize
-from eagle_data.conversations import Conversation, ErrorPolicy
-from eagle_data.mask import SpecialTokenInText
+from eagle_data.extract.chat import ChatRenderer, tokenize
+from eagle_data.extract.conversations import Conversation, ErrorPolicy
+from eagle_data.extract.mask import SpecialTokenInText
 
 from templates import TEMPLATES_DIR, family_tokenizer, template_files
 from test_mask_property import check, parts_of
@@ -203,7 +203,7 @@ def test_end_of_turn_marker_must_be_a_special_token():
 
 
 def test_inspect_decodes_runs_so_every_script_displays():
-    from eagle_data.inspection import masked_text
+    from eagle_data.tools.inspect import masked_text
 
     path = next(p for p in TEMPLATES if p.stem == "smollm2")
     r = ChatRenderer(family_tokenizer(path))

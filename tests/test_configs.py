@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from jsonargparse import capture_parser
 
-from eagle_data import cli
+from eagle_data.cli import main as cli
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("extract_*.yaml"))
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
-from eagle_data.datamodule import EagleDataModule
-from eagle_data.synthetic import write_synthetic
+from eagle_data.stream.datamodule import EagleDataModule
+from eagle_data.tools.synthetic import write_synthetic
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("datamodule*.yaml"))
 
@@ -79,7 +79,7 @@ def test_plain_script_epochs_and_token_budget(tmp_path):
 def test_configs_parse(path, tmp_path, capsys):
     """The documented uses of configs/datamodule*.yaml: a plain script, the project's
     LightningCLI (``--data FILE``), and ``eagle-data train --data FILE`` (path handed to it)."""
-    from eagle_data import cli
+    from eagle_data.cli import main as cli
     from eagle_train.cli import make_cli
 
     write_synthetic(tmp_path, [3])

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle_data.dataset import EagleShardDataset, decode_hf_example
-from eagle_data.loader import EagleDataLoader
-from eagle_data.synthetic import write_synthetic
+from eagle_data.stream.dataset import EagleShardDataset, decode_hf_example
+from eagle_data.stream.loader import EagleDataLoader
+from eagle_data.tools.synthetic import write_synthetic
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +274,7 @@ def test_shuffle_initial_schedule_permutation_and_replay():
     items read per item drawn until the buffer is full; a permutation; replayable on positions."""
     import random
 
-    from eagle_data.batching import shuffle_stream
+    from eagle_data.stream.plan import shuffle_stream
 
     consumed: list[int] = []
 

@@ -8,10 +8,11 @@ import torch
 import webdataset as wds
 
 import eagle_data
-from eagle_data.extract import ExtractConfig, run_extract
-from eagle_data.manifest import read_manifest
-from eagle_data.schema import SCHEMA_VERSION, check_manifest_compat, decode_tensors
-from eagle_data.writer import ShardSink
+from eagle_data.extract.config import ExtractConfig
+from eagle_data.extract.run import run_extract
+from eagle_data.format.records import read_manifest
+from eagle_data.format.schema import SCHEMA_VERSION, check_manifest_compat, decode_tensors
+from eagle_data.extract.sink import ShardSink
 
 from templates import TEMPLATES_DIR, family_tokenizer
 from tiny import AUX, tiny_llama
@@ -149,7 +150,7 @@ def test_shard_bytes_equal_tarfile_ustar_and_safetensors_save(tmp_path):
 
     from safetensors.torch import save
 
-    from eagle_data.schema import SCHEMA_VERSION
+    from eagle_data.format.schema import SCHEMA_VERSION
 
     t = {"input_ids": torch.arange(7), "loss_mask": torch.tensor([0, 1, 1, 0, 1, 1, 1], dtype=torch.uint8),
          "aux_hidden_states": torch.randn(7, 6).bfloat16(), "hidden_states": torch.randn(7, 2).bfloat16()}
@@ -270,7 +271,7 @@ def test_missing_data_path_is_a_clear_error_before_any_work(tmp_path, model_dir,
         with pytest.raises(ValueError, match="does not exist"):
             run_extract(cfg(tmp_path / "ds", model_dir, data))
     assert not (tmp_path / "ds").exists()
-    from eagle_data.inspection import inspect_dataset
+    from eagle_data.tools.inspect import inspect_dataset
 
     run_extract(cfg(tmp_path / "ok", model_dir, data_file))
     with pytest.raises(ValueError, match=r"--sample 99 is out of range: .* holds 10 samples"):
@@ -306,7 +307,7 @@ def test_user_mistakes_are_clear_errors(tmp_path, model_dir, data_file, change, 
     ('{"data": [{"messages": []}]}', r"one JSON object with keys \['data'\]"),
 ])
 def test_broken_json_file_is_one_clear_error(tmp_path, text, match):
-    from eagle_data.sources import iter_records
+    from eagle_data.extract.sources import iter_records
 
     p = tmp_path / "d.json"
     p.write_text(text)
@@ -317,7 +318,7 @@ def test_broken_json_file_is_one_clear_error(tmp_path, text, match):
 
 
 def test_unreachable_hub_name_is_a_value_error(monkeypatch):
-    from eagle_data.sources import iter_records
+    from eagle_data.extract.sources import iter_records
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # CI has no hub either; offline fails at once
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -369,7 +370,7 @@ def test_model_folder_without_tokenizer_is_a_clear_error(tmp_path, data_file):
 
 
 def test_fingerprint_is_stable_and_ignores_columns_added_as_none():
-    from eagle_data.sources import record_fingerprint
+    from eagle_data.extract.sources import record_fingerprint
 
     class Img:  # like a PIL image: a repr with a memory address, bytes that are the content
         def tobytes(self):
@@ -382,8 +383,8 @@ def test_fingerprint_is_stable_and_ignores_columns_added_as_none():
 
 
 def test_long_first_line_json_lines_and_empty_tool_calls(tmp_path):
-    from eagle_data.conversations import normalize_record
-    from eagle_data.sources import iter_records
+    from eagle_data.extract.conversations import normalize_record
+    from eagle_data.extract.sources import iter_records
 
     r = {"conversations": [{"from": "human", "value": "x" * 70_000}, {"from": "gpt", "value": "y"}]}
     p = tmp_path / "big.json"

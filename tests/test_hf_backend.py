@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from eagle_data.backends import default_aux_layer_ids, validate_aux_layer_ids
-from eagle_data.backends.hf import HFBackend
+from eagle_data.extract.backends import default_aux_layer_ids, validate_aux_layer_ids
+from eagle_data.extract.backends.hf import HFBackend
 
 from tiny import AUX, tiny_llama
 

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from eagle_data.dataset import EagleShardDataset
-from eagle_data.loader import EagleDataLoader, background
-from eagle_data.synthetic import write_synthetic
+from eagle_data.stream.dataset import EagleShardDataset
+from eagle_data.stream.loader import EagleDataLoader, background
+from eagle_data.tools.synthetic import write_synthetic
 
 
 def test_background_order_errors_and_early_close():
@@ -64,7 +64,7 @@ def test_buffer_pool_never_hands_out_memory_still_referenced():
 
     import torch
 
-    from eagle_data.collate import BufferPool
+    from eagle_data.stream.collate import BufferPool
 
     pool = BufferPool(keep=2)
     a = pool.empty((4, 8), torch.bfloat16)

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from eagle_data.dataset import EagleShardDataset
-from eagle_data.loader import EagleDataLoader, background
-from eagle_data.synthetic import write_synthetic
+from eagle_data.stream.dataset import EagleShardDataset
+from eagle_data.stream.loader import EagleDataLoader, background
+from eagle_data.tools.synthetic import write_synthetic
 
 
 @contextmanager
@@ -50,7 +50,7 @@ def test_shard_truncated_after_its_walk(tmp_path, on_error):
 
 
 def test_io_error_on_hidden_states_is_a_named_skip(tmp_path, monkeypatch):
-    from eagle_data import payload
+    from eagle_data.format import payload
 
     write_synthetic(tmp_path, [6], hidden_size=16, length=lambda g: 40)
     real = payload.LocalFile.pread_into
@@ -115,7 +115,7 @@ def test_header_types_checked_like_safetensors(tmp_path, bad):
     """Entries the safetensors library rejects are rejected by the loader too (not read as ints)."""
     import json
 
-    from eagle_data.payload import view_tensors
+    from eagle_data.format.payload import view_tensors
 
     write_synthetic(tmp_path, [1])
     with tarfile.open(next(tmp_path.glob("*.tar"))) as t:

@@ -3,7 +3,7 @@
 Generated multi-turn conversations (edge whitespace, very short answers, answers quoted in
 later user turns and user text quoted in answers, role words, unicode, think blocks,
 ``reasoning_content``, tool calls) are tokenised by :class:`ChatRenderer`; an oracle that
-shares nothing with :mod:`eagle_data.mask` locates every message field in the render by a
+shares nothing with :mod:`eagle_data.extract.mask` locates every message field in the render by a
 *render diff*: the field's core is wrapped in two marker characters, the conversation is
 rendered again, and the common prefix/suffix of the two renders bound the field. Properties:
 
@@ -27,8 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle_data.chat import ChatRenderer
-from eagle_data.mask import MaskError, NotRendered, ToolCallsNotRendered
+from eagle_data.extract.chat import ChatRenderer
+from eagle_data.extract.mask import MaskError, NotRendered, ToolCallsNotRendered
 
 from templates import family_tokenizer, template_files
 

@@ -17,11 +17,12 @@ import time
 
 import pytest
 
-from eagle_data import cli
-from eagle_data.extract import ExtractConfig, run_extract
-from eagle_data.manifest import load_progress, merge
-from eagle_data.verify import verify_dataset
-from eagle_data.writer import _HashingFile
+from eagle_data.cli import main as cli
+from eagle_data.extract.config import ExtractConfig
+from eagle_data.extract.run import run_extract
+from eagle_data.extract.manifest import load_progress, merge
+from eagle_data.tools.verify import verify_dataset
+from eagle_data.extract.sink import _HashingFile
 
 from conftest import REPO
 
@@ -105,7 +106,7 @@ def test_enospc_stops_cleanly_then_resumes(tmp_path, monkeypatch, kr, tiny, refe
 def test_enospc_in_progress_write_unpublishes_shard(tmp_path, monkeypatch, kr, tiny, reference):
     """ENOSPC while recording shard 3 in the progress file: shard 3 is removed again (never
     listed, never left on disk), the error is clear, resume completes identically."""
-    import eagle_data.extract as ex
+    import eagle_data.extract.rank_state as ex
 
     out = tmp_path / "ds"
     real = ex.atomic_write_json
@@ -191,7 +192,7 @@ def test_sigterm_real_cli_process_discards_shard_cleanly(tmp_path, kr, tiny):
     SIGTERM, logs that the shard in progress was discarded, and leaves a clean directory."""
     out = tmp_path / "ds"
     model, data = kr.make_fixture(tmp_path, samples=40, seed=1)
-    cmd = [sys.executable, "-m", "eagle_data.cli", "extract", "--out", str(out), "--model", str(model),
+    cmd = [sys.executable, "-m", "eagle_data.cli.main", "extract", "--out", str(out), "--model", str(model),
            "--data", str(data), "--num_samples", "null", "--dtype", "float32", "--aux_layer_ids", "[1, 3, 5]",
            "--shard_max_samples", "2", "--max_batch_size", "1", "--progress", "false"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

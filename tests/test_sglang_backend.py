@@ -16,8 +16,8 @@ import torch
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("needs the sglang extra (pip install eagle-data[sglang])", allow_module_level=True)
 
-from eagle_data.backends import make_backend  # noqa: E402
-from eagle_data.backends.hf import HFBackend  # noqa: E402
+from eagle_data.extract.backends import make_backend  # noqa: E402
+from eagle_data.extract.backends.hf import HFBackend  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 

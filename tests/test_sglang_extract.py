@@ -10,8 +10,9 @@ import webdataset as wds
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("needs the sglang extra (pip install eagle-data[sglang])", allow_module_level=True)
 
-from eagle_data.extract import ExtractConfig, run_extract  # noqa: E402
-from eagle_data.schema import decode_tensors  # noqa: E402
+from eagle_data.extract.config import ExtractConfig
+from eagle_data.extract.run import run_extract  # noqa: E402
+from eagle_data.format.schema import decode_tensors  # noqa: E402
 
 from templates import TEMPLATES_DIR, family_tokenizer  # noqa: E402
 from tiny import AUX, tiny_llama  # noqa: E402

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagle_data.backends.sglang_hook import make_capture_hook
-from eagle_data.backends.sglang_spool import (SPOOL_PREFIX, Piece, Spool, StitchError, list_spool, read_error,
+from eagle_data.extract.backends.sglang_hook import make_capture_hook
+from eagle_data.extract.backends.sglang_spool import (SPOOL_PREFIX, Piece, Spool, StitchError, list_spool, read_error,
                                               read_piece, remove_stale_spools, stitch, write_piece)
 
 H, K = 4, 3
@@ -118,7 +118,7 @@ def test_stale_spool_of_dead_pid_is_removed(tmp_path):
 def test_spool_removed_on_exit_sigterm_ctrl_c(tmp_path, how):
     code = textwrap.dedent(f"""
         import os, signal, sys
-        from eagle_data.backends.sglang_spool import Spool
+        from eagle_data.extract.backends.sglang_spool import Spool
         sp = Spool({str(tmp_path)!r}); Spool.install_signal_handlers()
         (sp.path / "chunk").write_bytes(b"x")
         print(sp.path, flush=True)
@@ -190,7 +190,7 @@ def test_hook_ignores_decode_and_refuses_mixed_and_bad_batches(tmp_path):
 
 
 def test_hook_only_tp_rank_0_writes(tmp_path, monkeypatch):
-    import eagle_data.backends.sglang_hook as hk
+    import eagle_data.extract.backends.sglang_hook as hk
     monkeypatch.setattr(hk, "_tp_rank", lambda: 1)
     assert make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-"}) is None  # sglang registers nothing
     monkeypatch.setattr(hk, "_tp_rank", lambda: 0)

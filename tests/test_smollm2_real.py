@@ -5,10 +5,11 @@ import json
 import pytest
 import torch
 
-from eagle_data import cli, load_index
+from eagle_data import load_index
+from eagle_data.cli import main as cli
 from eagle_data.assets import read_truncated_json_array, sharegpt_jsonl, smollm2_model_dir
-from eagle_data.inspection import read_sample
-from eagle_data.manifest import read_manifest
+from eagle_data.tools.inspect import read_sample
+from eagle_data.format.records import read_manifest
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle_data import cli
-from eagle_data.verify import verify_dataset
-from eagle_data.writer import ShardSink
+from eagle_data.cli import main as cli
+from eagle_data.tools.verify import verify_dataset
+from eagle_data.extract.sink import ShardSink
 
 
 @pytest.fixture
@@ -105,8 +105,7 @@ def test_recompute_matches_reference_and_catches_wrong_model(ds, tmp_path, kr):
 
 
 def test_on_disk_names_are_made_and_parsed_in_one_place():
-    from eagle_data.schema import (PROGRESS_NAME, parse_progress_name, parse_shard_name, rank_shard_prefix,
-                                   shard_name)
+    from eagle_data.format.layout import (PROGRESS_NAME, parse_progress_name, parse_shard_name, rank_shard_prefix, shard_name)
 
     assert shard_name(3, 12) == "00003-000012.tar" and parse_shard_name("00003-000012.tar") == (3, 12)
     assert rank_shard_prefix(3) == "00003-" and shard_name(3, 0).startswith(rank_shard_prefix(3))

@@ -1,0 +1,1 @@
+"""Benchmarks that print numbers (not installed; ``python -m benchmarks --help``)."""

@@ -1,0 +1,24 @@
+"""``python -m benchmarks loader|extract|train|sglang``: benchmarks that print numbers.
+
+Run from a checkout (this folder is not installed). Each command is the benchmark function
+itself: its signature and docstring make the command line (jsonargparse); ``--help`` lists
+the options. Figures and how to read them: BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+from benchmarks.extract import bench_extract
+from benchmarks.loader import bench_loader
+from benchmarks.sglang import bench_sglang
+from benchmarks.train import bench_train
+from eagle_data.cli.main import run_cli
+
+COMMANDS = {"loader": bench_loader, "extract": bench_extract, "train": bench_train, "sglang": bench_sglang}
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(COMMANDS, argv, "python -m benchmarks")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""``eagle-data bench extract``: extraction throughput against the plain forward, in one run.
+
+Measured side by side on the same model and prompts (random token ids, equal length, so
+batches carry no padding):
+
+(a) plain prefill forward of the base model, no capture;
+(b) capture to host memory: hooks + aux/final cast + pinned device-to-host copy on a side
+    stream, one batch in flight (:meth:`HFBackend.capture_async`);
+(c) (b) + shard writing to local disk by background writer threads (safetensors + tar +
+    sha256 + fsync + rename, the production :class:`ShardSink`);
+(d) the disk's raw write rate for the same bytes (files of shard size, fsync'd), same run.
+
+MFU uses forward FLOPs = 2·P_nonembed + 2·L·H·T per token (causal attention: QKᵀ and AV
+average T/2 keys) against ``peak_tflops`` (default 989, H200 dense bf16 spec).
+"""
+
+from __future__ import annotations
+
+import os
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=600)
+
+
+def build_model(shape: str, dtype: torch.dtype, device: str, vocab_size: int | None = None):
+    """Random-weight Llama of a named shape ("llama3.1-8b" or "tiny"), built on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{**(LLAMA31_8B if shape == "llama3.1-8b" else TINY),
+                         **({"vocab_size": vocab_size} if vocab_size else {})})
+    cfg._attn_implementation = "sdpa"
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval()
+
+
+def _sync(device: str):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def disk_write_rate(directory: Path, total_bytes: int, file_bytes: int, writers: int = 1) -> float:
+    """GB/s writing ``total_bytes`` as fsync'd files of ``file_bytes`` with ``writers`` threads."""
+    import threading
+
+    buf = os.urandom(1 << 24)
+    per = total_bytes // writers
+
+    def work(w):
+        left, i = per, 0
+        while left > 0:
+            p = directory / f"raw-{w}-{i}.bin"
+            with open(p, "wb") as f:
+                n = min(file_bytes, left)
+                while n > 0:
+                    f.write(buf[: min(n, len(buf))])
+                    n -= len(buf)
+                f.flush()
+                os.fsync(f.fileno())
+            left -= file_bytes
+            i += 1
+            p.unlink()
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=work, args=(w,)) for w in range(writers)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return per * writers / (time.perf_counter() - t0) / 1e9
+
+
+def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str = "bfloat16",
+                  seq_len: int = 2048, batch_size: int = 4, num_batches: int = 12, repeats: int = 3,
+                  writers: int = 2, out_dir: str | None = None, peak_tflops: float = 989.0,
+                  queue: int | None = None, json_out: str | None = None) -> dict[str, Any]:
+    """Extraction tokens/s: (a) plain forward, (b) capture to host, (c) capture + shard writing, (d) raw disk rate.
+
+    Prints a table; returns the figures (medians over ``repeats``).
+
+    Args:
+        shape: "llama3.1-8b" (random bf16 weights, Llama-3.1-8B config; no download) or "tiny".
+        device: "cuda" or "cpu".
+        dtype: "bfloat16" or "float32".
+        seq_len: tokens per prompt.
+        batch_size: prompts per forward.
+        num_batches: forwards per repeat.
+        repeats: repeats; medians are reported.
+        writers: shard-writer threads in (c) and in the parallel disk-rate test.
+        out_dir: directory on the disk to measure (default: a temp dir).
+        peak_tflops: peak dense bf16 TFLOP/s for the MFU figure.
+        queue: samples waiting for the writers at most in (c) (default 2 x batch_size).
+        json_out: also write the figures to this JSON file.
+    """
+    from eagle_data.extract.async_sink import AsyncShardWriter
+    from eagle_data.extract.backends.hf import HFBackend
+    from eagle_data.extract.sink import ShardSink
+
+    dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    model = build_model(shape, dt, device)
+    cfg = model.config
+    L, H = cfg.num_hidden_layers, cfg.hidden_size
+    be = HFBackend(shape, None, dtype=dtype, device=device, model=model)
+    p_nonembed = sum(p.numel() for n, p in model.model.named_parameters() if "embed_tokens" not in n)
+    flops_tok = 2 * p_nonembed + 2 * L * H * seq_len
+    g = torch.Generator().manual_seed(0)
+    batches = [[(f"s{b}_{i}", torch.randint(0, cfg.vocab_size, (seq_len,), generator=g)) for i in range(batch_size)]
+               for b in range(num_batches)]
+    tokens = num_batches * batch_size * seq_len
+    out_bytes_tok = 4 * H * 2 if dtype == "bfloat16" else 4 * H * 4
+    root = Path(out_dir or tempfile.mkdtemp(prefix="eagle-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+
+    def plain():
+        with torch.inference_mode():
+            for batch in batches:
+                x = torch.stack([ids for _, ids in batch]).to(device, non_blocking=True)
+                be.base(input_ids=x, use_cache=False)
+                be._store.clear()
+        _sync(device)
+
+    def capture(writer=None):
+        pending, pending_batch = None, None
+        for batch in batches + [None]:
+            nxt = be.capture_async(batch) if batch is not None else None
+            if pending is not None:
+                for c, (_, ids) in zip(pending.result(), pending_batch):
+                    if writer is not None:
+                        writer.put(c.key, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
+                                           "aux_hidden_states": c.aux_hidden_states, "hidden_states": c.hidden_states},
+                                   {"source_id": c.key, "source_row": 0, "num_turns": 2, "truncated": False})
+            pending, pending_batch = nxt, batch
+        _sync(device)
+
+    def write_run():
+        d = root / "shards"
+        shutil.rmtree(d, ignore_errors=True)
+        sinks = [ShardSink(d, 0, w, max_samples=64, max_bytes=2e9, shard_step=writers) for w in range(writers)]
+        w = AsyncShardWriter(sinks, max_queue=queue or 2 * batch_size)
+        capture(w)
+        w.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+    plain()  # warm-up (kernels, allocator, pinned pool)
+    capture()
+    res: dict[str, list[float]] = {"a_plain": [], "b_capture_host": [], "c_capture_write": []}
+    for _ in range(repeats):
+        for name, fn in (("a_plain", plain), ("b_capture_host", capture), ("c_capture_write", write_run)):
+            t0 = time.perf_counter()
+            fn()
+            res[name].append(tokens / (time.perf_counter() - t0))
+    total = tokens * out_bytes_tok
+    disk1 = disk_write_rate(root, total, 64 * seq_len * out_bytes_tok, 1)
+    diskw = disk_write_rate(root, total, 64 * seq_len * out_bytes_tok, writers)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    out = {
+        "shape": shape, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "dtype": dtype, "seq_len": seq_len, "batch_size": batch_size, "tokens_per_repeat": tokens,
+        "writers": writers, "queue": queue or 2 * batch_size, **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
+        "mfu_a": round(med["a_plain"] * flops_tok / (peak_tflops * 1e12), 4),
+        "output_GB_s_at_a": round(med["a_plain"] * out_bytes_tok / 1e9, 3),
+        "disk_GB_s_1writer": round(disk1, 3), f"disk_GB_s_{writers}writers": round(diskw, 3),
+        "ratio_b_over_a": round(med["b_capture_host"] / med["a_plain"], 4),
+        "ratio_c_over_a": round(med["c_capture_write"] / med["a_plain"], 4),
+        "bound_c_over_a": round(min(1.0, max(disk1, diskw) / (med["a_plain"] * out_bytes_tok / 1e9)), 4),
+        "repeats": {k: [round(x, 1) for x in v] for k, v in res.items()},
+    }
+    if out_dir is None:
+        shutil.rmtree(root, ignore_errors=True)
+    for k, v in out.items():
+        print(f"{k:>24}: {v}")
+    if json_out:
+        Path(json_out).write_text(json.dumps(out, indent=1, default=str))
+    return out

@@ -1,0 +1,158 @@
+"""Throughput of SGLang prefill with and without hidden-state capture (``eagle-data bench sglang``).
+
+Same prompts (random token ids, fixed length), same engine settings
+(:func:`eagle_data.extract.backends.sglang.base_engine_kwargs`), one engine at a time:
+
+* ``plain``: prefill only, ``max_new_tokens=0``, no capture;
+* ``capture``: :class:`~eagle_data.extract.backends.sglang.SGLangBackend` (hook + spool hand-off +
+  stitching into ``Captured``), then, if :mod:`eagle_data.extract.sink` is available, writing the
+  samples into WebDataset shards (``capture+write``);
+* ``builtin``: SGLang's own ``return_hidden_states=True`` path (``max_new_tokens=1``: with 0
+  it returns nothing; with aux capture off it returns the final state only, as Python
+  lists). Rows returned per prompt are reported: with chunked prefill it keeps only the
+  last chunk's rows.
+
+tokens/s counts prompt tokens. Each engine gets one warm-up request before timing.
+Run as ``python -m benchmarks.sglang MODEL [--num-prompts N] [--prompt-len T]``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from typing import Any, Sequence
+
+import torch
+
+
+def _prompts(vocab: int, num_prompts: int, prompt_len: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (prompt_len,), generator=g) for _ in range(num_prompts)]
+
+
+def _engine_run(kw: dict[str, Any], prompts: list[torch.Tensor], builtin: bool) -> dict[str, Any]:
+    import sglang
+    eng = sglang.Engine(**kw)
+    try:
+        sp = {"max_new_tokens": 1 if builtin else 0}
+        extra = {"return_hidden_states": True} if builtin else {}
+        eng.generate(input_ids=[[1, 2, 3]], sampling_params=sp, **extra)  # warm-up
+        t0 = time.perf_counter()
+        outs = eng.generate(input_ids=[p.tolist() for p in prompts], sampling_params=sp, **extra)
+        dt = time.perf_counter() - t0
+        res: dict[str, Any] = {"seconds": dt}
+        if builtin:
+            rows = []
+            for o in outs:
+                hs = o["meta_info"].get("hidden_states") or []
+                rows.append(sum(len(h) if h and isinstance(h[0], list) else (1 if h else 0) for h in hs))
+            res["rows_returned_per_prompt"] = sorted(set(rows))
+        return res
+    finally:
+        eng.shutdown()
+
+
+def _capture_run(model_path: str, prompts, dtype, device, aux_layer_ids, common: dict, write_dir: str | None,
+                 backend_kwargs: dict) -> dict[str, Any]:
+    from eagle_data.extract.backends.sglang import SGLangBackend
+    be = SGLangBackend(model_path, aux_layer_ids, dtype=dtype, device=device, **common, **backend_kwargs)
+    try:
+        batch = [(f"bench_{i:06d}", p) for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        caps = be.capture(batch)
+        t_cap = time.perf_counter() - t0
+        res: dict[str, Any] = {"seconds": t_cap, "startup_s": be.startup_s,
+                               "bytes_per_token": caps[0].aux_hidden_states[0].nbytes + caps[0].hidden_states[0].nbytes}
+        if write_dir is not None:
+            try:
+                from eagle_data.extract.sink import ShardSink
+            except ImportError as e:  # the writer is optional for this benchmark
+                res["write_skipped"] = f"eagle_data.extract.sink not importable: {e}"
+                return res
+            t1 = time.perf_counter()
+            sink = ShardSink(write_dir, max_samples=256)
+            for c, (_, ids) in zip(caps, batch):
+                sink.write(c.key, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
+                                   "aux_hidden_states": c.aux_hidden_states, "hidden_states": c.hidden_states},
+                           {"source_id": c.key, "source_row": 0, "num_turns": 1, "truncated": False})
+            sink.close()
+            res["write_seconds"] = time.perf_counter() - t1
+            res["shard_bytes"] = sink.bytes_written
+        return res
+    finally:
+        be.close()
+
+
+def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len: int = 512, *,
+                 dtype: str = "float32", device: str = "cpu", chunked_prefill_size: int | None = 256,
+                 aux_layer_ids: Sequence[int] | None = None, modes: Sequence[str] = ("plain", "capture", "builtin"),
+                 write_shards: bool = True, seed: int = 0, json_out: str | None = None,
+                 backend_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """SGLang extraction tokens/s: plain prefill vs capture (+ shards) vs SGLang's return_hidden_states.
+
+    Args:
+        model_path: "smollm2" (embedded default) or a local HF model folder.
+        num_prompts: prompts (random ids, all ``prompt_len`` long), sent together.
+        prompt_len: tokens per prompt.
+        dtype: "float32" or "bfloat16" (shared by all modes).
+        device: "cpu" or "cuda".
+        chunked_prefill_size: SGLang chunked prefill size.
+        aux_layer_ids: for the capture mode (default: EAGLE-3 defaults).
+        modes: subset of ``("plain", "capture", "builtin")``.
+        write_shards: also write the captured samples with :class:`eagle_data.extract.sink.ShardSink`
+            into a temp dir (deleted afterwards).
+        seed: seed of the random prompts.
+        json_out: also write the result to this JSON file.
+        backend_kwargs: extra :class:`SGLangBackend` kwargs (``max_inflight``, ...).
+
+    Returns:
+        ``{"config": {...}, "results": {mode: {"tokens_per_s", "seconds", ...}}}``; also printed.
+    """
+    from eagle_data.extract.backends.sglang import base_engine_kwargs, model_facts
+
+    backend_kwargs = dict(backend_kwargs or {})
+    if model_path == "smollm2":
+        from eagle_data.assets import smollm2_model_dir
+        model_path = str(smollm2_model_dir())
+    _, _, vocab = model_facts(model_path)
+    prompts = _prompts(vocab, num_prompts, prompt_len, seed)
+    common = dict(chunked_prefill_size=chunked_prefill_size,
+                  mem_fraction_static=backend_kwargs.pop("mem_fraction_static", None),
+                  max_total_tokens=backend_kwargs.pop("max_total_tokens", None))
+    kw = base_engine_kwargs(str(model_path), dtype, torch.device(device).type, **common)
+    n_tok = num_prompts * prompt_len
+    results: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        if mode == "plain":
+            r = _engine_run(kw, prompts, builtin=False)
+        elif mode == "builtin":
+            r = _engine_run({**kw, "enable_return_hidden_states": True}, prompts, builtin=True)
+        elif mode == "capture":
+            with tempfile.TemporaryDirectory(prefix="eagle-bench-") as d:
+                r = _capture_run(str(model_path), prompts, dtype, device, aux_layer_ids, common,
+                                 d if write_shards else None, backend_kwargs)
+            if "write_seconds" in r:
+                results["capture+write"] = {"seconds": r["seconds"] + r["write_seconds"],
+                                            "tokens_per_s": n_tok / (r["seconds"] + r["write_seconds"]),
+                                            "shard_bytes": r.pop("shard_bytes")}
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+        r["tokens_per_s"] = n_tok / r["seconds"]
+        results[mode] = r
+    out = {"config": {"model_path": str(model_path), "num_prompts": num_prompts, "prompt_len": prompt_len,
+                      "dtype": dtype, "device": device, "chunked_prefill_size": chunked_prefill_size,
+                      "engine_kwargs": {k: v for k, v in kw.items() if k != "model_path"}},
+           "results": results}
+    print(f"bench sglang: {num_prompts} prompts x {prompt_len} tokens, {dtype} on {device}, "
+          f"chunked_prefill_size={chunked_prefill_size}")
+    base = results.get("plain", {}).get("tokens_per_s")
+    for mode, r in results.items():
+        rel = f"  ({r['tokens_per_s'] / base:.2f}x plain)" if base else ""
+        notes = {k: v for k, v in r.items() if k not in ("tokens_per_s", "seconds")}
+        print(f"  {mode:14s} {r['tokens_per_s']:10.0f} tok/s  {r['seconds']:7.2f} s{rel}  {notes if notes else ''}")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return out
+

@@ -1,0 +1,1 @@
+"""The ``eagle-data`` command line (:mod:`eagle_data.cli.main`)."""

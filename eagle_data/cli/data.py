@@ -1,0 +1,62 @@
+"""``eagle-data extract|inspect|merge``: the commands that make and look at a dataset."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+from rich.console import Console
+
+from eagle_data.extract.config import ExtractConfig
+
+
+def extract(cfg: ExtractConfig) -> None:
+    """Run ``eagle-data extract`` (the options are :class:`ExtractConfig`'s fields) and report."""
+    from eagle_data.extract.run import run_extract
+
+    out, data = cfg.out, cfg.data
+    res = run_extract(cfg)
+    con = Console(stderr=True)
+    st = res["run_stats"]
+    con.print(f"[bold]extracted[/] {st['new_samples']} samples, {st['new_tokens']} tokens in {st['seconds']} s "
+              f"({st['tokens_per_s']} tok/s); skipped in this run: {st['skip_counts'] or 'none'}")
+    if res.get("num_samples") == 0:
+        why = (f"every source row was skipped ({res.get('skip_counts')})" if res.get("skip_counts")
+               else f"the source {data!r} has no rows")
+        con.print(f"[bold red]error:[/] no sample was extracted; {why}. Check --data, the record layout "
+                  "and --chat_template.")
+        sys.exit(2)
+    if "schema_version" in res:
+        bpt = res["total_bytes"] / max(res["num_tokens"], 1)
+        raw = 4 * res["hidden_size"] * (2 if res["dtype"] in ("bfloat16", "float16") else 4)
+        con.print(f"dataset: {res['num_samples']} samples, {res['num_tokens']} tokens, "
+                  f"{len(res['shards'])} shard(s), {res['total_bytes'] / 2**20:.1f} MiB "
+                  f"({bpt:.0f} B/token vs {raw} B/token of raw hidden states)")
+    print(out)
+
+
+
+def inspect(path: str, sample: Optional[int] = None, max_chars: int = 3000) -> None:
+    """Print a dataset's manifest summary and one sample with its loss-masked text highlighted.
+
+    Args:
+        path: dataset directory (with manifest.json).
+        sample: which sample (index order) to show (default: the first multi-turn one under 1,500 tokens).
+        max_chars: cut the shown text after this many characters.
+    """
+    from eagle_data.tools.inspect import inspect_dataset
+
+    inspect_dataset(path, sample, max_chars)
+
+
+def merge(path: str) -> None:
+    """Combine per-rank progress files and index parts into manifest.json + index.parquet.
+
+    Args:
+        path: dataset directory written by one or more ranks.
+    """
+    from eagle_data.extract.manifest import merge as _merge
+
+    m = _merge(path)
+    print(json.dumps({k: m[k] for k in ("num_samples", "num_tokens", "total_bytes", "skip_counts")}, indent=1))

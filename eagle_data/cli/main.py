@@ -1,0 +1,58 @@
+"""``eagle-data`` command line: one static table of commands (jsonargparse).
+
+Each command is a typed, documented function whose signature and docstring make its options;
+``extract`` is the :class:`~eagle_data.extract.config.ExtractConfig` dataclass itself (its
+fields and the docstring under each). Every command takes ``--config FILE.yaml`` (see
+``configs/``) plus flags; flags win. Benchmarks are not installed: ``python -m benchmarks``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+from eagle_data.cli.data import extract, inspect, merge
+from eagle_data.cli.train import demo, evaluate, export, train, vocab
+from eagle_data.cli.verify import verify
+from eagle_data.extract.config import ExtractConfig
+
+#: command name -> function, or a dataclass whose instance a runner in :data:`RUNNERS` takes
+COMMANDS: dict[str, Any] = {"extract": ExtractConfig, "inspect": inspect, "merge": merge, "verify": verify,
+                            "vocab": vocab, "train": train, "eval": evaluate, "export": export, "demo": demo}
+#: what to do with a parsed dataclass command
+RUNNERS: dict[type, Callable[[Any], None]] = {ExtractConfig: extract}
+
+
+def run_cli(commands: dict[str, Any], argv: list[str] | None, prog: str,
+            runners: dict[type, Callable[[Any], None]] | None = None) -> None:
+    """Parse ``argv`` against ``commands`` and run the chosen one.
+
+    Bad data or settings (``ValueError``) end with exit code 2 and the message (no traceback
+    unless ``EAGLE_DATA_TRACEBACK=1``); Ctrl-C / an interrupted extraction with 130.
+    """
+    from jsonargparse import CLI, set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        res = CLI(commands, args=argv if argv is not None else sys.argv[1:], prog=prog)
+        if type(res) in (runners or {}):
+            runners[type(res)](res)
+    except KeyboardInterrupt:  # Ctrl-C / ExtractionInterrupted: state is consistent, rerun resumes
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
+    except ValueError as e:  # bad data or settings: the message says what and where
+        if os.environ.get("EAGLE_DATA_TRACEBACK"):
+            raise
+        print(f"error: {e}\n(set EAGLE_DATA_TRACEBACK=1 for the traceback)", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(COMMANDS, argv, "eagle-data", RUNNERS)
+
+
+if __name__ == "__main__":
+    main()

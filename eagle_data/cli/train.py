@@ -1,0 +1,108 @@
+"""``eagle-data vocab|train|eval|export``: EAGLE-3 drafter training (package ``eagle_train``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Union
+
+
+def vocab(path: str, size: int = 32000, out: Optional[str] = None, rebuild: bool = False,
+          exclude_keys: Optional[str] = None) -> None:
+    """Build the draft vocabulary (d2t/t2d) from the index histogram of supervised tokens.
+
+    Rule: higher count first, ties to the lower token id; fewer than SIZE distinct tokens are
+    filled with the lowest unused ids; draft ids follow ascending target ids.
+
+    Args:
+        path: dataset directory (index.parquet + manifest.json).
+        size: draft vocabulary size N.
+        out: output safetensors file (default: PATH/draft_vocab_{size}.safetensors).
+        rebuild: recompute even if the output exists (otherwise it is reused).
+        exclude_keys: JSON list of sample keys not to count (a held-out split).
+    """
+    from pathlib import Path
+
+    from eagle_train.vocab import build_vocab
+
+    ex = json.loads(Path(exclude_keys).read_text()) if exclude_keys else None
+    d2t, t2d, p = build_vocab(path, size, out=out, rebuild=rebuild, exclude_keys=ex)
+    print(p)
+
+
+def train(model: Optional[dict[str, Any]] = None, data: Optional[Union[dict[str, Any], str]] = None,
+          trainer: Optional[dict[str, Any]] = None, seed_everything: int = 0,
+          ckpt_path: Optional[str] = None) -> None:
+    """Train an EAGLE-3 drafter (LightningCLI sections; see configs/train/*.yaml).
+
+    Args:
+        model: eagle_train.module.EagleDrafterModule arguments (e.g. --model.lr 3e-4).
+        data: eagle_data.stream.datamodule.EagleDataModule arguments (e.g. --data.batch_size 4), or a
+            YAML file of them (--data configs/datamodule.yaml).
+        trainer: lightning Trainer arguments (e.g. --trainer.max_steps 100, --trainer.strategy ddp).
+        seed_everything: global seed.
+        ckpt_path: resume from this checkpoint ("last": the run's newest).
+    """
+    from eagle_train.cli import fit
+
+    print(fit({"model": model, "data": data, "trainer": trainer, "seed_everything": seed_everything}, ckpt_path))
+
+
+def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Optional[str] = None,
+             heldout_fraction: float = 0.1, num_samples: int = 16, positions_per_sample: int = 8,
+             steps: int = 7, compare_untrained: bool = True, target_model: Optional[str] = None,
+             max_length: Optional[int] = None) -> None:
+    """Acceptance length tau (greedy chain) of a drafter vs the HF target on held-out samples.
+
+    Args:
+        path: dataset directory holding the held-out samples.
+        checkpoint: Lightning checkpoint of the drafter.
+        out: output directory (acceptance.json, acceptance.png).
+        heldout_keys: JSON list of held-out sample keys (default: a deterministic index split).
+        heldout_fraction: fraction held out when heldout_keys is not given.
+        num_samples: evaluate at most this many held-out samples.
+        positions_per_sample: draft chains per sample (positions inside assistant spans).
+        steps: K draft tokens per chain.
+        compare_untrained: also evaluate the same drafter at initialisation.
+        target_model: target HF folder (default: the checkpoint's).
+        max_length: truncate held-out samples to this many tokens first.
+    """
+    from eagle_train.evaluate import evaluate as _evaluate
+
+    s = _evaluate(path, checkpoint, out, heldout_keys, heldout_fraction, num_samples, positions_per_sample,
+                  steps, compare_untrained, target_model, max_length)
+    print(json.dumps({k: (v["tau"] if isinstance(v, dict) and "tau" in v else v)
+                      for k, v in s.items() if k != "heldout_keys"}, indent=1))
+
+
+def export(checkpoint: str, out: str, dtype: str = "bfloat16") -> None:
+    """Export a drafter checkpoint as an SGLang LlamaForCausalLMEagle3 folder.
+
+    Args:
+        checkpoint: Lightning checkpoint of the drafter.
+        out: output folder (config.json + model.safetensors).
+        dtype: weight dtype: bfloat16, float16 or float32.
+    """
+    from eagle_train.export import export_checkpoint
+
+    print(export_checkpoint(checkpoint, out, dtype))
+
+
+def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_vocab_size: int = 2048,
+         eval_samples: int = 12, target_model: str = "smollm2") -> None:
+    """The main job's second half on CPU: draft vocab -> train a drafter for MINUTES -> tau of the
+    trained and the untrained drafter on held-out conversations (+ PNG plot) -> SGLang export.
+
+    Args:
+        path: dataset directory written by `eagle-data extract`.
+        out: output directory (checkpoint, demo_summary.json, acceptance.png, sglang_drafter/).
+        minutes: training wall time.
+        draft_vocab_size: N.
+        eval_samples: held-out samples evaluated at most.
+        target_model: "smollm2" (embedded default) or the target's HF folder.
+    """
+    from eagle_train.pipeline import demo as _demo
+
+    s = _demo(path, out, minutes=minutes, draft_vocab_size=draft_vocab_size, eval_samples=eval_samples,
+              target_model=target_model)
+    print(json.dumps({k: s[k] for k in ("tau_trained", "tau_untrained", "train_steps", "plot", "export")
+                      if k in s}, indent=1))

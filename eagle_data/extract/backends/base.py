@@ -1,0 +1,106 @@
+"""The backend Protocol, its result type, and the aux-layer-id convention.
+
+Convention (see :data:`eagle_data.format.schema.LAYER_ID_CONVENTION`): aux id ``k`` is the output
+of decoder layer ``k`` (0-based) = HF ``hidden_states[k + 1]``, the meaning of SGLang's
+``eagle_aux_hidden_state_layer_ids``. SGLang internally captures the *input* of layer
+``k + 1``, which is the same tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """``[1, L//2 - 1, L - 4]`` (low, middle, high), as in EAGLE-3 / SGLang / SpecForge.
+
+    Raises:
+        ValueError: the model is too shallow for three distinct ids (L < 6).
+    """
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    validate_aux_layer_ids(ids, num_layers)
+    return ids
+
+
+def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    """Check three distinct, strictly increasing ids in ``[0, L-1)``.
+
+    The last layer ``L-1`` is excluded: its output before the final norm is not a useful
+    aux feature and SGLang refuses to capture it.
+
+    Raises:
+        ValueError: naming the problem (count, order, duplicates, range).
+    """
+    ids = [int(i) for i in ids]
+    if len(ids) != 3:
+        raise ValueError(f"aux_layer_ids needs exactly 3 ids (low, mid, high), got {ids}")
+    if len(set(ids)) != 3:
+        raise ValueError(f"aux_layer_ids {ids} has duplicates (model has {num_layers} layers)")
+    if ids != sorted(ids):
+        raise ValueError(f"aux_layer_ids {ids} must be sorted low -> high")
+    if ids[0] < 0 or ids[-1] >= num_layers - 1:
+        raise ValueError(f"aux_layer_ids {ids} out of range [0, {num_layers - 2}] for {num_layers} layers")
+    return ids
+
+
+@dataclass
+class BackendInfo:
+    """Facts about the target recorded in the manifest."""
+    name: str
+    model_path: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    dtype: str  # "bfloat16" | "float32" | "float16"
+    aux_layer_ids: list[int]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Captured:
+    """Hidden states of one sample.
+
+    Attributes:
+        key: the sample key it belongs to.
+        aux_hidden_states: [T, 3*H], aux layers concatenated low -> high, on CPU.
+        hidden_states: [T, H], final post-norm hidden state, on CPU.
+    """
+    key: str
+    aux_hidden_states: torch.Tensor
+    hidden_states: torch.Tensor
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Runs ONE prefill pass per sample and returns aux + final hidden states."""
+
+    info: BackendInfo
+
+    def capture(self, batch: Sequence[tuple[str, torch.Tensor]]) -> list[Captured]:
+        """Capture a batch of ``(key, input_ids [T_i] int64)``.
+
+        Returns one :class:`Captured` per input, in input order, with exactly ``T_i`` rows.
+
+        Raises:
+            RuntimeError: the engine returned misaligned or missing rows (names the key).
+        """
+        ...
+
+    def capture_iter(self, batches: Iterable[Sequence[tuple[str, torch.Tensor]]],
+                     prefetch: int = 1) -> Iterator[list[Captured]]:
+        """:meth:`capture` over many batches, in order, one list per batch.
+
+        Up to ``prefetch`` later batches may already be computing while the caller handles the
+        current one (forward of batch i+1 overlaps the device-to-host copy and the shard
+        writing of batch i). This is the only capture path the pipeline calls.
+
+        Raises: as :meth:`capture`, at the failing batch.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the engine (idempotent)."""
+        ...

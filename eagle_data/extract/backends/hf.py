@@ -1,0 +1,166 @@
+"""HF transformers reference backend: one prefill forward, forward hooks on decoder layers.
+
+Capture: a forward hook on ``model.model.layers[k]`` for each aux id ``k`` (its output is
+HF ``hidden_states[k + 1]``) and one on ``model.model.norm`` (the final post-norm state).
+Only the base model runs (no ``lm_head``: logits are not needed and would cost
+``T x V`` memory), and ``output_hidden_states`` stays off.
+
+Batching: right padding with an attention mask (causal, so real tokens never attend to
+padding and results do not depend on batch composition beyond kernel rounding).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from collections import deque
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from eagle_data.extract.backends.base import BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def _decoder_parts(model):
+    """(layers ModuleList, final norm) of a decoder-only HF model."""
+    base = getattr(model, "model", None) or getattr(model, "transformer", None)
+    layers = getattr(base, "layers", None) or getattr(base, "h", None)
+    norm = getattr(base, "norm", None) or getattr(base, "ln_f", None) or getattr(base, "final_layernorm", None)
+    if layers is None or norm is None:
+        raise ValueError(f"{type(model).__name__}: cannot find decoder layers and final norm")
+    return base, layers, norm
+
+
+class HFBackend:
+    """Reference capture with HF ``AutoModelForCausalLM``.
+
+    Args:
+        model_path: local HF model folder.
+        aux_layer_ids: three ids in the SGLang/EAGLE-3 convention; ``None`` -> default.
+        dtype: ``"bfloat16"`` (default) or ``"float32"``; also the stored dtype.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+        attn_implementation: ``"sdpa"`` (default) or ``"eager"``.
+        trust_remote_code: off by default.
+        model: an already-built model (tests); ``model_path`` is then only recorded.
+        out_dtype: dtype of returned states (default: ``dtype``); cast on the device, so
+            fp32 compute with bf16 storage halves the device-to-host traffic.
+
+    On CUDA, :meth:`capture_async` overlaps: the device-to-host copy of batch ``i`` runs on a
+    side stream into pinned host memory (torch's caching host allocator) while batch ``i+1``
+    is being computed; :meth:`capture` is ``capture_async(...).result()``.
+    """
+
+    def __init__(self, model_path: str | Path, aux_layer_ids: Sequence[int] | None = None,
+                 dtype: str = "bfloat16", device: str = "cpu", attn_implementation: str = "sdpa",
+                 trust_remote_code: bool = False, model=None, out_dtype: str | None = None):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.device = torch.device(device)
+        if model is None:
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(
+                str(model_path), dtype=_DTYPES[dtype], attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code)
+        self.model = model.to(device=self.device, dtype=_DTYPES[dtype]).eval()
+        self.base, layers, norm = _decoder_parts(self.model)
+        cfg = self.model.config
+        n = len(layers)
+        ids = validate_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids is not None else default_aux_layer_ids(n)
+        self.info = BackendInfo("hf", str(model_path), int(cfg.hidden_size), n, int(cfg.vocab_size),
+                                dtype, ids, {"attn_implementation": attn_implementation,
+                                             "device": str(self.device)})
+        self.out_dtype = _DTYPES[out_dtype or dtype]
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._store: dict[str, torch.Tensor] = {}
+        self._handles = [layers[k].register_forward_hook(self._hook(f"aux{j}")) for j, k in enumerate(ids)]
+        self._handles.append(norm.register_forward_hook(self._hook("final")))
+
+    def _hook(self, name: str):
+        def fn(_mod, _inp, out):
+            self._store[name] = out[0] if isinstance(out, tuple) else out
+        return fn
+
+    def capture(self, batch: Sequence[tuple[str, torch.Tensor]]) -> list[Captured]:
+        """See :meth:`eagle_data.extract.backends.base.Backend.capture`. One forward for the batch."""
+        return self.capture_async(batch).result()
+
+    def capture_iter(self, batches: Iterable[Sequence[tuple[str, torch.Tensor]]],
+                     prefetch: int = 1) -> Iterator[list[Captured]]:
+        """See :meth:`eagle_data.extract.backends.base.Backend.capture_iter`: batch i+1's forward is
+        launched (:meth:`capture_async`) before batch i's states are handed out."""
+        pending: deque[PendingCapture] = deque()
+        for batch in batches:
+            pending.append(self.capture_async(batch))
+            if len(pending) > prefetch:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+    @torch.inference_mode()
+    def capture_async(self, batch: Sequence[tuple[str, torch.Tensor]]) -> "PendingCapture":
+        """Launch the forward of ``batch`` and the device-to-host copy of its states.
+
+        Returns a :class:`PendingCapture`; its ``result()`` waits for the copy only.
+        """
+        if not batch:
+            return PendingCapture([], [], None, None, None)
+        lens = [int(ids.shape[0]) for _, ids in batch]
+        b, t = len(batch), max(lens)
+        input_ids = torch.zeros(b, t, dtype=torch.long)
+        attn = torch.zeros(b, t, dtype=torch.long)
+        for i, (_, ids) in enumerate(batch):
+            input_ids[i, : lens[i]] = ids
+            attn[i, : lens[i]] = 1
+        on_gpu = self._copy_stream is not None
+        input_ids = input_ids.to(self.device, non_blocking=on_gpu)
+        attn = attn.to(self.device, non_blocking=on_gpu) if b > 1 and min(lens) < t else None
+        self._store.clear()
+        self.base(input_ids=input_ids, attention_mask=attn, use_cache=False)
+        missing = {"aux0", "aux1", "aux2", "final"} - set(self._store)
+        if missing:
+            raise RuntimeError(f"forward hooks did not fire for {sorted(missing)}")
+        # [B, T, 3H] and [B, T, H] in the output dtype, still on the device
+        aux = torch.cat([self._store["aux0"], self._store["aux1"], self._store["aux2"]], dim=-1).to(self.out_dtype)
+        fin = self._store["final"].to(self.out_dtype)
+        self._store.clear()
+        assert aux.shape[:2] == (b, t) and fin.shape[:2] == (b, t), (aux.shape, fin.shape)
+        if not on_gpu:
+            return PendingCapture([k for k, _ in batch], lens, aux, fin, None)
+        done = torch.cuda.Event()
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            aux_h = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)
+            fin_h = torch.empty(fin.shape, dtype=fin.dtype, pin_memory=True)
+            aux_h.copy_(aux, non_blocking=True)
+            fin_h.copy_(fin, non_blocking=True)
+            aux.record_stream(self._copy_stream)
+            fin.record_stream(self._copy_stream)
+            done.record(self._copy_stream)
+        return PendingCapture([k for k, _ in batch], lens, aux_h, fin_h, done)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class PendingCapture:
+    """States of one batch on their way to host memory.
+
+    ``result()`` waits for the copy and returns per-sample :class:`Captured` whose tensors
+    are views ``[T_i, 3H]`` / ``[T_i, H]`` of the batch's host buffers (padding rows dropped).
+    """
+
+    def __init__(self, keys, lens, aux, fin, event):
+        self.keys, self.lens, self.aux, self.fin, self.event = keys, lens, aux, fin, event
+
+    def result(self) -> list[Captured]:
+        if self.event is not None:
+            self.event.synchronize()
+        if len(self.keys) == 1:
+            return [Captured(self.keys[0], self.aux[0], self.fin[0])]
+        return [Captured(k, self.aux[i, :n], self.fin[i, :n]) for i, (k, n) in enumerate(zip(self.keys, self.lens))]

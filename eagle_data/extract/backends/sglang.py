@@ -1,0 +1,383 @@
+"""SGLang capture backend (sglang 0.5.23): prefill-only capture inside the scheduler.
+
+How it works:
+
+1. The engine runs with aux capture on, without a draft (``enable_return_aux_hidden_states=True,
+   speculative_algorithm="EAGLE3", return_aux_hidden_state_layer_ids=aux_layer_ids``). Our ids
+   are passed unchanged: SGLang's ``set_eagle3_layers_to_capture`` captures the input of
+   layer ``k + 1`` = output of layer ``k`` = HF ``hidden_states[k + 1]``, our convention
+   (:data:`eagle_data.format.schema.LAYER_ID_CONVENTION`; proven against HF in the tests).
+2. :mod:`eagle_data.extract.backends.sglang_hook` is registered through the ``forward_hooks`` server
+   arg on ``logits_processor``; in every plain EXTEND pass it writes each of our requests'
+   rows as a safetensors chunk into a spool dir (:mod:`eagle_data.extract.backends.sglang_spool`).
+3. :meth:`SGLangBackend.capture` sends ``input_ids`` (never text) with ``max_new_tokens=0`` and
+   ``rid=<run prefix><n>`` for every sample, at most ``max_inflight`` requests /
+   ``max_inflight_tokens`` tokens in flight (bounds the spool), and when a request
+   finishes reads, stitches (by prefix offset), checks and deletes its chunks.
+   :meth:`SGLangBackend.capture_iter` does the same over many batches with the next batch
+   already submitted, so the engine keeps computing while the caller writes shards.
+
+Tensor parallel: every TP rank holds the full hidden states; only TP rank 0 writes (the
+hook factory returns no hook on other ranks). ``tp_size > 1`` on CPU is refused: sglang
+0.5.23 builds a NCCL communicator for CPU groups (tried with gloo here).
+
+Invariants checked at start-up: radix cache off (a cached prefix would skip rows), mixed
+chunking off (prefill rows would be mixed with decode rows), pp = dp = 1, and a warm-up
+request whose rows must arrive. On GPU, prefill CUDA graphs are disabled
+(``cuda_graph_backend_prefill="disabled"``: module hooks only fire on the eager path),
+recorded in ``info.extra``.
+
+CPU: with ``device="cpu"`` the backend sets ``SGLANG_USE_CPU_ENGINE=1`` and puts
+``eagle_data/backends/cpu_sgl_kernel`` (a pure-torch ``sgl_kernel`` stand-in, see its
+docstring) first on ``PYTHONPATH`` before importing sglang, so the spawned scheduler
+inherits both. Scripts that build this backend need ``if __name__ == "__main__":`` (spawn).
+
+Note: SGLang's ``Engine.shutdown()`` kills every child process of the current process;
+``close()`` narrows that to the engine's own children (several engines and data-loader
+workers can coexist in one process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from eagle_data.extract.backends.base import BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
+from eagle_data.extract.backends.sglang_engine import CPU_KERNEL_DIR, base_engine_kwargs, model_facts, prepare_cpu_environment  # noqa: F401
+from eagle_data.extract.backends.sglang_spool import RowsMissing, Spool, StitchError, list_spool, read_error, read_piece, stitch
+
+log = logging.getLogger(__name__)
+
+HOOK_FACTORY = "eagle_data.extract.backends.sglang_hook:make_capture_hook"
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# Engine args the backend owns: overriding them would break the capture invariants.
+_OWNED = {"model_path", "dtype", "device", "tp_size", "skip_tokenizer_init", "disable_radix_cache",
+          "enable_mixed_chunk", "enable_return_aux_hidden_states", "speculative_algorithm",
+          "return_aux_hidden_state_layer_ids", "forward_hooks", "cuda_graph_backend_prefill"}
+
+
+class SGLangBackend:
+    """Production capture through an in-process SGLang ``Engine``.
+
+    Args:
+        model_path: local HF model folder.
+        aux_layer_ids: three ids in our convention (id ``k`` = HF ``hidden_states[k+1]``);
+            ``None`` -> :func:`default_aux_layer_ids`.
+        dtype: ``"bfloat16"`` or ``"float32"``: engine dtype = stored dtype.
+        device: ``"cpu"`` or ``"cuda"``.
+        tp_size: tensor parallel size (only TP rank 0 writes chunks).
+        chunked_prefill_size, mem_fraction_static, max_total_tokens: engine memory knobs;
+            ``None`` -> SGLang's default (CPU: 0.3 and 32768 tokens for the last two).
+        spool_dir: parent dir of the per-run spool (default ``/dev/shm``).
+        max_inflight: most requests in flight at once.
+        max_inflight_tokens: most prompt tokens in flight (bounds spool size to about
+            ``tokens * (K+1) * H * bytes``); a longer single sample still runs alone.
+        attention_backend: default ``"torch_native"`` on CPU, SGLang's choice on GPU.
+        collect_timeout_s: how long to wait for a finished request's last chunk file.
+        cpu_kernel: ``"standin"`` (default: our pure-torch ``sgl_kernel``) or ``"installed"``
+            (SGLang's own CPU kernel build).
+        log_level: SGLang log level.
+        engine_kwargs: extra ``sglang.Engine`` kwargs (not the ones the backend owns).
+
+    Raises:
+        ValueError: bad dtype/device/aux ids, or engine_kwargs that override owned args.
+        RuntimeError: the engine violates an invariant or the warm-up capture fails.
+    """
+
+    def __init__(self, model_path: str | Path, aux_layer_ids: Sequence[int] | None = None,
+                 dtype: str = "bfloat16", device: str = "cpu", *, tp_size: int = 1,
+                 chunked_prefill_size: int | None = None, mem_fraction_static: float | None = None,
+                 max_total_tokens: int | None = None, spool_dir: str | Path | None = None,
+                 max_inflight: int = 128, max_inflight_tokens: int = 65536,
+                 attention_backend: str | None = None, collect_timeout_s: float = 5.0,
+                 cpu_kernel: str = "standin", log_level: str = "error",
+                 engine_kwargs: dict[str, Any] | None = None, _allow_radix_cache: bool = False):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        dev = torch.device(device).type
+        if dev not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        bad = _OWNED & set(engine_kwargs or {})
+        if bad:
+            raise ValueError(f"engine_kwargs must not set {sorted(bad)}: the backend owns them")
+        self.engine = None
+        model_path = str(model_path)
+        n_layers, hidden, vocab = model_facts(model_path)
+        ids = (validate_aux_layer_ids(aux_layer_ids, n_layers) if aux_layer_ids is not None
+               else default_aux_layer_ids(n_layers))
+        self.max_inflight, self.max_inflight_tokens = int(max_inflight), int(max_inflight_tokens)
+        self.collect_timeout_s = float(collect_timeout_s)
+        kw = base_engine_kwargs(model_path, dtype, dev, tp_size=tp_size, chunked_prefill_size=chunked_prefill_size,
+                                mem_fraction_static=mem_fraction_static, max_total_tokens=max_total_tokens,
+                                attention_backend=attention_backend, cpu_kernel=cpu_kernel, log_level=log_level)
+        self.spool = Spool(spool_dir)
+        self._prefix = f"ed{uuid.uuid4().hex[:8]}-"
+        self._counter = 0
+        self.last_chunks: dict[str, int] = {}  # key -> prefill chunks stitched, last capture()
+        self._budget = None
+        self._orphans: set[str] = set()  # rids of cancelled requests
+        self._chunks: dict[str, int] = {}  # rid -> chunks stitched, until its batch is yielded
+        kw.update(disable_radix_cache=not _allow_radix_cache, enable_mixed_chunk=False,
+                  enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+                  return_aux_hidden_state_layer_ids=list(ids),
+                  forward_hooks=[{"name": "eagle_data_capture", "target_modules": ["logits_processor"],
+                                  "hook_factory": HOOK_FACTORY,
+                                  "config": {"spool_dir": str(self.spool.path), "rid_prefix": self._prefix}}])
+        kw.update(engine_kwargs or {})
+        try:
+            import sglang
+            t0 = time.perf_counter()
+            self.engine = sglang.Engine(**kw)
+            self.startup_s = time.perf_counter() - t0
+            Spool.install_signal_handlers()
+            sa = self.engine.server_args
+            self._check_server_args(sa, _allow_radix_cache)
+            self.info = BackendInfo("sglang", model_path, hidden, n_layers, vocab, dtype, list(ids), {
+                "sglang_version": sglang.__version__, "device": dev, "tp_size": int(tp_size),
+                "writer_tp_rank": 0, "attention_backend": getattr(sa, "attention_backend", None),
+                "chunked_prefill_size": getattr(sa, "chunked_prefill_size", None),
+                "prefill_cuda_graph": "disabled" if dev == "cuda" else "n/a (cpu)",
+                "radix_cache": "disabled", "mixed_chunk": "disabled", "max_new_tokens": 0,
+                "capture": "forward_hook on logits_processor, safetensors spool",
+                "return_aux_hidden_state_layer_ids": list(ids),
+                "cpu_sgl_kernel": ("eagle-data pure-torch stand-in" if dev == "cpu" and cpu_kernel == "standin"
+                                   else "installed")})
+            self._warmup(hidden)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _check_server_args(sa, allow_radix: bool) -> None:
+        problems = []
+        if not getattr(sa, "disable_radix_cache", False) and not allow_radix:
+            problems.append("radix cache is on (cached prefixes would skip rows)")
+        if getattr(sa, "enable_mixed_chunk", False):
+            problems.append("mixed chunking is on")
+        for name in ("pp_size", "dp_size"):
+            if int(getattr(sa, name, 1) or 1) != 1:
+                problems.append(f"{name}={getattr(sa, name)} (only 1 is supported)")
+        if getattr(sa, "enable_dp_attention", False):
+            problems.append("attention DP is on")
+        if problems:
+            raise RuntimeError("SGLang engine violates capture invariants: " + "; ".join(problems))
+
+    def _warmup(self, hidden: int) -> None:
+        got = self.capture([("__warmup__", torch.arange(3, dtype=torch.long))])[0]
+        k = len(self.info.aux_layer_ids)
+        if tuple(got.hidden_states.shape) != (3, hidden) or tuple(got.aux_hidden_states.shape) != (3, k * hidden):
+            raise RuntimeError(f"warm-up capture has shapes {tuple(got.aux_hidden_states.shape)}, "
+                               f"{tuple(got.hidden_states.shape)}; expected (3, {k * hidden}), (3, {hidden})")
+
+    # ------------------------------------------------------------------ capture
+
+    def capture(self, batch: Sequence[tuple[str, torch.Tensor]]) -> list[Captured]:
+        """Capture ``(key, input_ids [T] int64)`` pairs; see :class:`eagle_data.extract.backends.base.Backend`.
+
+        Returns ``Captured`` in input order with ``aux_hidden_states`` [T, 3H] and
+        ``hidden_states`` [T, H] in the engine dtype, on CPU.
+
+        Raises:
+            RuntimeError: closed backend; the engine rejected/aborted a request (e.g. longer
+                than the context); a refused forward mode; rows missing, duplicated,
+                overlapping or belonging to another request (:class:`StitchError`). Messages
+                name the key.
+            ValueError: ``input_ids`` is not a non-empty 1-D integer tensor.
+        """
+        return next(self.capture_iter([batch], prefetch=0))
+
+    def capture_iter(self, batches: Iterable[Sequence[tuple[str, torch.Tensor]]],
+                     prefetch: int = 1) -> Iterator[list[Captured]]:
+        """Like :meth:`capture` over many batches, keeping the engine busy between them.
+
+        Up to ``prefetch`` later batches are already submitted (within the in-flight budget)
+        while the caller handles the current one, so the scheduler keeps computing while
+        the caller writes shards. Yields one list per batch, in order. Call from one thread.
+
+        Raises: as :meth:`capture`, at the failing batch; batches already submitted are
+        drained and their spool files removed before the error propagates (also on an early
+        ``close()`` of the iterator). On an interrupt (``KeyboardInterrupt`` and subclasses)
+        the requests in flight are cancelled instead (no waiting); late chunk files of
+        theirs are removed by the next call or :meth:`close`.
+        """
+        if self.engine is None:
+            raise RuntimeError("SGLangBackend is closed")
+        if self._orphans:
+            self._drop_files(self._orphans)
+        loop, it, pending = self.engine.loop, iter(batches), []
+
+        def submit() -> bool:
+            batch = next(it, None)
+            if batch is None:
+                return False
+            items = []
+            for key, ids in batch:
+                if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point:  # raised at its turn
+                    pending.append(([], ValueError(f"sample {key!r}: input_ids must be a non-empty 1-D "
+                                                   f"integer tensor, got {tuple(ids.shape)} {ids.dtype}")))
+                    return True
+                self._counter += 1
+                items.append((key, ids.to(torch.int64).cpu(), f"{self._prefix}{self._counter}"))
+            pending.append((items, loop.create_task(self._run(items))))
+            return True
+
+        try:
+            for _ in range(prefetch + 1):
+                if not submit():
+                    break
+            while pending:
+                items, task = pending[0]
+                if isinstance(task, Exception):
+                    pending.pop(0)
+                    raise task
+                results = loop.run_until_complete(task)
+                pending.pop(0)
+                self.last_chunks = {key: self._chunks.pop(rid, 0) for key, _, rid in items}
+                errors = [r for r in results if isinstance(r, BaseException)]
+                if errors:
+                    self._drop_files({rid for _, _, rid in items})
+                    e = errors[0]
+                    if isinstance(e, (RuntimeError, KeyboardInterrupt)):
+                        raise e
+                    raise RuntimeError(f"capture failed: {e!r}") from e
+                submit()
+                yield results
+        except (Exception, GeneratorExit):
+            if pending:  # error or early stop: let submitted requests finish, then drop their rows
+                self._finish_pending(pending, cancel=False)
+            raise
+        finally:
+            if pending:  # interrupt (Ctrl-C / SIGTERM exception): cancel, do not wait
+                self._finish_pending(pending, cancel=True)
+
+    def _finish_pending(self, pending: list, cancel: bool) -> None:
+        tasks = [t for _, t in pending if isinstance(t, asyncio.Future)]
+        rids = {rid for items, _ in pending for _, _, rid in items}
+        pending.clear()
+        if cancel:
+            for t in tasks:
+                t.cancel()
+            self._orphans |= rids  # chunks the scheduler may still write; removed later / at close()
+        if tasks:
+            self.engine.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self._drop_files(rids)
+
+    def _drop_files(self, rids: set[str]) -> None:
+        Spool.remove(p for rid, fs in list_spool(self.spool.path).items() if rid in rids for _, p in fs)
+
+    async def _run(self, items):
+        if self._budget is None:  # shared by all batches in flight: bounds the spool
+            self._budget = (asyncio.Condition(), [0, 0])  # (cond, [requests, tokens] in flight)
+        cond, busy = self._budget
+
+        def fits(n: int) -> bool:
+            return busy[0] == 0 or (busy[0] < self.max_inflight and busy[1] + n <= self.max_inflight_tokens)
+
+        async def one(key, ids, rid):
+            n = int(ids.shape[0])
+            try:
+                try:
+                    out = await self.engine.async_generate(input_ids=ids.tolist(), rid=rid,
+                                                           sampling_params={"max_new_tokens": 0})
+                except Exception as e:
+                    raise RuntimeError(f"sample {key!r} ({n} tokens): SGLang rejected the request: {e}") from e
+                return await self._collect(key, ids, rid, out)
+            finally:
+                async with cond:
+                    busy[0] -= 1
+                    busy[1] -= n
+                    cond.notify_all()
+
+        tasks = []
+        try:
+            for key, ids, rid in items:  # admit in order, within the budget
+                async with cond:
+                    await cond.wait_for(lambda: fits(int(ids.shape[0])))
+                    busy[0] += 1
+                    busy[1] += int(ids.shape[0])
+                tasks.append(asyncio.ensure_future(one(key, ids, rid)))
+            return await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _collect(self, key: str, ids: torch.Tensor, rid: str, out: dict) -> Captured:
+        meta = (out or {}).get("meta_info", {})
+        fin = meta.get("finish_reason") or {}
+        t = int(ids.shape[0])
+        if isinstance(fin, dict) and fin.get("type") == "abort":
+            raise RuntimeError(f"sample {key!r}: SGLang aborted the request: {fin.get('message', fin)}")
+        if meta.get("prompt_tokens", t) != t or meta.get("cached_tokens", 0):
+            raise StitchError(f"sample {key!r}: engine reports prompt_tokens={meta.get('prompt_tokens')}, "
+                              f"cached_tokens={meta.get('cached_tokens')} for {t} tokens")
+        deadline = time.monotonic() + self.collect_timeout_s
+        while True:
+            files = [p for p in self.spool.path.glob(f"{rid}@*") if not p.name.endswith(".tmp")]
+            try:
+                errs = [p for p in files if "@ERROR@" in p.name]
+                if errs:
+                    raise RuntimeError(f"sample {key!r}: capture hook refused a forward pass: {read_error(errs[0])}")
+                aux, final = stitch(key, ids, [read_piece(p) for p in files])
+                Spool.remove(files)
+                self._chunks[rid] = len(files)
+                return Captured(key, aux, final)
+            except RowsMissing:  # pieces may still be arriving
+                if time.monotonic() > deadline:
+                    Spool.remove(files)
+                    raise
+            except StitchError:
+                Spool.remove(files)
+                raise
+            await asyncio.sleep(0.01)
+
+    def close(self) -> None:
+        """Shut the engine down and delete the spool (idempotent).
+
+        ``Engine.shutdown()`` kills *every* child process of this process
+        (``kill_process_tree(os.getpid())``): other engines' schedulers, data-loader workers.
+        For the duration of the call that kill is narrowed to this engine's own children
+        (``Engine.get_all_child_pids()``), and the engine's atexit shutdown is unregistered.
+        """
+        engine, self.engine = self.engine, None
+        try:
+            if engine is not None:
+                _scoped_shutdown(engine)
+        finally:
+            self.spool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def _scoped_shutdown(engine) -> None:
+    import atexit
+
+    import sglang.srt.entrypoints.engine as em
+    orig, me, mine = em.kill_process_tree, os.getpid(), list(engine.get_all_child_pids())
+
+    def kill_own_children(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
+        if parent_pid in (None, me) and not include_parent:
+            for pid in mine:  # each child with its own descendants
+                orig(pid, include_parent=True, wait_timeout=wait_timeout)
+            return None
+        return orig(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
+
+    em.kill_process_tree = kill_own_children
+    try:
+        engine.shutdown()
+    finally:
+        em.kill_process_tree = orig
+    atexit.unregister(engine.shutdown)

@@ -1,0 +1,88 @@
+"""Engine settings shared by :class:`~eagle_data.extract.backends.sglang.SGLangBackend` and the benchmark.
+
+No sglang import here: :func:`prepare_cpu_environment` must run before sglang is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+CPU_KERNEL_DIR = Path(__file__).resolve().parent / "cpu_sgl_kernel"
+
+
+def prepare_cpu_environment(use_standin: bool = True) -> None:
+    """Set ``SGLANG_USE_CPU_ENGINE=1`` and put the stand-in ``sgl_kernel`` first on the path.
+
+    Must run before ``sglang`` is imported in this process (sglang reads the variable and
+    imports ``sgl_kernel`` at import time); ``os.environ`` is inherited by the scheduler.
+
+    Raises:
+        RuntimeError: a CUDA ``sgl_kernel`` is already imported in this process (warns if sglang is).
+    """
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1" and "sglang" in sys.modules:
+        # The spawned scheduler starts clean and inherits the environment, which is what
+        # matters; this process only runs the tokenizer manager (seen to work), but sglang
+        # modules evaluated is_cpu() at import time without the variable.
+        log.warning("sglang was imported before SGLANG_USE_CPU_ENGINE=1 was set; build the SGLang "
+                    "backend (device='cpu') before importing sglang")
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    if not use_standin:
+        return
+    d = str(CPU_KERNEL_DIR)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != d]
+    os.environ["PYTHONPATH"] = os.pathsep.join([d, *parts])
+    if d in sys.path:
+        sys.path.remove(d)
+    sys.path.insert(0, d)
+    mod = sys.modules.get("sgl_kernel")
+    if mod is not None and not getattr(mod, "EAGLE_DATA_CPU_STANDIN", False):
+        raise RuntimeError("a CUDA sgl_kernel is already imported in this process; build the SGLang "
+                           "backend (device='cpu') before anything imports sglang or sgl_kernel")
+
+
+def base_engine_kwargs(model_path: str, dtype: str, device: str, *, tp_size: int = 1,
+                       chunked_prefill_size: int | None = None, mem_fraction_static: float | None = None,
+                       max_total_tokens: int | None = None, attention_backend: str | None = None,
+                       cpu_kernel: str = "standin", log_level: str = "error") -> dict[str, Any]:
+    """``sglang.Engine`` kwargs shared by the backend and the benchmark (no capture settings).
+
+    ``input_ids`` in, no tokenizer, radix cache off; CPU: prepares the environment
+    (:func:`prepare_cpu_environment`), ``torch_native`` attention, ``mem_fraction_static=0.3``,
+    ``max_total_tokens=32768`` unless given; GPU: prefill CUDA graphs disabled.
+    """
+    kw: dict[str, Any] = dict(model_path=model_path, dtype=dtype, device=device, tp_size=int(tp_size),
+                              skip_tokenizer_init=True, disable_radix_cache=True, log_level=log_level)
+    if device == "cpu":
+        prepare_cpu_environment(cpu_kernel == "standin")
+        if int(tp_size) > 1:
+            # Tried here with gloo: sglang 0.5.23's init_model_parallel_group builds a
+            # PyNcclCommunicator for CPU groups too -> "Expected a cuda device, but got: cpu".
+            raise ValueError("tp_size > 1 on CPU does not work in sglang 0.5.23 (it builds a NCCL "
+                             "communicator for CPU groups); use tp_size=1 on CPU")
+        # the KV pool is capped by max_total_tokens; the fraction only has to leave room for the
+        # weights (SGLang checks weights vs. *available* host RAM, shared with other processes)
+        mem_fraction_static = 0.3 if mem_fraction_static is None else mem_fraction_static
+        max_total_tokens = 32768 if max_total_tokens is None else max_total_tokens
+        attention_backend = attention_backend or "torch_native"
+    else:
+        kw["cuda_graph_backend_prefill"] = "disabled"
+    for k, v in (("chunked_prefill_size", chunked_prefill_size), ("mem_fraction_static", mem_fraction_static),
+                 ("max_total_tokens", max_total_tokens), ("attention_backend", attention_backend)):
+        if v is not None:
+            kw[k] = v
+    return kw
+
+
+def model_facts(model_path: str) -> tuple[int, int, int]:
+    """``(num_layers, hidden_size, vocab_size)`` from the model's HF config."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(model_path)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    return int(cfg.num_hidden_layers), int(cfg.hidden_size), int(cfg.vocab_size)

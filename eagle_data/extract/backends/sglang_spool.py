@@ -1,0 +1,267 @@
+"""Binary hand-off between the SGLang scheduler hook and :class:`SGLangBackend`, and the stitcher.
+
+Pure python + torch + safetensors: imported by the hook inside the scheduler process and
+by the backend in the parent; never imports sglang.
+
+Spool layout (one directory per backend instance, default under ``/dev/shm``)::
+
+    eagle-data-sglang-<pid>-<hex>/
+        <rid>@<offset:010d>@<seq:010d>.safetensors   one prefill chunk of one request
+        <rid>@ERROR@<seq:010d>.json                   the hook refused a forward pass
+
+A chunk file holds ``input_ids`` [n] int64, ``aux`` [n, K*H] and ``final`` [n, H] in the
+model dtype (bf16 or fp32, bit-exact), rows ``offset .. offset+n`` of the request. ``seq``
+is the hook's write counter (per scheduler process), so a re-run chunk never overwrites an
+earlier one silently and the production order can be checked. Files are written to a
+``.tmp`` name and renamed, so a reader never sees a partial file.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import shutil
+import signal
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle_data.extract.manifest import pid_alive
+
+SPOOL_PREFIX = "eagle-data-sglang-"
+_PIECE_RE = re.compile(r"^(?P<rid>.+)@(?P<off>\d{10}|ERROR)@(?P<seq>\d{10})\.(?P<ext>safetensors|json)$")
+
+
+class StitchError(RuntimeError):
+    """Captured rows of one sample do not tile ``[0, T)`` exactly. The message names the sample."""
+
+
+class RowsMissing(StitchError):
+    """Rows of the sample are missing (a gap, a skipped prefix, an incomplete prefill): while
+    the engine's pieces are still arriving this may resolve itself."""
+
+
+@dataclass
+class Piece:
+    """One prefill chunk of one request.
+
+    Attributes:
+        offset: position of the first row in the request (= SGLang ``extend_prefix_len``).
+        input_ids: [n] int64, the token ids the engine ran for these rows.
+        aux: [n, K*H], aux layers concatenated low -> high.
+        final: [n, H], final post-norm hidden state.
+        seq: the hook's write counter (production order), ``-1`` if unknown.
+    """
+    offset: int
+    input_ids: torch.Tensor
+    aux: torch.Tensor
+    final: torch.Tensor
+    seq: int = -1
+
+
+def stitch(key: str, input_ids: torch.Tensor, pieces: Iterable[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Join the chunks of one request into ``(aux [T, K*H], final [T, H])``.
+
+    Pieces may be given in any order (files are listed in directory order); they are
+    sorted by ``offset``. They must tile ``[0, T)`` exactly, carry the sample's own token
+    ids, and (when ``seq`` is known) have been produced in offset order.
+
+    Args:
+        key: sample key, used in error messages.
+        input_ids: [T] int64, what the caller sent.
+        pieces: the captured chunks.
+
+    Raises:
+        StitchError: no rows; rows ``[0, x)`` missing (a cached prefix was skipped);
+            gap; overlap or duplicate offset; chunks produced out of order; row-count or
+            width mismatch inside a chunk; token ids differ (rows belong to another
+            request); rows do not end at ``T``. Every message names ``key``.
+    """
+    t = int(input_ids.shape[0])
+    ps = sorted(pieces, key=lambda p: (p.offset, p.seq))
+    if not ps:
+        raise StitchError(f"sample {key!r}: no hidden-state rows captured for {t} tokens")
+    if ps[0].offset != 0:
+        raise RowsMissing(f"sample {key!r}: rows [0, {ps[0].offset}) of {t} missing (a cached prefix was "
+                          f"skipped: the radix cache must be disabled)")
+    end, width = 0, None
+    for i, p in enumerate(ps):
+        n = int(p.input_ids.shape[0])
+        if p.aux.shape[0] != n or p.final.shape[0] != n or n == 0:
+            raise StitchError(f"sample {key!r}: chunk at offset {p.offset} has {n} ids, {p.aux.shape[0]} aux "
+                              f"rows, {p.final.shape[0]} final rows")
+        w = (p.aux.shape[1], p.final.shape[1], p.aux.dtype, p.final.dtype)
+        if width is not None and w != width:
+            raise StitchError(f"sample {key!r}: chunk at offset {p.offset} has width/dtype {w}, earlier {width}")
+        width = w
+        if i and p.offset == ps[i - 1].offset:
+            raise StitchError(f"sample {key!r}: duplicate chunk at offset {p.offset} (a prefill ran twice)")
+        if p.offset < end:
+            raise StitchError(f"sample {key!r}: chunk at offset {p.offset} overlaps rows up to {end}")
+        if p.offset > end:
+            raise RowsMissing(f"sample {key!r}: gap: rows [{end}, {p.offset}) of {t} missing")
+        if i and p.seq >= 0 and ps[i - 1].seq >= 0 and p.seq < ps[i - 1].seq:
+            raise StitchError(f"sample {key!r}: chunk at offset {p.offset} was produced before the chunk at "
+                              f"offset {ps[i - 1].offset} (out of order)")
+        if p.offset + n > t:
+            raise StitchError(f"sample {key!r}: chunk at offset {p.offset} has {n} rows, past T={t}")
+        if not torch.equal(p.input_ids.to(torch.int64), input_ids[p.offset:p.offset + n].to(torch.int64)):
+            raise StitchError(f"sample {key!r}: token ids of the chunk at offset {p.offset} differ from the "
+                              f"sample's (rows belong to another request)")
+        end = p.offset + n
+    if end != t:
+        raise RowsMissing(f"sample {key!r}: rows [{end}, {t}) of {t} missing (incomplete prefill)")
+    if len(ps) == 1:
+        return ps[0].aux, ps[0].final
+    return torch.cat([p.aux for p in ps]), torch.cat([p.final for p in ps])
+
+
+# ----------------------------------------------------------------------------- files
+
+def piece_name(rid: str, offset: int, seq: int) -> str:
+    return f"{rid}@{offset:010d}@{seq:010d}.safetensors"
+
+
+def write_piece(spool: str | os.PathLike, rid: str, offset: int, seq: int, input_ids: torch.Tensor,
+                aux: torch.Tensor, final: torch.Tensor) -> Path:
+    """Write one chunk atomically (tmp + rename). Tensors are moved to CPU, made contiguous."""
+    path = Path(spool) / piece_name(rid, offset, seq)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"input_ids": input_ids.detach().to("cpu", torch.int64).contiguous(),
+               "aux": aux.detach().cpu().contiguous(), "final": final.detach().cpu().contiguous()},
+              str(tmp), metadata={"rid": rid, "offset": str(offset), "seq": str(seq)})
+    os.replace(tmp, path)
+    return path
+
+
+def write_error(spool: str | os.PathLike, rid: str, seq: int, message: str) -> Path:
+    """Record that the hook refused a forward pass containing ``rid``."""
+    path = Path(spool) / f"{rid}@ERROR@{seq:010d}.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"rid": rid, "error": message}))
+    os.replace(tmp, path)
+    return path
+
+
+def list_spool(spool: str | os.PathLike) -> dict[str, list[tuple[str, Path]]]:
+    """Group finished spool files by rid: ``{rid: [("chunk"|"error", path), ...]}`` (tmp files skipped)."""
+    out: dict[str, list[tuple[str, Path]]] = {}
+    with os.scandir(spool) as it:
+        for e in it:
+            m = _PIECE_RE.match(e.name)
+            if m:
+                kind = "error" if m["off"] == "ERROR" else "chunk"
+                out.setdefault(m["rid"], []).append((kind, Path(e.path)))
+    return out
+
+
+def read_piece(path: Path) -> Piece:
+    """Load one chunk file written by :func:`write_piece`."""
+    m = _PIECE_RE.match(path.name)
+    if not m or m["off"] == "ERROR":
+        raise ValueError(f"not a chunk file: {path}")
+    t = load_file(str(path))
+    return Piece(int(m["off"]), t["input_ids"], t["aux"], t["final"], int(m["seq"]))
+
+
+def read_error(path: Path) -> str:
+    return json.loads(path.read_text())["error"]
+
+
+# ----------------------------------------------------------------------------- spool lifetime
+
+def default_spool_base() -> Path:
+    """``/dev/shm`` if it exists and is writable, else the temp dir."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def remove_stale_spools(base: str | os.PathLike) -> list[Path]:
+    """Delete ``eagle-data-sglang-<pid>-*`` dirs under ``base`` whose pid is dead. Returns them."""
+    removed = []
+    base = Path(base)
+    if not base.is_dir():
+        return removed
+    for d in base.glob(SPOOL_PREFIX + "*"):
+        try:
+            pid = int(d.name[len(SPOOL_PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not pid_alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+class Spool:
+    """A unique spool directory, removed on :meth:`close`, at interpreter exit (``atexit``:
+    also after Ctrl-C, whose ``KeyboardInterrupt`` unwinds normally) and on SIGTERM/SIGHUP
+    (handlers from :meth:`install_signal_handlers`, which chain to the previous handler).
+
+    A crash that skips all of these (SIGKILL, OOM kill) leaves a directory that the next
+    run removes at start-up, since its name carries the dead pid.
+    """
+
+    _live: set[Path] = set()
+    _atexit = False
+    _signals = False
+
+    def __init__(self, base: str | os.PathLike | None = None):
+        base = Path(base) if base is not None else default_spool_base()
+        base.mkdir(parents=True, exist_ok=True)
+        self.stale_removed = remove_stale_spools(base)
+        self.path = base / f"{SPOOL_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path.mkdir(mode=0o700)
+        Spool._live.add(self.path)
+        if not Spool._atexit:
+            Spool._atexit = True
+            atexit.register(Spool._cleanup_all)
+
+    def close(self) -> None:
+        """Delete the directory and everything in it (idempotent)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        Spool._live.discard(self.path)
+
+    @staticmethod
+    def remove(paths: Iterable[Path]) -> None:
+        for p in paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+    @classmethod
+    def _cleanup_all(cls) -> None:
+        for p in list(cls._live):
+            shutil.rmtree(p, ignore_errors=True)
+            cls._live.discard(p)
+
+    @classmethod
+    def install_signal_handlers(cls) -> bool:
+        """Clean all live spools on SIGTERM/SIGHUP, then run the previous handler (or the
+        default action: the process still dies). Call it after the engine has installed
+        its own handlers. Only possible from the main thread; returns whether installed."""
+        import threading
+        if cls._signals or threading.current_thread() is not threading.main_thread():
+            return cls._signals
+        cls._signals = True
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            prev = signal.getsignal(sig)
+
+            def handler(signum, frame, _prev=prev):
+                cls._cleanup_all()
+                if callable(_prev):
+                    return _prev(signum, frame)
+                if _prev == signal.SIG_IGN:
+                    return None
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            signal.signal(sig, handler)
+        return True

@@ -1,0 +1,363 @@
+"""Chat template rendering, ONE tokenisation, and the assistant loss mask.
+
+Rule: ``loss_mask[t] = 1`` iff token ``t`` overlaps an assistant turn's *output* as the
+template rendered it: everything after the generation prompt (the text
+``add_generation_prompt`` appends, e.g. ``<|im_start|>assistant\\n``) through the turn's last
+field (reasoning, content, tool-call text) and the special end-of-turn token right after it
+(``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ``<end_of_turn>``...; for a tool-call turn, the
+template's call-end token). So a ``<think>`` block or a channel header the template writes
+inside the turn is supervised (the model generates it); system/user/tool text, role headers,
+injected default system prompts and dates are 0. Positions come from an exact alignment of
+the real render with a placeholder render (:mod:`eagle_data.extract.mask`), never from searching for
+the answer's text; a conversation that does not align is skipped with a named reason.
+
+Reasoning (``reasoning_content``) is given to the template under that name and as
+``thinking`` (gpt-oss). A template that renders neither gets it inline in the content as
+``<think>\\n...\\n</think>\\n\\n`` (recorded in the manifest as ``reasoning: "inline"``).
+Templates that drop the reasoning of earlier turns (Qwen3) drop it here too: it is what the
+model sees when serving.
+
+Checks at start (``ValueError`` naming the template and the marker): the text a template
+writes after an assistant message must start with a special token of the tokenizer that
+encodes as one token (the end-of-turn). Per sample: message text that contains a special
+token's string (``<|im_end|>`` typed in a message would become the real token) is skipped
+(``special_token_in_text``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from eagle_data.extract.conversations import Conversation, ErrorPolicy, Skip, normalize_message
+from eagle_data.extract.mask import (PLACEHOLDER, MaskError, SpecialTokenInText, TurnMarkers, align, assistant_spans, first_marker,
+                   placeholder_messages)
+from eagle_data.format.schema import sample_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenizedSample:
+    """One conversation ready for the engine.
+
+    Attributes:
+        key: sample key (see :func:`eagle_data.format.schema.sample_key`).
+        input_ids: [T] int64, exactly what the engine is fed.
+        loss_mask: [T] uint8.
+    """
+    key: str
+    row: int
+    source_id: str
+    num_turns: int
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    truncated: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+_READS_REASONING = re.compile(r"reasoning_content|message\s*\.\s*thinking|\[\s*['\"]thinking['\"]\s*\]|"
+                              r"['\"]thinking['\"]\s+in\s+message")
+
+
+@dataclass
+class Encoded:
+    """One rendered, tokenised conversation.
+
+    Attributes:
+        input_ids: [T] int64, ONE tokenisation of the render.
+        loss_mask: [T] uint8.
+        notes: kept-but-changed reasons (e.g. ``final_reasoning_not_rendered``).
+    """
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    notes: list[str]
+
+
+def _ph(j: int) -> str:
+    return f"EAGLEPH{j}HP"
+
+
+@dataclass
+class ChatRenderer:
+    """Renders messages with a tokenizer's chat template and computes the loss mask.
+
+    Args:
+        tokenizer: a *fast* HF tokenizer (offset mapping is required).
+        template: Jinja template text; ``None`` uses ``tokenizer.chat_template``.
+        date: pinned date for templates that inject today's date (``strftime_now``,
+            Llama-3.2's ``date_string``), ISO ``YYYY-MM-DD``; recorded in the manifest.
+        variables: extra template variables (e.g. ``{"enable_thinking": False}``).
+        name: how errors name the template (default: ``"the tokenizer's chat template"``).
+
+    Raises:
+        ValueError: no template, a slow tokenizer, or a template whose end-of-turn marker is
+            not a single special token (see the module docstring).
+    """
+    tokenizer: Any
+    template: str | None = None
+    date: str = "2026-01-01"
+    variables: dict[str, Any] = field(default_factory=dict)
+    name: str = "the tokenizer's chat template"
+
+    def __post_init__(self):
+        if self.template is None:
+            self.template = getattr(self.tokenizer, "chat_template", None)
+        if not self.template:
+            raise ValueError("the tokenizer has no chat_template; pass one with --chat_template PATH")
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise ValueError("a fast tokenizer is required (character offsets for the loss mask)")
+        pinned = _dt.datetime.strptime(self.date, "%Y-%m-%d")
+        self._render_vars = {
+            "strftime_now": pinned.strftime,
+            "date_string": pinned.strftime("%d %b %Y"),
+            **self.variables,
+        }
+        specials = set(self.tokenizer.all_special_tokens)
+        specials.update(t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special)
+        self._specials = sorted((s for s in specials if s), key=len, reverse=True)
+        self._special_re = re.compile("|".join([PLACEHOLDER.pattern] + [re.escape(s) for s in self._specials]))
+        # how messages are handed to the template; the probe settles each (see _for_template)
+        self.reasoning_rendered, self.args_as_json, self.call_content_none, self.call_anchor = True, False, False, "name"
+        self._probe()
+
+    @classmethod
+    def from_path(cls, tokenizer: Any, template_path: str | Path | None, **kw) -> "ChatRenderer":
+        if not template_path:
+            return cls(tokenizer, None, **kw)
+        return cls(tokenizer, Path(template_path).read_text(encoding="utf-8"), name=str(template_path), **kw)
+
+    @property
+    def template_sha256(self) -> str:
+        return hashlib.sha256(self.template.encode("utf-8")).hexdigest()
+
+    def describe(self) -> dict[str, Any]:
+        """Manifest entry: template hash, rendering variables, and what the probe found."""
+        return {"template_sha256": self.template_sha256, "date": self.date,
+                "variables": {k: v for k, v in self.variables.items()},
+                "generation_prompt": self.markers.prompt, "end_of_turn": list(self.markers.eot),
+                "tool_call_end": list(self.markers.call_end), "tool_call_arguments": "json" if self.args_as_json else "dict",
+                "tool_call_anchor": self.call_anchor,
+                "reasoning": "template" if self.reasoning_rendered else "inline"}
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """Full conversation text (reasoning handed over as described in the module docstring)."""
+        return self._apply(self._for_template(messages), add_generation_prompt)
+
+    def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """The template on messages already in the form it takes (:meth:`_for_template`)."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  chat_template=self.template, **self._render_vars)
+
+    def _for_template(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not any("reasoning_content" in m or "tool_calls" in m for m in messages):
+            return messages
+        out = []
+        for m in messages:
+            if "tool_calls" in m and self.args_as_json:
+                m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+                    c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
+            if "tool_calls" in m and not m["content"] and self.call_content_none:
+                m = {**m, "content": None}
+            if "reasoning_content" in m:
+                r = m["reasoning_content"]
+                m = ({**m, "thinking": r} if self.reasoning_rendered else
+                     {k: v for k, v in {**m, "content": f"<think>\n{r}\n</think>\n\n{m['content']}"}.items()
+                      if k != "reasoning_content"})
+            out.append(m)
+        return out
+
+    # ---- what the template writes around an assistant turn (once, at start) -------------------
+    def _leading_special(self, text: str) -> str | None:
+        body = text.lstrip()
+        return next((s for s in self._specials if body.startswith(s)), None)
+
+    def _probe(self) -> None:
+        msgs = [{"role": "user", "content": _ph(0)}, {"role": "assistant", "content": _ph(1)},
+                {"role": "user", "content": _ph(2)}, {"role": "assistant", "content": _ph(3)}]
+        try:
+            one = self.render(msgs[:1])
+            gen = self.render(msgs[:1], add_generation_prompt=True)
+            text = self.render(msgs)
+        except Exception as e:
+            raise ValueError(f"{self.name} cannot render a plain user/assistant conversation: "
+                             f"{type(e).__name__}: {e}") from e
+        if any(_ph(j) not in text for j in range(4)):
+            raise ValueError(f"{self.name} does not render every message of a plain user/assistant conversation")
+        # what add_generation_prompt appends (some templates end a conversation with a marker
+        # that the generation prompt replaces, e.g. Phi-3's <|endoftext|>)
+        cut = len(os.path.commonprefix([one, gen]))
+        while 0 < cut < len(one) and not any(one.startswith(s, cut) for s in self._specials):
+            cut -= 1  # never split a special token
+        prompt = gen[cut:]
+        boundary = text[text.index(_ph(0)) + len(_ph(0)):text.index(_ph(1))]
+        mid = text[text.index(_ph(1)) + len(_ph(1)):text.index(_ph(2))]
+        last = text[text.index(_ph(3)) + len(_ph(3)):]
+        eot = self._leading_special(mid)
+        if eot is None:
+            raise ValueError(f"{self.name}: the text after an assistant message, {mid[:40]!r}, does not start "
+                             "with a special token of the tokenizer, so the end of a turn cannot be supervised. "
+                             "Use a tokenizer that declares the template's end-of-turn marker as a special token.")
+        if len(self.tokenizer.encode(eot, add_special_tokens=False)) != 1:
+            raise ValueError(f"{self.name}: the end-of-turn marker {eot!r} does not encode as one token")
+        eots = tuple(dict.fromkeys(x for x in (eot, self._leading_special(last)) if x))
+        think = [msgs[0], {"role": "assistant", "content": _ph(1), "reasoning_content": _ph(2)}]
+        try:
+            self.reasoning_rendered = _ph(2) in self.render(think)
+        except Exception:
+            self.reasoning_rendered = False
+        # a template may render reasoning only in some positions (Kimi-K2-Thinking: inside a
+        # tool-call sequence): if it reads the field at all, it decides
+        code = re.sub(r"\{#.*?#\}", "", self.template, flags=re.DOTALL)
+        self.reasoning_rendered |= bool(_READS_REASONING.search(code))
+        self.markers = TurnMarkers(prompt, self._prompt_cuts(prompt), boundary, eots)
+        self.markers = replace(self.markers, call_end=self._probe_tool_call(msgs))
+
+    def _prompt_cuts(self, prompt: str) -> tuple[int, ...]:
+        """See :class:`~eagle_data.extract.mask.TurnMarkers`: ``prompt_cuts``."""
+        think = [k for k in (prompt.find("<think>"), prompt.find("</think>")) if k >= 0]
+        least = min(think, default=len(prompt))  # only a thinking part may be missing from a turn
+        ends = {i + len(x) for x in self._specials for i in range(len(prompt)) if prompt.startswith(x, i)}
+        ends |= {i + 1 for i, c in enumerate(prompt) if c == "\n"} | {least, len(prompt)}
+        return tuple(sorted((n for n in ends if n >= least), reverse=True))
+
+    def _probe_tool_call(self, msgs) -> tuple[str, ...]:
+        """How the template takes tool-call arguments (``self.args_as_json``: a JSON string, as
+        DeepSeek's templates concatenate them, instead of a dict) and the special token that
+        ends a tool-call turn when it is not the end-of-turn marker."""
+        if "tool_calls" not in self.template:
+            return ()
+        for as_json, none in ((False, False), (True, False), (False, True), (True, True)):
+            args = {"city": _ph(1)}
+            call = {"type": "function", "id": "call00001",
+                    "function": {"name": _ph(4), "arguments": json.dumps(args) if as_json else args}}
+            conv = [msgs[0], {"role": "assistant", "content": None if none else "", "tool_calls": [call]},
+                    {"role": "tool", "content": _ph(2), "name": "get_weather", "tool_call_id": "call00001"},
+                    {"role": "assistant", "content": _ph(3)}]
+            try:
+                text = self.render(conv)
+            except Exception:
+                continue
+            if _ph(1) in text and _ph(2) in text:
+                # DeepSeek-V3 renders calls only when content is None (HF's convention for a
+                # turn that is only tool calls)
+                self.args_as_json, self.call_content_none = as_json, none
+                # the call's name anchors its position, else its id (Kimi-K2 writes only the id)
+                self.call_anchor = "name" if _ph(4) in text else "id"
+                tail = text[text.index(_ph(1)) + len(_ph(1)):text.index(_ph(2))]
+                if any(m in tail for m in self.markers.eot):
+                    return ()
+                hit = first_marker(tail, self._specials)
+                return (hit[1],) if hit else ()
+        return ()
+
+    # ---- per conversation ---------------------------------------------------------------------
+    def assistant_spans(self, text: str, messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
+        """Character spans ``[start, end)`` of each assistant turn's output in ``text`` (the
+        render of ``messages``); see :mod:`eagle_data.extract.mask`.
+
+        Raises:
+            MaskError: (a subclass naming) why the conversation cannot be masked exactly.
+        """
+        self._check_text(messages)
+        return self._locate(text, self._for_template(messages))[0]
+
+    def _locate(self, text: str, msgs: list[dict[str, Any]]) -> tuple[list[tuple[int, int]], list[str]]:
+        """Spans in ``text``, the render of ``msgs`` (already in the template's form), plus notes:
+        ``final_reasoning_not_rendered`` when the template drops the last turn's reasoning
+        (Kimi-K2-Thinking keeps reasoning only inside tool-call sequences)."""
+        pmsgs, pieces = placeholder_messages(msgs, self.call_anchor)
+        where = align(text, self._apply(pmsgs), pieces, msgs)
+        spans = assistant_spans(text, msgs, pieces, where, self.markers)
+        rendered = {j for _, _, j in where}
+        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        dropped = any(p.kind == "reasoning" and p.msg == last and j not in rendered for j, p in enumerate(pieces))
+        return spans, ["final_reasoning_not_rendered"] if dropped else []
+
+    def _check_text(self, messages: list[dict[str, Any]]) -> None:
+        for i, m in enumerate(messages):
+            for key, value in m.items():
+                if key != "role" and (hit := self._special_re.search(str(value))):
+                    raise SpecialTokenInText(f"message {i} ({m['role']}) field '{key}' contains {hit.group()!r}")
+
+    def encode(self, messages: list[dict[str, Any]]) -> Encoded:
+        """Render, tokenise once and build the loss mask (see :class:`Encoded`).
+
+        ``messages`` may be raw OpenAI messages: each goes through
+        :func:`~eagle_data.extract.conversations.normalize_message` (list-of-parts content, ``content:
+        None`` on a tool-call turn, reasoning aliases, JSON-string tool arguments).
+
+        Raises:
+            ValueError: a message cannot be used (names it and the field), or no assistant turn.
+            MaskError: see :meth:`assistant_spans`.
+        """
+        if not isinstance(messages, list):
+            raise ValueError(f"messages must be a list, got {type(messages).__name__}")
+        messages = [normalize_message(i, m) for i, m in enumerate(messages)]
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError("messages have no assistant turn: nothing to supervise")
+        return self._encode(messages)
+
+    def _encode(self, messages: list[dict[str, Any]]) -> Encoded:
+        """:meth:`encode` of messages already normalised (the pipeline's conversations)."""
+        self._check_text(messages)
+        msgs = self._for_template(messages)
+        text = self._apply(msgs)
+        spans, notes = self._locate(text, msgs)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = torch.tensor(enc["input_ids"], dtype=torch.int64)
+        off = torch.tensor(enc["offset_mapping"], dtype=torch.int64).reshape(-1, 2)
+        mask = torch.zeros(ids.shape[0], dtype=torch.bool)
+        for s, e in spans:
+            mask |= (off[:, 0] < e) & (off[:, 1] > s)
+        return Encoded(ids, mask.to(torch.uint8), notes)
+
+    def tokenize(self, messages: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids [T] int64, loss_mask [T] uint8)`` of :meth:`encode`."""
+        e = self.encode(messages)
+        return e.input_ids, e.loss_mask
+
+
+def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag: str,
+             max_length: int, policy: ErrorPolicy) -> Iterator[TokenizedSample]:
+    """Stage: conversations -> :class:`TokenizedSample` (truncated to ``max_length``).
+
+    Skips (counted in ``policy``): ``template_error`` (the template raised), the
+    :class:`~eagle_data.extract.mask.MaskError` reasons (``mask_unaligned``, ``message_not_rendered``,
+    ``tool_calls_not_rendered``, ``special_token_in_text``), ``no_loss_tokens`` (nothing
+    supervised after truncation). Notes: ``final_reasoning_not_rendered``.
+    """
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {max_length}")
+    for c in convs:
+        try:
+            enc = renderer._encode(c.messages)  # normalize() made them
+        except MaskError as e:
+            policy.handle(Skip(c.row, c.source_id, e.reason, str(e)))
+            continue
+        except Exception as e:  # jinja2 TemplateError / raise_exception from the template
+            policy.handle(Skip(c.row, c.source_id, "template_error", f"{type(e).__name__}: {e}"))
+            continue
+        ids, mask = enc.input_ids, enc.loss_mask
+        for n in enc.notes:
+            policy.note(Skip(c.row, c.source_id, n, "the template does not render the last turn's reasoning"))
+        truncated = ids.shape[0] > max_length
+        ids, mask = ids[:max_length], mask[:max_length]
+        if int(mask.sum()) == 0:
+            policy.handle(Skip(c.row, c.source_id, "no_loss_tokens",
+                               f"{ids.shape[0]} tokens, none supervised" + (" after truncation" if truncated else "")))
+            continue
+        yield TokenizedSample(sample_key(dataset_tag, c.row), c.row, c.source_id, len(c.messages),
+                              ids.contiguous(), mask.contiguous(), truncated)

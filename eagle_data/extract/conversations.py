@@ -1,0 +1,332 @@
+"""Normalise ShareGPT / OpenAI chat records into validated message lists.
+
+Stages take and return iterators (webdataset/datatrove style). A record that cannot be
+used is never dropped silently: it becomes a :class:`Skip` with a named reason, which
+:class:`DropCounter` counts and logs, and which the manifest stores. A change that keeps
+the record but not all of it (a conversation cut before a blank reply) is a *note*:
+counted, logged and stored the same way (``note_counts``).
+
+Accepted record layouts (one row of an HF ``datasets.Dataset``):
+
+* ShareGPT: ``{"id": ..., "conversations": [{"from": "human"|"gpt"|..., "value": str}]}``
+* OpenAI:   ``{"id": ..., "messages": [{"role": "user"|"assistant"|..., "content": ...}]}``
+
+Optionally a top-level ``"system"`` string. Roles are normalised with :data:`ROLE_MAP`.
+
+Message fields (OpenAI style, as HF chat templates take them):
+
+* ``content``: a string, or a list of parts; ``{"type": "text", "text": str}`` parts are
+  joined with ``"\\n"`` (as vLLM does for text-only models); any other part type is skipped
+  (``non_text_content``). ``None`` is allowed on an assistant turn with tool calls.
+* ``reasoning_content`` (aliases ``reasoning``, ``thinking``) on an assistant turn: a string,
+  handed to the template (see :mod:`eagle_data.extract.chat`).
+* ``tool_calls`` on an assistant turn: ``[{"type": "function", "function": {"name": str,
+  "arguments": dict | JSON string}}]`` (a JSON-string ``arguments`` is parsed, as vLLM does;
+  OpenAI's legacy ``function_call`` field is one such call; on any other role: skipped);
+  ShareGPT ``function_call`` turns hold one such call (``{"name", "arguments"}``) as JSON text.
+* ``tool`` messages (ShareGPT ``tool``/``observation``/``function``): the tool's result;
+  ``tool_call_id`` and ``name`` are kept.
+
+Rules: optional leading system message, then turns starting with user (leading assistant
+turns are dropped, as FastChat/SpecForge do for ShareGPT continuations); a user turn is
+followed by an assistant turn; tool results follow an assistant turn or another tool result;
+a trailing user/tool turn is dropped. An assistant turn with no content, reasoning or tool
+call (blank) **cuts the conversation before the user turn it answers** (the note
+``cut_at_blank_reply``; later turns would refer to an exchange that is gone); if nothing is
+left the record is skipped (``empty_assistant``). A record that is not a JSON object is skipped
+(``not_an_object``); text that cannot be encoded as UTF-8 (lone surrogates) is skipped
+(``invalid_unicode``), since shards, metadata and the index store UTF-8.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+log = logging.getLogger(__name__)
+
+ROLE_MAP = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
+    "bard": "assistant", "model": "assistant", "function_call": "assistant",
+    "tool": "tool", "observation": "tool", "function": "tool",
+    "system": "system", "developer": "system",  # OpenAI's newer name for the system role
+}
+#: message fields holding the assistant's reasoning, first found wins
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
+@dataclass
+class Conversation:
+    """A validated conversation.
+
+    Attributes:
+        row: row number in the source dataset (stable sample identity).
+        source_id: the record's own id (kept verbatim in metadata, may contain '.').
+        messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}]``;
+            assistant turns may hold ``reasoning_content`` (str) and ``tool_calls``.
+        notes: ``(reason, detail)`` of changes made to the record (e.g. ``cut_at_blank_reply``).
+    """
+    row: int
+    source_id: str
+    messages: list[dict[str, Any]]
+    notes: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class Skip:
+    """A record that was not used: ``reason`` is a short stable name, ``detail`` says where."""
+    row: int
+    source_id: str
+    reason: str
+    detail: str = ""
+
+
+class BadRecord(ValueError):
+    """A record field that cannot be used; ``reason`` is the skip reason."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+class DropCounter:
+    """Counts skipped samples (and notes) per reason and logs each one (first ``log_first`` in full)."""
+
+    def __init__(self, log_first: int = 20):
+        self.counts: Counter[str] = Counter()
+        self.notes: Counter[str] = Counter()
+        self.log_first = log_first
+
+    def add(self, skip: Skip, note: bool = False) -> None:
+        (self.notes if note else self.counts)[skip.reason] += 1
+        n = sum(self.counts.values()) + sum(self.notes.values())
+        msg = "%s row %d (id %s): %s%s" % ("note" if note else "skip", skip.row, skip.source_id, skip.reason,
+                                            f": {skip.detail[:300]}" if skip.detail else "")
+        if n <= self.log_first:
+            log.warning(msg)
+        else:
+            if n == self.log_first + 1:
+                log.warning("more skipped/noted rows are logged at debug level (an extraction writes every one, "
+                            "with its detail, to skips-RANK.jsonl in its output directory)")
+            log.debug(msg)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(sorted(self.counts.items()))
+
+
+@dataclass
+class ErrorPolicy:
+    """What to do with a bad record: ``"skip"`` (count + log, default for data) or ``"raise"``."""
+    mode: str = "skip"
+    counter: DropCounter = field(default_factory=DropCounter)
+    #: called with ``(skip, is_note)`` for every counted skip and note (e.g. to persist them)
+    listener: Callable[[Skip, bool], None] | None = None
+
+    def __post_init__(self):
+        if self.mode not in ("skip", "raise"):
+            raise ValueError(f"error policy must be 'skip' or 'raise', got {self.mode!r}")
+
+    def handle(self, skip: Skip) -> None:
+        if self.mode == "raise":
+            raise ValueError(f"row {skip.row} (id {skip.source_id}): {skip.reason}: {skip.detail}")
+        self.counter.add(skip)
+        if self.listener is not None:
+            self.listener(skip, False)
+
+    def note(self, skip: Skip) -> None:
+        """A kept record that was changed (counted and logged; never raises)."""
+        self.counter.add(skip, note=True)
+        if self.listener is not None:
+            self.listener(skip, True)
+
+
+def _text(value: Any, where: str, allow_none: bool = False) -> str | None:
+    """A message text field: str, or a list of text parts (joined with newlines)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, list):
+        parts = []
+        for j, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise BadRecord("non_text_content", f"{where} part {j} is {kind!r}, not a text part")
+            if not isinstance(part.get("text"), str):
+                raise BadRecord("non_string_content", f"{where} part {j} field 'text' is "
+                                                      f"{type(part.get('text')).__name__}")
+            parts.append(part["text"])
+        value = "\n".join(parts)
+    if not isinstance(value, str):
+        raise BadRecord("non_string_content", f"{where} is {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRecord("invalid_unicode", f"{where} is not encodable as UTF-8") from None
+    return value
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """OpenAI ``tool_calls`` -> ``[{"type": "function", "function": {"name", "arguments": dict}}]``."""
+    if isinstance(calls, (dict, str)):
+        calls = [calls]
+    if not isinstance(calls, list) or not calls:
+        raise BadRecord("bad_tool_call", f"{where} is not a non-empty list")
+    out = []
+    for j, call in enumerate(calls):
+        if isinstance(call, str):
+            try:
+                call = json.loads(call)
+            except json.JSONDecodeError as e:
+                raise BadRecord("bad_tool_call", f"{where}[{j}] is not JSON: {e}") from None
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise BadRecord("bad_tool_call", f"{where}[{j}] has no function name")
+        args = fn.get("arguments", fn.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise BadRecord("bad_tool_call", f"{where}[{j}] arguments are not JSON: {e}") from None
+        if not isinstance(args, dict):
+            raise BadRecord("bad_tool_call", f"{where}[{j}] arguments are {type(args).__name__}, not an object")
+        try:
+            _text(json.dumps(args, ensure_ascii=False, allow_nan=False), f"{where}[{j}] arguments")
+        except (TypeError, ValueError) as e:  # bytes, sets, NaN (a BadRecord is a ValueError too)
+            if isinstance(e, BadRecord):
+                raise
+            raise BadRecord("bad_tool_call", f"{where}[{j}] arguments are not JSON: {e}") from None
+        _text(fn["name"], f"{where}[{j}] name")
+        new = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call, dict) and isinstance(call.get("id"), str):
+            new["id"] = call["id"]
+        out.append(new)
+    return out
+
+
+def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "content") -> dict[str, Any]:
+    """One turn (OpenAI fields by default) -> ``{"role", "content": str, ...}`` as described in
+    the module docstring. Raises :class:`BadRecord` (a ValueError) naming the turn and field."""
+    if not isinstance(turn, dict):
+        raise BadRecord("bad_turn", f"turn {i} is {type(turn).__name__}, not an object")
+    raw_role = turn.get(rkey)
+    role = ROLE_MAP.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
+    if role is None:
+        raise BadRecord("unknown_role", f"turn {i} field '{rkey}' = {raw_role!r}")
+    if raw_role.strip().lower() == "function_call":  # ShareGPT tool call: the value is the call's JSON
+        return {"role": "assistant", "content": "",
+                "tool_calls": _tool_calls(_text(turn.get(ckey), f"turn {i} field '{ckey}'"), f"turn {i} field '{ckey}'")}
+    msg: dict[str, Any] = {"role": role}
+    calls = turn.get("tool_calls") or None  # [] (as vLLM's responses carry): no calls
+    if calls is None and turn.get("function_call") is not None:  # OpenAI's legacy single call
+        calls = [turn["function_call"]]
+    if calls is not None and role != "assistant":
+        raise BadRecord("bad_tool_call", f"turn {i} is a {role} message with tool calls")
+    content = _text(turn.get(ckey), f"turn {i} field '{ckey}'", allow_none=calls is not None)
+    msg["content"] = content or ""
+    if role == "assistant":
+        for k in REASONING_KEYS:
+            if turn.get(k) is not None:
+                reasoning = _text(turn[k], f"turn {i} field '{k}'")
+                if reasoning.strip():
+                    msg["reasoning_content"] = reasoning
+                break
+        if calls is not None:
+            msg["tool_calls"] = _tool_calls(calls, f"turn {i} field 'tool_calls'")
+    if role == "tool":
+        for k in ("tool_call_id", "name"):
+            if isinstance(turn.get(k), str):
+                msg[k] = _text(turn[k], f"turn {i} field '{k}'")
+    return msg
+
+
+def _is_blank(m: dict[str, Any]) -> bool:
+    return not m["content"].strip() and "reasoning_content" not in m and not m.get("tool_calls")
+
+
+def _order(chat: list[dict[str, Any]]) -> None:
+    """Raise ``broken_alternation`` unless: user -> assistant, assistant -> user|tool, tool -> tool|assistant."""
+    allowed = {"user": ("assistant",), "assistant": ("user", "tool"), "tool": ("tool", "assistant")}
+    if chat and chat[0]["role"] != "user":
+        raise BadRecord("broken_alternation", f"message 0 is {chat[0]['role']}, expected user")
+    for i in range(1, len(chat)):
+        prev, cur = chat[i - 1]["role"], chat[i]["role"]
+        if cur not in allowed[prev]:
+            raise BadRecord("broken_alternation", f"message {i} is {cur} after {prev}, expected "
+                                                  f"{' or '.join(allowed[prev])}")
+
+
+def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
+    if isinstance(record.get("conversations"), list):
+        turns, rkey, ckey = record["conversations"], "from", "value"
+    elif isinstance(record.get("messages"), list):
+        turns, rkey, ckey = record["messages"], "role", "content"
+    else:
+        raise BadRecord("no_messages", "neither 'conversations' nor 'messages' is a list")
+    system: list[dict[str, Any]] = []
+    if record.get("system") is not None:
+        text = _text(record["system"], "field 'system'")
+        if text.strip():
+            system.append({"role": "system", "content": text})
+    chat: list[dict[str, Any]] = []
+    for i, turn in enumerate(turns):
+        m = normalize_message(i, turn, rkey, ckey)
+        if m["role"] == "system":
+            if system or chat:
+                raise BadRecord("misplaced_system", f"turn {i} is a system message after other turns")
+            if m["content"].strip():
+                system.append(m)
+            continue
+        chat.append(m)
+    # ShareGPT V3 splits long chats into pieces that start with a "gpt" turn; like FastChat
+    # and SpecForge, drop leading assistant/tool turns (they have no prompt in this record).
+    lead = next((i for i, m in enumerate(chat) if m["role"] == "user"), len(chat))
+    chat = chat[lead:]
+    if not any(m["role"] == "assistant" for m in chat):
+        raise BadRecord("no_assistant_turn", f"{len(chat)} non-system turn(s), none from the assistant")
+    _order(chat)
+    notes = []
+    blank = next((i for i, m in enumerate(chat) if m["role"] == "assistant" and _is_blank(m)), None)
+    if blank is not None:
+        cut = max(i for i in range(blank) if chat[i]["role"] == "user")
+        if not any(m["role"] == "assistant" for m in chat[:cut]):
+            raise BadRecord("empty_assistant", f"turn {blank + lead} (the first answer) is blank")
+        notes.append(("cut_at_blank_reply", f"turn {blank + lead} (assistant) is blank: the conversation is cut "
+                                            f"before turn {cut + lead}, {len(chat) - cut} of {len(chat)} turns dropped"))
+        chat = chat[:cut]
+    while chat[-1]["role"] != "assistant":  # a trailing user/tool turn has no supervised answer
+        chat.pop()
+    return Conversation(row, sid, system + chat, notes)
+
+
+def normalize_record(row: int, record: Any) -> Conversation | Skip:
+    """Validate one raw record. Returns a :class:`Conversation` or a :class:`Skip`.
+
+    ``record`` may already be a :class:`Skip` (a source row that could not be read); it is returned.
+    """
+    if isinstance(record, Skip):
+        return record
+    if not isinstance(record, dict):
+        return Skip(row, str(row), "not_an_object", f"record is {type(record).__name__}, not a JSON object")
+    sid = record.get("id")
+    sid = str(sid) if sid is not None else str(row)
+    try:
+        _text(sid, "field 'id'")
+        return _conversation(row, sid, record)
+    except BadRecord as e:
+        return Skip(row, sid.encode("utf-8", "backslashreplace").decode(), e.reason, str(e))
+
+
+def normalize(records: Iterable[tuple[int, dict[str, Any]]], policy: ErrorPolicy) -> Iterator[Conversation]:
+    """Stage: ``(row, record)`` pairs -> valid :class:`Conversation` objects; skips go to ``policy``,
+    notes (a kept record that was changed) to ``policy.note``."""
+    for row, rec in records:
+        out = normalize_record(row, rec)
+        if isinstance(out, Skip):
+            policy.handle(out)
+            continue
+        for reason, detail in out.notes:
+            policy.note(Skip(row, out.source_id, reason, detail))
+        yield out

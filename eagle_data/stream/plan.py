@@ -1,0 +1,108 @@
+"""Deterministic shuffling and batch plans with equal batch counts per slot (rank x worker).
+
+Every rank x worker *slot* yields exactly the same number of batches per epoch, so the
+DataLoader's round-robin over workers is regular (batch ``j`` of a rank comes from worker
+``j % num_workers``) and DDP collectives never wait for a rank that ran out of data.
+
+* fixed batch size ``B``: every slot yields ``ceil(max_slot_samples / B)`` batches; a slot with
+  one sample less ends with a batch one smaller (sizes from :func:`fixed_sizes`). No sample is
+  dropped or repeated, except when ``B == 1`` and ``N % slots != 0``: then the last
+  ``N % slots`` positions of the epoch's permuted stream are dropped (warned; they differ
+  each epoch).
+* token budget: batches are planned from per-sample lengths (``index.parquet``
+  ``num_tokens``, read once) by :func:`token_plan`; slots with fewer batches than the
+  largest split their largest batches (never exceeding the budget) until counts are equal.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Iterable, Iterator, Sequence
+
+from eagle_data.packing import pack_window
+
+
+def shuffle_stream(src: Iterable[Any], bufsize: int, rng: random.Random, initial: int | None = None
+                   ) -> Iterator[Any]:
+    """Buffered shuffle with webdataset's ``shuffle(bufsize, initial)`` schedule: nothing is
+    yielded until ``initial`` items are buffered (None: ``bufsize``); while the buffer is below
+    ``bufsize`` two items are taken per item yielded, so reading runs ahead of the consumer
+    from the first batch on; at the end the buffer drains in random order.
+
+    The decisions depend only on ``rng`` and the stream length, so the same order can be
+    replayed on positions (``shuffle_stream(range(n), ...)``, used by the token-budget plan).
+    """
+    if bufsize <= 1:
+        yield from src
+        return
+    initial = bufsize if initial is None else max(1, min(initial, bufsize))
+    it = iter(src)
+    buf: list[Any] = []
+
+    def pick() -> Any:
+        i = rng.randrange(len(buf))
+        buf[i], buf[-1] = buf[-1], buf[i]
+        return buf.pop()
+
+    for x in it:
+        buf.append(x)
+        if len(buf) < bufsize:
+            for y in it:
+                buf.append(y)
+                break
+        if len(buf) >= initial:
+            yield pick()
+    while buf:
+        yield pick()
+
+
+def fixed_sizes(num_samples: int, num_batches: int, batch_size: int) -> list[int]:
+    """Split ``num_samples`` into exactly ``num_batches`` batches of at most ``batch_size``
+    (full batches first, every batch non-empty).
+
+    Raises:
+        ValueError: impossible (``num_samples < num_batches`` or ``> num_batches * batch_size``).
+    """
+    if not num_batches <= num_samples <= num_batches * batch_size:
+        raise ValueError(f"cannot split {num_samples} samples into {num_batches} batches of <= {batch_size}")
+    out, left = [], num_samples
+    for i in range(num_batches):
+        s = min(batch_size, left - (num_batches - i - 1))
+        out.append(s)
+        left -= s
+    return out
+
+
+def token_plan(lengths: Sequence[int], bufsize: int, rng: random.Random, window: int, max_tokens: int,
+               max_batch_size: int, initial: int | None = None) -> list[list[int]]:
+    """Batches (lists of slot-local positions) of one slot: shuffle replayed on positions,
+    then :func:`pack_window` over consecutive windows of ``window`` shuffled positions."""
+    order = list(shuffle_stream(range(len(lengths)), bufsize, rng, initial))
+    out: list[list[int]] = []
+    for a in range(0, len(order), window):
+        out += pack_window(order[a:a + window], lengths, max_tokens, max_batch_size)
+    return out
+
+
+def split_to(plan: list[list[int]], target: int, lengths: Sequence[int]) -> list[list[int]]:
+    """Split the batch with the most padded tokens in two until ``len(plan) == target``.
+
+    Raises:
+        ValueError: no batch of 2+ samples is left to split.
+    """
+    plan = [list(b) for b in plan]
+    while len(plan) < target:
+        cands = [(len(b) * max(lengths[i] for i in b), -k) for k, b in enumerate(plan) if len(b) > 1]
+        if not cands:
+            raise ValueError(f"cannot make {target} batches from {sum(map(len, plan))} samples; "
+                             "use fewer ranks/workers or a smaller max_tokens")
+        k = -max(cands)[1]
+        b = plan[k]
+        plan[k:k + 1] = [b[:len(b) // 2], b[len(b) // 2:]]
+    return plan
+
+
+def num_fixed_batches(sizes: Sequence[int], batch_size: int) -> int:
+    """Batches per slot for fixed batch size (see module doc)."""
+    return math.ceil(max(sizes) / batch_size)

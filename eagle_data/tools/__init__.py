@@ -1,0 +1,2 @@
+"""Tools over a finished dataset: :mod:`verify` (check it, optionally recompute samples),
+:mod:`inspect` (show a sample with its loss mask), :mod:`synthetic` (write a random one)."""

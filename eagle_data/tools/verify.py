@@ -1,0 +1,285 @@
+"""``eagle-data verify``: check a dataset directory end to end, optionally re-running samples.
+
+Checks (each problem names the shard/sample/file it is about):
+
+* manifest: readable, schema/conventions (:func:`eagle_data.format.schema.check_manifest_compat`),
+  totals equal the sum over shards;
+* every listed shard: present, size and sha256 as recorded, a tar of ``KEY.safetensors`` +
+  ``KEY.json`` pairs only, as many samples as recorded;
+* every sample: the schema (:func:`eagle_data.format.schema.decode_tensors`: fields, dtypes,
+  ``rows == len(input_ids) == len(loss_mask)``), stored dtype and widths as in the manifest,
+  no NaN/Inf, metadata consistent (``num_tokens``, ``source_row``), key = ``TAG_ROW`` of its row
+  and the row belongs to the rank that wrote the shard (``row % world_size == rank``);
+* keys: unique across all shards and ranks;
+* ``index.parquet``: one row per stored sample, every column equal to what the shards hold;
+* directory: no temporaries, no shards or index parts the manifest does not list;
+* ``recompute=N``: N random samples re-run through :class:`eagle_data.extract.backends.hf.HFBackend`
+  (model, aux ids and compute dtype from the manifest), max relative error per layer
+  (``max|stored - recomputed| / max|recomputed|``) against ``rtol``.
+
+Shards are streamed (hashed and parsed in one sequential read), never loaded whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import tarfile
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from eagle_data.format.records import read_manifest
+from eagle_data.format.schema import (HIDDEN_DTYPES, META_EXT, TENSOR_EXT, check_manifest_compat, decode_tensors, sample_key)
+from eagle_data.format.layout import INDEX_NAME, MANIFEST_NAME, parse_shard_name
+from eagle_data.format.layout import INDEX_DIR
+
+CATEGORIES = ("manifest", "shards", "samples", "keys", "index", "directory", "recompute")
+DEFAULT_RTOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify_dataset`. ``ok`` iff ``problems`` is empty."""
+    path: str
+    num_shards: int = 0
+    num_samples: int = 0
+    num_tokens: int = 0
+    problems: list[tuple[str, str, str]] = field(default_factory=list)  # (category, where, what)
+    recompute: dict[str, float] = field(default_factory=dict)  # layer -> max relative error
+    recompute_keys: list[str] = field(default_factory=list)
+    rtol: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, category: str, where: str, what: str) -> None:
+        assert category in CATEGORIES, category
+        self.problems.append((category, where, what))
+
+
+class _HashingReader:
+    def __init__(self, f):
+        self.f, self.h, self.n = f, hashlib.sha256(), 0
+
+    def read(self, size: int = -1) -> bytes:
+        b = self.f.read(size)
+        self.h.update(b)
+        self.n += len(b)
+        return b
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+def _iter_tar(path: Path, rep: VerifyReport, shard: str, result: dict[str, Any]) -> Iterator[tuple[str, bytes, bytes]]:
+    """Yield ``(key, safetensors bytes, json bytes)``; report layout problems; when the file was
+    read to its end, put its ``bytes`` and ``sha256`` into ``result``."""
+    pending: dict[str, dict[str, bytes]] = {}
+    with open(path, "rb") as f:
+        r = _HashingReader(f)
+        with tarfile.open(fileobj=r, mode="r|") as tf:  # type: ignore[call-overload]
+            for m in tf:
+                key, _, ext = m.name.partition(".")
+                if not m.isfile() or "/" in m.name or ext not in (TENSOR_EXT, META_EXT):
+                    rep.add("shards", shard, f"unexpected tar member {m.name!r}")
+                    continue
+                data = tf.extractfile(m).read()
+                got = pending.setdefault(key, {})
+                if ext in got:
+                    rep.add("keys", shard, f"key {key} stored twice in the same shard")
+                got[ext] = data
+                if len(got) == 2:
+                    del pending[key]
+                    yield key, got[TENSOR_EXT], got[META_EXT]
+        r.drain()
+    for key, got in pending.items():
+        rep.add("shards", shard, f"sample {key} has only {sorted(got)}")
+    result.update(bytes=r.n, sha256=r.h.hexdigest())
+
+
+def _check_sample(key, tb, jb, m, shard, rank, world, rep) -> dict[str, Any] | None:
+    where = f"{shard}:{key}"
+    try:
+        t = decode_tensors(tb, where)
+    except ValueError as e:
+        rep.add("samples", shard, str(e))
+        return None
+    try:
+        meta = json.loads(jb)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        rep.add("samples", where, f"metadata is not valid JSON: {e}")
+        return None
+    n, h = t["input_ids"].shape[0], m.get("hidden_size")
+    fin, aux = t["hidden_states"], t["aux_hidden_states"]
+    if fin.dtype != HIDDEN_DTYPES.get(m.get("dtype")):
+        rep.add("samples", where, f"hidden dtype {fin.dtype}, manifest says {m.get('dtype')}")
+    if fin.shape[1] != h or aux.shape[1] != len(m.get("aux_layer_ids", ())) * h:
+        rep.add("samples", where, f"widths aux {aux.shape[1]} / final {fin.shape[1]} do not match "
+                                  f"H={h} x {len(m.get('aux_layer_ids', ()))} aux layers")
+    for name in ("aux_hidden_states", "hidden_states"):
+        if not torch.isfinite(t[name]).all():
+            rep.add("samples", where, f"{name} contains NaN/Inf")
+    if meta.get("num_tokens") != n:
+        rep.add("samples", where, f"metadata num_tokens {meta.get('num_tokens')} != {n} stored tokens")
+    row, tag = meta.get("source_row"), m.get("config", {}).get("dataset_tag")
+    if not isinstance(row, int) or (tag and key != sample_key(tag, row)):
+        rep.add("keys", where, f"key does not match dataset tag {tag!r} and source_row {row!r}")
+    elif rank is not None and row % world != rank:
+        rep.add("keys", where, f"source_row {row} belongs to rank {row % world}, but shard is rank {rank}'s")
+    mask = t["loss_mask"].bool()
+    ids, counts = torch.unique(t["input_ids"][mask], return_counts=True)
+    return {"shard": shard, "num_tokens": n, "num_loss_tokens": int(mask.sum()), "source_row": row,
+            "source_id": str(meta.get("source_id")), "loss_token_ids": ids.tolist(),
+            "loss_token_counts": counts.tolist()}
+
+
+def _check_index(out: Path, facts: dict[str, dict[str, Any]], rep: VerifyReport) -> None:
+    import pyarrow.parquet as pq
+
+    p = out / INDEX_NAME
+    if not p.exists():
+        rep.add("index", INDEX_NAME, "missing")
+        return
+    try:
+        rows = pq.read_table(p).to_pylist()
+    except Exception as e:  # pyarrow raises its own error types
+        rep.add("index", INDEX_NAME, f"unreadable: {e}")
+        return
+    seen = Counter(r["key"] for r in rows)
+    for k, c in seen.items():
+        if c > 1:
+            rep.add("index", INDEX_NAME, f"key {k} listed {c} times")
+    for k in sorted(set(facts) - set(seen))[:20]:
+        rep.add("index", INDEX_NAME, f"stored sample {k} ({facts[k]['shard']}) has no index row")
+    for r in rows:
+        f = facts.get(r["key"])
+        if f is None:
+            rep.add("index", INDEX_NAME, f"row for {r['key']} (shard {r.get('shard')}) but no such stored sample")
+            continue
+        bad = [c for c, v in f.items() if r.get(c) != v]
+        if bad:
+            rep.add("index", INDEX_NAME, f"row {r['key']}: {bad} differ from shard {f['shard']}")
+
+
+def _check_directory(out: Path, m: dict[str, Any], rep: VerifyReport) -> None:
+    listed = {s["name"] for s in m.get("shards", [])}
+    for p in sorted(out.rglob("*.tmp")):
+        rep.add("directory", str(p.relative_to(out)), "temporary file left behind (interrupted write)")
+    for p in sorted(out.glob("*.tar")):
+        if p.name not in listed:
+            rep.add("directory", p.name, "shard not listed in the manifest")
+    for p in sorted((out / INDEX_DIR).glob("*.parquet")):
+        if p.name.removesuffix(".parquet") + ".tar" not in listed:
+            rep.add("directory", f"{INDEX_DIR}/{p.name}", "index part of a shard not listed in the manifest")
+
+
+def verify_dataset(path: str | Path, recompute: int = 0, seed: int = 0, device: str = "cpu",
+                   rtol: float | None = None) -> VerifyReport:
+    """Verify a dataset directory (see module docstring). Never raises for bad data: every
+    problem goes into the returned :class:`VerifyReport`.
+
+    Raises:
+        ValueError: ``recompute`` is negative; ``path`` does not exist.
+    """
+    if recompute < 0:
+        raise ValueError(f"recompute must be >= 0, got {recompute}")
+    out = Path(path)
+    if not out.is_dir():
+        raise ValueError(f"{out} is not a dataset directory" + ("" if out.exists() else " (it does not exist)"))
+    rep = VerifyReport(str(out))
+    try:
+        m = read_manifest(out)
+        check_manifest_compat(m)
+    except (ValueError, KeyError) as e:
+        rep.add("manifest", MANIFEST_NAME, str(e))
+        return rep
+    shards = m.get("shards", [])
+    world = int(m.get("world_size") or m.get("config", {}).get("world_size") or 1)
+    for k, agg in (("num_samples", "num_samples"), ("num_tokens", "num_tokens"), ("total_bytes", "bytes")):
+        if m.get(k) != sum(s.get(agg, 0) for s in shards):
+            rep.add("manifest", MANIFEST_NAME, f"{k} {m.get(k)} != sum over shards {sum(s.get(agg, 0) for s in shards)}")
+    facts: dict[str, dict[str, Any]] = {}
+    key_shards: dict[str, list[str]] = defaultdict(list)
+    for s in shards:
+        name, p = s["name"], out / s["name"]
+        rep.num_shards += 1
+        if not p.exists():
+            rep.add("shards", name, "listed in the manifest but missing")
+            continue
+        rank = parsed[0] if (parsed := parse_shard_name(name)) else None
+        n, res = 0, {}
+        try:
+            for key, tb, jb in _iter_tar(p, rep, name, res):
+                n += 1
+                key_shards[key].append(name)
+                f = _check_sample(key, tb, jb, m, name, rank, world, rep)
+                if f is not None:
+                    facts[key] = f
+                    rep.num_tokens += f["num_tokens"]
+        except (tarfile.TarError, OSError, EOFError) as e:
+            rep.add("shards", name, f"not a readable tar: {type(e).__name__}: {e}")
+        size, digest = res.get("bytes", p.stat().st_size), res.get("sha256")
+        if size != s.get("bytes"):
+            rep.add("shards", name, f"size {size} != manifest {s.get('bytes')}")
+        if digest is not None and digest != s.get("sha256"):
+            rep.add("shards", name, "sha256 differs from the manifest (file changed or corrupted)")
+        if n != s.get("num_samples"):
+            rep.add("shards", name, f"{n} samples, manifest says {s.get('num_samples')}")
+        rep.num_samples += n
+    for k, names in key_shards.items():
+        if len(names) > 1:
+            rep.add("keys", k, f"stored {len(names)} times: {sorted(names)}")
+    _check_index(out, facts, rep)
+    _check_directory(out, m, rep)
+    if recompute:
+        _recompute(out, m, facts, recompute, seed, device, rtol, rep)
+    return rep
+
+
+def _recompute(out: Path, m: dict[str, Any], facts: dict[str, dict[str, Any]], n: int, seed: int,
+               device: str, rtol: float | None, rep: VerifyReport) -> None:
+    """Re-run ``n`` random stored samples through the HF reference backend, one at a time."""
+    from eagle_data.extract.backends.hf import HFBackend
+
+    chosen = sorted(random.Random(seed).sample(sorted(facts), min(n, len(facts))))
+    rep.recompute_keys = chosen
+    want, stored = set(chosen), {}
+    for shard in sorted({facts[k]["shard"] for k in chosen}):
+        for key, tb, _ in _iter_tar(out / shard, VerifyReport(str(out)), shard, {}):
+            if key in want:
+                stored[key] = decode_tensors(tb, key)
+    model_path = m.get("model_path") or m.get("config", {}).get("model_path")
+    aux_ids = list(m.get("aux_layer_ids", []))
+    try:
+        be = HFBackend(model_path, aux_layer_ids=aux_ids, dtype=m.get("compute_dtype", m.get("dtype")),
+                       device=device, trust_remote_code=bool(m.get("config", {}).get("trust_remote_code")))
+    except Exception as e:  # any load failure is a verification failure, reported not raised
+        rep.add("recompute", str(model_path), f"cannot load the reference model: {type(e).__name__}: {e}")
+        return
+    try:
+        for key in chosen:
+            t = stored[key]
+            (c,) = be.capture([(key, t["input_ids"])])
+            sd, h = t["hidden_states"].dtype, t["hidden_states"].shape[1]
+            pairs = [(f"aux layer {lid}", t["aux_hidden_states"][:, j * h:(j + 1) * h],
+                      c.aux_hidden_states[:, j * h:(j + 1) * h]) for j, lid in enumerate(aux_ids)]
+            pairs.append(("final (post-norm)", t["hidden_states"], c.hidden_states))
+            for name, a, b in pairs:
+                b = b.to(sd).float()
+                err = float((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-12))
+                rep.recompute[name] = max(rep.recompute.get(name, 0.0), err)
+    finally:
+        be.close()
+    tol = rtol if rtol is not None else max(DEFAULT_RTOL.get(m.get("compute_dtype"), 5e-2),
+                                            DEFAULT_RTOL.get(m.get("dtype"), 5e-2))
+    rep.rtol = tol
+    for name, err in rep.recompute.items():
+        if err > tol:
+            rep.add("recompute", name, f"max relative error {err:.3g} > rtol {tol:.3g} over {len(chosen)} sample(s)")

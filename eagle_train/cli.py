@@ -1,0 +1,49 @@
+"""``LightningCLI`` entry of drafter training.
+
+* ``python -m eagle_train.cli fit --config configs/train/smollm2_cpu.yaml`` (full LightningCLI:
+  ``fit``/``validate``, ``--ckpt_path`` to resume, ``--print_config``);
+* ``eagle-data train --config configs/train/smollm2_cpu.yaml --trainer.max_steps 100`` (same
+  config sections through :func:`fit`, see :mod:`eagle_data.cli.train`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning.pytorch.cli import LightningCLI
+
+
+def _classes():
+    from eagle_data.stream.datamodule import EagleDataModule
+
+    from eagle_train.module import EagleDrafterModule
+    return EagleDrafterModule, EagleDataModule
+
+
+class _ParseOnlyCLI(LightningCLI):
+    def instantiate_classes(self) -> None:  # validate the config, build nothing (tests)
+        pass
+
+
+def make_cli(args: Any = None, run: bool = True, parse_only: bool = False) -> LightningCLI:
+    model, data = _classes()
+    cls = _ParseOnlyCLI if parse_only else LightningCLI
+    return cls(model, data, args=args, run=run, save_config_kwargs={"overwrite": True})
+
+
+def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
+    """Train from LightningCLI-style sections (``model``, ``data``, ``trainer``, ``seed_everything``);
+    resumes from ``ckpt_path`` ("last" = the newest checkpoint of the run). Returns the best/last
+    checkpoint path."""
+    cli = make_cli(args={k: v for k, v in config.items() if v is not None}, run=False)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    cb = cli.trainer.checkpoint_callback
+    return (cb.last_model_path or cb.best_model_path) if cb is not None else ""
+
+
+def main() -> None:
+    make_cli()
+
+
+if __name__ == "__main__":
+    main()

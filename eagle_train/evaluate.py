@@ -1,0 +1,211 @@
+"""Acceptance length tau of a drafter against the real target on held-out conversations.
+
+Protocol (greedy chain, topk = 1, EAGLE-3 paper Sec. 4 "average acceptance length"):
+
+1. For a held-out sample ``x[0..T-1]`` pick positions ``t`` with ``loss_mask[t+1] == 1`` (the
+   next token is assistant text), evenly spaced, at most ``positions_per_sample``.
+2. The target's greedy continuation of the prefix ``x[<=t]`` is ``y1, y2, ...``. ``y1`` is the
+   token the target itself emits (the "bonus" token every verification step yields).
+3. The drafter gets the target's REAL aux states ``g[<=t]`` (stored by eagle-data) and the
+   prefix tokens, with ``y1`` in row ``t``; it proposes ``d2..d(K+1)`` greedily, steps ``>= 1``
+   feeding its own hidden state and its own previous token (:meth:`Eagle3Drafter.propose_chain`).
+4. Accepted ``a`` = length of the longest prefix with ``d(i) == y(i)``; ``tau = 1 + a``.
+
+Exactness of ``y``: one fp32 teacher-forced forward of the target over the whole sample gives
+``argmax`` at every position; ``y(i+1)`` is read from it while ``y1..y(i)`` equal the real
+continuation ``x[t+1..t+i]`` (causal attention makes that the same computation). Once the greedy
+path leaves the real text, and only if the draft still matches, the target continues greedily
+from the KV cache of ``x[<=t]`` (cropped from the same pass) fed ``y1..y(i)`` (HF transformers,
+fp32, CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import tarfile
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+
+def heldout_split(dataset_dir: str | Path, fraction: float = 0.1, seed: int = 0, min_count: int = 1) -> list[str]:
+    """Deterministic index split: keys ranked by ``sha256(f"{seed}:{key}")``, the first
+    ``max(min_count, round(fraction * n))`` are held out. Returned sorted."""
+    from eagle_data.stream.index import load_index
+
+    keys = list(load_index(dataset_dir)["key"])
+    n = max(min_count, round(fraction * len(keys)))
+    ranked = sorted(keys, key=lambda k: hashlib.sha256(f"{seed}:{k}".encode()).hexdigest())
+    return sorted(ranked[:n])
+
+
+def read_samples(dataset_dir: str | Path, keys: Iterable[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Decode the given samples from a local dataset's shards (listed in manifest.json)."""
+    from eagle_data.format.records import read_manifest
+    from eagle_data.format.schema import decode_tensors
+
+    want = set(keys)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for sh in read_manifest(dataset_dir)["shards"]:
+        with tarfile.open(Path(dataset_dir) / sh["name"]) as tf:
+            for mem in tf:
+                key, _, ext = mem.name.partition(".")
+                if ext == "safetensors" and key in want:
+                    out[key] = decode_tensors(tf.extractfile(mem).read(), where=key)
+        if len(out) == len(want):
+            break
+    missing = want - set(out)
+    if missing:
+        raise ValueError(f"{dataset_dir}: samples not found: {sorted(missing)[:5]}")
+    return out
+
+
+class GreedyOracle:
+    """The target's exact greedy continuation of ``x[<=t]`` (see module doc)."""
+
+    def __init__(self, target, ids: torch.Tensor):
+        self.target, self.ids = target, ids
+        with torch.no_grad():
+            out = target(ids[None], use_cache=True)
+        self.tf = out.logits[0].argmax(-1)  # tf[t]: greedy next token after x[<=t]
+        self.cache = out.past_key_values     # KV of the whole sample; cropped copies serve prefixes
+
+    def continuation(self, t: int, need: int, check=None) -> list[int]:
+        """Up to ``need`` greedy tokens after ``x[<=t]``; ``check(i, tok) -> bool`` stops early."""
+        ys: list[int] = []
+        on_real = True
+        past = None
+        T = self.ids.shape[0]
+        for i in range(need):
+            if on_real and t + i < T:
+                tok = int(self.tf[t + i])
+            else:
+                with torch.no_grad():
+                    if past is None:  # first step off the real text: KV of x[<=t] (causal: exact), then ys
+                        past = copy.deepcopy(self.cache)
+                        if t + 1 < T:
+                            past.crop(t + 1 - T)  # drop the last T - (t + 1) positions
+                        out = self.target(torch.tensor([ys]), past_key_values=past, use_cache=True)
+                    else:
+                        out = self.target(torch.tensor([[ys[-1]]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                tok = int(out.logits[0, -1].argmax())
+            ys.append(tok)
+            if on_real and (t + i + 1 >= T or tok != int(self.ids[t + i + 1])):
+                on_real = False
+            if check is not None and not check(i, tok):
+                break
+        return ys
+
+
+@torch.no_grad()
+def acceptance(drafter, target, samples: dict[str, dict[str, torch.Tensor]], steps: int = 7,
+               positions_per_sample: int = 8, max_length: Optional[int] = None,
+               oracles: Optional[dict[str, "GreedyOracle"]] = None) -> dict[str, Any]:
+    """Run the protocol; returns ``tau``, ``accept_at_least`` [K] (P(a >= i)), ``accept_cond`` [K]
+    (P(d_i accepted | d_1..d_(i-1) accepted)), ``num_chains`` and per-chain ``accepted``.
+
+    ``max_length`` truncates samples first; ``oracles`` (a dict, filled on first use) shares the
+    target's teacher-forced pass between drafters evaluated on the same samples."""
+    if max_length is not None and max_length < 2:
+        raise ValueError(f"max_length must be >= 2 (a position and the token after it), got {max_length}")
+    oracles = {} if oracles is None else oracles
+    accepted: list[int] = []
+    drafter.eval()
+    for key in sorted(samples):
+        s = {k: v[:max_length] for k, v in samples[key].items()} if max_length is not None else samples[key]
+        ids, m = s["input_ids"], s["loss_mask"].bool()
+        cand = [t for t in range(ids.shape[0] - 1) if m[t + 1]]
+        if not cand:
+            continue
+        n = min(positions_per_sample, len(cand))
+        pos = [cand[(j * len(cand)) // n] for j in range(n)]
+        if key not in oracles:
+            oracles[key] = GreedyOracle(target, ids)
+        oracle = oracles[key]
+        row_ids = torch.cat([ids[1:], ids.new_zeros(1)])            # row r holds x[r+1]
+        first = [int(oracle.tf[t]) for t in pos]
+        drafts = drafter.propose_chain(row_ids, s["aux_hidden_states"].float(), pos, first, steps)
+        for t, d in zip(pos, drafts.tolist()):
+            # ys[0] = y1 (target's own token), ys[i] must equal d[i-1]
+            ys = oracle.continuation(t, steps + 1, check=lambda i, tok: i == 0 or tok == d[i - 1])
+            a = 0
+            while a < steps and a + 1 < len(ys) and ys[a + 1] == d[a]:
+                a += 1
+            accepted.append(a)
+    acc = torch.tensor(accepted, dtype=torch.float64)
+    at_least = [float((acc >= i).double().mean()) for i in range(1, steps + 1)]
+    cond = [float((acc >= i).sum() / max(int((acc >= i - 1).sum()), 1)) for i in range(1, steps + 1)]
+    return {"tau": float(1 + acc.mean()) if len(accepted) else float("nan"), "accept_at_least": at_least,
+            "accept_cond": cond, "num_chains": len(accepted), "accepted": accepted}
+
+
+def plot_acceptance(results: dict[str, dict[str, Any]], path: str | Path) -> Path:
+    """PNG: P(accepted >= i) per draft position for each named result (matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, r in results.items():
+        xs = list(range(1, len(r["accept_at_least"]) + 1))
+        ax.plot(xs, r["accept_at_least"], marker="o", label=f"{name} (tau={r['tau']:.3f})")
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("P(accepted length >= i)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("EAGLE-3 greedy chain acceptance (held-out)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def load_target(model_path: str | Path):
+    from transformers import AutoModelForCausalLM
+
+    from eagle_train.model import resolve_model_path
+
+    return AutoModelForCausalLM.from_pretrained(str(resolve_model_path(model_path)), dtype=torch.float32).eval()
+
+
+def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_keys: Optional[str] = None,
+             heldout_fraction: float = 0.1, num_samples: int = 16, positions_per_sample: int = 8, steps: int = 7,
+             compare_untrained: bool = True, target_model: Optional[str] = None,
+             max_length: Optional[int] = None) -> dict[str, Any]:
+    """tau of the checkpoint (and of the same drafter untrained) on held-out samples; writes
+    ``acceptance.json`` and ``acceptance.png`` to ``out_dir``."""
+    from eagle_train.module import EagleDrafterModule
+
+    keys = json.loads(Path(heldout_keys).read_text()) if heldout_keys else heldout_split(dataset_dir, heldout_fraction)
+    keys = sorted(keys)[:num_samples]
+    samples = read_samples(dataset_dir, keys)
+    results: dict[str, Any] = {}
+    mod = None
+    if checkpoint:
+        mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu")
+    target = load_target(target_model or (mod.hparams.target_model_path if mod else None))
+    oracles: dict = {}
+    if mod is not None:
+        results["trained"] = acceptance(mod.drafter.float(), target, samples, steps, positions_per_sample,
+                                        max_length, oracles)
+    if compare_untrained:
+        hp = dict(mod.hparams) if mod is not None else {}
+        fresh = EagleDrafterModule(**hp) if hp else None
+        if fresh is not None:
+            results["untrained"] = acceptance(fresh.drafter.float(), target, samples, steps, positions_per_sample,
+                                              max_length, oracles)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {name: {k: v for k, v in r.items() if k != "accepted"} for name, r in results.items()}
+    summary["heldout_keys"] = keys
+    (out / "acceptance.json").write_text(json.dumps(summary, indent=1))
+    summary["plot"] = str(plot_acceptance(results, out / "acceptance.png"))
+    return summary

@@ -1,0 +1,82 @@
+"""Export a trained drafter as an SGLang ``LlamaForCausalLMEagle3`` checkpoint folder.
+
+``config.json``: ``architectures: ["LlamaForCausalLMEagle3"]``, ``num_hidden_layers: 1``, the
+drafter sizes, ``vocab_size`` = target V, ``draft_vocab_size`` = N, ``tie_word_embeddings:
+false`` (SGLang would otherwise alias ``lm_head`` to the full embedding), rope settings and
+``rms_norm_eps`` copied from the target, ``eagle_config.eagle_aux_hidden_state_layer_ids`` =
+the dataset manifest's ids (convention: :data:`eagle_data.format.schema.LAYER_ID_CONVENTION`),
+``target_hidden_size`` only when it differs from ``hidden_size``.
+
+``model.safetensors``: ``fc.weight``, ``midlayer.{input_layernorm,hidden_norm,
+post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight``,
+``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``,
+``t2d`` (SGLang maps ``midlayer`` -> ``model.layers.0`` and stacks q/k/v, gate/up itself); no
+``embed_tokens`` (SGLang shares the target's).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+#: target config keys copied verbatim when present
+_COPY = ("rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
+         "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def draft_hf_config(drafter, target_config: dict[str, Any], aux_layer_ids: list[int],
+                    dtype: str = "bfloat16") -> dict[str, Any]:
+    c = drafter.cfg
+    cfg: dict[str, Any] = {k: target_config[k] for k in _COPY if target_config.get(k) is not None}
+    cfg.update({
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_layer_ids],
+                         "use_aux_hidden_state": True},
+    })
+    if c.target_hidden_size != c.hidden_size:
+        cfg["target_hidden_size"] = c.target_hidden_size
+    return cfg
+
+
+def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[int], out_dir: str | Path,
+                   dtype: str = "bfloat16") -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (float weights in ``dtype``; d2t int64, t2d bool)."""
+    from safetensors.torch import save_file
+
+    if not aux_layer_ids:
+        raise ValueError("aux_layer_ids are required (the dataset manifest's ids)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dt = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+    sd = {k: (v.to(dt) if v.is_floating_point() else v).detach().cpu().contiguous()
+          for k, v in drafter.export_state_dict().items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = draft_hf_config(drafter, target_config, aux_layer_ids, dtype)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16",
+                      aux_layer_ids: Optional[list[int]] = None) -> Path:
+    """Export a Lightning checkpoint of :class:`eagle_train.module.EagleDrafterModule`."""
+    from eagle_train.module import EagleDrafterModule
+
+    mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu")
+    ids = aux_layer_ids or mod.aux_layer_ids
+    return export_drafter(mod.drafter, mod.target_config, ids, out_dir, dtype)

@@ -1,0 +1,136 @@
+"""Lightning module of EAGLE-3 drafter training (``LightningCLI``: ``configs/train/*.yaml``).
+
+Batches come from :class:`eagle_data.stream.datamodule.EagleDataModule` (``input_ids`` [B, T] int64,
+``attention_mask`` [B, T] bool, ``loss_mask`` [B, T], ``aux_hidden_states`` [B, T, 3H] bf16,
+``hidden_states`` [B, T, H] bf16, ``keys``). Loss: :func:`eagle_train.loss.ttt_loss`.
+
+Precision: parameters fp32; ``trainer.precision: bf16-mixed`` on GPU autocasts the matmuls
+(attention softmax and the loss stay fp32). Distributed: ``trainer.strategy: ddp`` or
+``fsdp`` (Lightning). Checkpoints hold the trainable drafter and ``d2t``/``t2d``; the frozen
+target ``embed_tokens``/``lm_head`` are re-read from ``target_model_path`` on construction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+
+from eagle_train.loss import ttt_loss
+from eagle_train.model import DraftConfig, Eagle3Drafter, load_target_tensors, read_target_config
+from eagle_train.vocab import build_vocab, load_vocab
+
+
+class EagleDrafterModule(pl.LightningModule):
+    """EAGLE-3 drafter + frozen target embedding/head, trained with the unrolled TTT loss.
+
+    Args:
+        target_model_path: HF folder of the target (config.json + safetensors).
+        draft_vocab: safetensors file with ``d2t``/``t2d``; if it does not exist it is built
+            from ``dataset_dir`` (see :mod:`eagle_train.vocab`).
+        dataset_dir: dataset directory (index histogram for the vocabulary, manifest facts).
+        draft_vocab_size: N.
+        aux_layer_ids: the target aux layer ids (default: from ``dataset_dir``'s manifest).
+        ttt_steps: K, unrolled drafter steps (EAGLE-3: 7).
+        step_weight: loss weight ``w^k`` (0.8).
+        exclude_oov: do not supervise rows whose target argmax is outside the draft vocab.
+        lr, weight_decay, warmup_steps, min_lr_ratio, betas: AdamW + linear warmup + cosine decay
+            over ``trainer.max_steps`` (or the estimated stepping batches).
+        init_lm_head_from_target: initialise ``lm_head`` with the target head's draft-vocab rows and
+            ``norm`` with the target's final norm (a warm start; off: ``nn.Linear`` init, norm = 1).
+        exclude_keys: JSON file with a list of sample keys to drop from training batches
+            (a held-out split living in the same shards).
+        seed: seed of the drafter's initialisation.
+    """
+
+    def __init__(self, target_model_path: str, draft_vocab: Optional[str] = None, dataset_dir: Optional[str] = None,
+                 draft_vocab_size: int = 32000, aux_layer_ids: Optional[list[int]] = None, ttt_steps: int = 7,
+                 step_weight: float = 0.8, exclude_oov: bool = True, lr: float = 1e-4, weight_decay: float = 0.0,
+                 warmup_steps: int = 0, min_lr_ratio: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
+                 init_lm_head_from_target: bool = True, exclude_keys: Optional[str] = None, seed: int = 0):
+        super().__init__()
+        self.save_hyperparameters()
+        tcfg = read_target_config(target_model_path)
+        if draft_vocab and Path(draft_vocab).exists():
+            d2t, t2d = load_vocab(draft_vocab)
+        elif dataset_dir:
+            d2t, t2d, path = build_vocab(dataset_dir, draft_vocab_size, out=draft_vocab)
+        else:
+            raise ValueError("give draft_vocab (an existing d2t/t2d file) or dataset_dir to build one")
+        if aux_layer_ids is None and dataset_dir:
+            from eagle_data.format.records import read_manifest
+
+            aux_layer_ids = list(read_manifest(dataset_dir)["aux_layer_ids"])
+        self.aux_layer_ids = aux_layer_ids
+        self.target_config = tcfg
+        cfg = DraftConfig.from_target(tcfg, draft_vocab_size=int(d2t.numel()))
+        w = load_target_tensors(target_model_path, ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"])
+        gen = torch.random.fork_rng()
+        with gen:
+            torch.manual_seed(seed)
+            head = w["lm_head.weight"][t2d].float() if init_lm_head_from_target else None
+            self.drafter = Eagle3Drafter(cfg, w["model.embed_tokens.weight"].float(), d2t, t2d, head)
+            if init_lm_head_from_target:  # the head expects the target's final-norm scale
+                with torch.no_grad():
+                    self.drafter.norm.weight.copy_(w["model.norm.weight"].float())
+        self.register_buffer("target_lm_head", w["lm_head.weight"].float(), persistent=False)
+        self._exclude = set(json.loads(Path(exclude_keys).read_text())) if exclude_keys else set()
+
+    # ------------------------------------------------------------------ steps
+    def _filter(self, batch: dict[str, Any]) -> Optional[dict[str, Any]]:
+        if not self._exclude or "keys" not in batch:
+            return batch
+        keep = [i for i, k in enumerate(batch["keys"]) if k not in self._exclude]
+        if len(keep) == len(batch["keys"]):
+            return batch
+        if not keep:
+            return None
+        idx = torch.tensor(keep, device=batch["input_ids"].device)
+        return {k: (v.index_select(0, idx) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+    def _shared(self, batch: dict[str, Any], stage: str):
+        out = ttt_loss(self.drafter, self.target_lm_head, batch, self.hparams.ttt_steps,
+                       self.hparams.step_weight, self.hparams.exclude_oov)
+        bs = batch["input_ids"].shape[0]
+        on_step = stage == "train"
+        self.log(f"{stage}/loss", out["loss"], prog_bar=True, batch_size=bs, on_step=on_step, on_epoch=True,
+                 sync_dist=not on_step)
+        for k, (lk, ak) in enumerate(zip(out["loss_k"], out["acc_k"])):
+            self.log(f"{stage}/acc_{k}", ak, prog_bar=(k == 0), batch_size=bs, on_step=on_step, on_epoch=True,
+                     sync_dist=not on_step)
+            self.log(f"{stage}/loss_{k}", lk, batch_size=bs, on_step=on_step, on_epoch=True, sync_dist=not on_step)
+        return out["loss"]
+
+    def training_step(self, batch, batch_idx):
+        batch = self._filter(batch)
+        if batch is None:  # whole batch held out: a zero loss keeps DDP ranks in step
+            return sum(p.sum() * 0.0 for p in self.drafter.parameters())
+        return self._shared(batch, "train")
+
+    def validation_step(self, batch, batch_idx):
+        return self._shared(batch, "val")
+
+    # ------------------------------------------------------------------ optim
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
+        total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 \
+            else self.trainer.estimated_stepping_batches
+        total = max(int(total), 1) if math.isfinite(total) else 10 ** 9  # max_time only: no decay
+
+        def f(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / max(hp.warmup_steps, 1)
+            prog = min(1.0, (step - hp.warmup_steps) / max(total - hp.warmup_steps, 1))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["eagle"] = {"draft_config": self.drafter.cfg.to_dict(), "aux_layer_ids": self.aux_layer_ids}
