@@ -112,7 +112,9 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
     from eagle_data.extract.backends.hf import HFBackend
     from eagle_data.extract.sink import ShardSink
 
-    dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    from eagle_data.format.schema import hidden_dtype
+
+    dt = hidden_dtype(dtype)
     model = build_model(shape, dt, device)
     cfg = model.config
     L, H = cfg.num_hidden_layers, cfg.hidden_size

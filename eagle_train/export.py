@@ -63,7 +63,9 @@ def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[i
         raise ValueError("aux_layer_ids are required (the dataset manifest's ids)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dt = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+    from eagle_data.format.schema import hidden_dtype
+
+    dt = hidden_dtype(dtype)
     sd = {k: (v.to(dt) if v.is_floating_point() else v).detach().cpu().contiguous()
           for k, v in drafter.export_state_dict().items()}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -86,8 +86,8 @@ def ttt_loss(drafter, target_lm_head: torch.Tensor, batch: dict[str, Any], steps
     Args:
         drafter: :class:`eagle_train.model.Eagle3Drafter`.
         target_lm_head: [V, H] frozen target head.
-        batch: ``input_ids`` [B, T] int64, ``attention_mask`` [B, T] bool, ``loss_mask`` [B, T],
-            ``aux_hidden_states`` [B, T, 3H], ``hidden_states`` [B, T, H] (EagleDataModule layout).
+        batch: a :class:`eagle_data.stream.collate.Batch` (``input_ids`` [B, T],
+            ``aux_hidden_states`` [B, T, 3H], ``hidden_states`` [B, T, H], masks [B, T]).
         steps: K; step_weight: ``w`` of ``w^k``.
 
     Returns:

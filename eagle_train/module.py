@@ -1,8 +1,7 @@
 """Lightning module of EAGLE-3 drafter training (``LightningCLI``: ``configs/train/*.yaml``).
 
-Batches come from :class:`eagle_data.stream.datamodule.EagleDataModule` (``input_ids`` [B, T] int64,
-``attention_mask`` [B, T] bool, ``loss_mask`` [B, T], ``aux_hidden_states`` [B, T, 3H] bf16,
-``hidden_states`` [B, T, H] bf16, ``keys``). Loss: :func:`eagle_train.loss.ttt_loss`.
+Batches come from :class:`eagle_data.stream.datamodule.EagleDataModule`
+(:class:`eagle_data.stream.collate.Batch`). Loss: :func:`eagle_train.loss.ttt_loss`.
 
 Precision: parameters fp32; ``trainer.precision: bf16-mixed`` on GPU autocasts the matmuls
 (attention softmax and the loss stay fp32). Distributed: ``trainer.strategy: ddp`` or

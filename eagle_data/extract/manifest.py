@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 
 from eagle_data.format.layout import (INDEX_DIR, INDEX_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_GLOB, PROGRESS_NAME,
                                       index_part, progress_path, rank_shard_prefix, shard_of_index_part)
+from eagle_data.format.records import Manifest, RankProgress
 from eagle_data.format.schema import FINAL_STATE_NORM, INDEX_SCHEMA, LAYER_ID_CONVENTION, SCHEMA_VERSION
 from eagle_data.extract.sink import atomic_write_json, write_parquet_atomic
 
@@ -78,7 +79,7 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def load_progress(out_dir: Path, rank: int) -> dict[str, Any] | None:
+def load_progress(out_dir: Path, rank: int) -> RankProgress | None:
     """This rank's progress record, or ``None`` if the rank has not started.
 
     Raises:
@@ -191,7 +192,7 @@ def check_resume(prev: dict[str, Any], cfg: dict[str, Any], where: str) -> None:
                          "Use a new --out directory (or the original settings to resume).")
 
 
-def merge(out_dir: str | Path, allow_unfinished: bool = False) -> dict[str, Any]:
+def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
     """Combine all ranks' progress files and index parts into ``manifest.json`` + ``index.parquet``.
 
     Idempotent and safe to run concurrently (each writer uses its own temporary; both write
@@ -243,7 +244,7 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> dict[str, Any]
     tables = [pq.read_table(pp) for pp in parts]
     write_parquet_atomic(out / INDEX_NAME, pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table())
     cfg = progs[0]["config"]
-    manifest = {
+    manifest: Manifest = {
         "schema_version": SCHEMA_VERSION,
         "layer_id_convention": LAYER_ID_CONVENTION,
         "final_state_norm": FINAL_STATE_NORM,

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from eagle_data.format.layout import INDEX_DIR, index_part, shard_name
+from eagle_data.format.records import ShardRecord
 from eagle_data.format.schema import INDEX_SCHEMA, encode_sample_parts
 
 def tmp_name(path: Path) -> Path:
@@ -240,7 +241,7 @@ class ShardSink:
         try:
             _fsync_dir(final.parent)
             write_index_part(part, rows)
-            rec = {"name": final.name, "num_samples": len(rows), "bytes": f.n, "sha256": f.h.hexdigest(),
+            rec: ShardRecord = {"name": final.name, "num_samples": len(rows), "bytes": f.n, "sha256": f.h.hexdigest(),
                    "num_tokens": sum(r["num_tokens"] for r in rows), "keys": [r["key"] for r in rows]}
             if self.on_publish is not None:
                 self.on_publish(rec)

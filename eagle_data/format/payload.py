@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle_data.format.schema import ST_DTYPES_BY_NAME, decode_tensors, validate_tensors
+from eagle_data.format.schema import SampleError, ST_DTYPES_BY_NAME, decode_tensors, validate_tensors
 
 LAZY_FIELDS = ("aux_hidden_states", "hidden_states")
 
@@ -211,12 +211,12 @@ def view_tensors(data: bytes | np.ndarray | FileSlice, where: str = "?") -> dict
                     piece = piece.clone()
                 out[k] = piece.view(dt).view(shape)
     except (OSError, ShortRead) as e:  # the shard itself, not its contents
-        raise ValueError(f"sample {where}: cannot read its payload: {e}") from e
+        raise SampleError(where, f"cannot read its payload: {e}") from e
     except Exception:
         try:
             raw = data.tobytes() if lazy else (bytes(data) if isinstance(data, np.ndarray) else data)
         except (OSError, ShortRead) as e:
-            raise ValueError(f"sample {where}: cannot read its payload: {e}") from e
+            raise SampleError(where, f"cannot read its payload: {e}") from e
         return decode_tensors(raw, where=where)
     validate_tensors(out, where=where)
     return out

@@ -47,11 +47,15 @@ class Manifest(TypedDict, total=False):
     created: str
     config: dict[str, Any]
     config_hash: str
+    model_path: str
+    backend: str                  #: "hf" | "sglang"
     hidden_size: int
     num_layers: int
     vocab_size: int
     aux_layer_ids: list[int]
     dtype: str                    #: storage dtype of the hidden states
+    compute_dtype: str            #: dtype of the forward pass
+    backend_extra: dict[str, Any]
     world_size: int
     shards: list[ShardRecord]
     num_samples: int

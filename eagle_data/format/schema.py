@@ -65,6 +65,15 @@ INDEX_COLUMNS = {k: meaning for k, (_, meaning) in INDEX_FIELDS.items()}
 INDEX_SCHEMA = pa.schema([(k, t) for k, (t, _) in INDEX_FIELDS.items()])
 
 
+class SampleError(ValueError):
+    """One stored sample is unreadable or breaks the schema; the message starts with
+    ``sample WHERE:`` and ``where`` (``URL:KEY`` or the key) names it."""
+
+    def __init__(self, where: str, problem: str):
+        super().__init__(f"sample {where}: {problem}")
+        self.where = where
+
+
 def hidden_dtype(name: str, field: str = "dtype") -> torch.dtype:
     """The torch dtype of a hidden-state dtype name (:data:`HIDDEN_DTYPES`).
 
@@ -151,7 +160,7 @@ def decode_tensors(data: bytes, where: str = "?") -> dict[str, torch.Tensor]:
     try:
         tensors = st_load(data)
     except Exception as e:  # safetensors raises its own error types
-        raise ValueError(f"sample {where}: cannot decode safetensors payload: {e}") from e
+        raise SampleError(where, f"cannot decode safetensors payload: {e}") from e
     validate_tensors(tensors, where=where)
     return tensors
 
@@ -164,23 +173,23 @@ def validate_tensors(tensors: dict[str, torch.Tensor], where: str = "?") -> None
     """
     missing = [k for k in TENSOR_FIELDS if k not in tensors]
     if missing:
-        raise ValueError(f"sample {where}: missing field(s) {missing}")
+        raise SampleError(where, f"missing field(s) {missing}")
     for name, dtype in INT_DTYPES.items():
         if tensors[name].dtype != dtype or tensors[name].dim() != 1:
-            raise ValueError(f"sample {where}: {name} must be 1-D {dtype}, got "
+            raise SampleError(where, f"{name} must be 1-D {dtype}, got "
                              f"{tuple(tensors[name].shape)} {tensors[name].dtype}")
     t = tensors["input_ids"].shape[0]
     aux, fin = tensors["aux_hidden_states"], tensors["hidden_states"]
     if fin.dim() != 2 or aux.dim() != 2:
-        raise ValueError(f"sample {where}: hidden states must be 2-D [T, *]")
+        raise SampleError(where, "hidden states must be 2-D [T, *]")
     if not (tensors["loss_mask"].shape[0] == aux.shape[0] == fin.shape[0] == t):
-        raise ValueError(
-            f"sample {where}: row mismatch: input_ids {t}, loss_mask {tensors['loss_mask'].shape[0]}, "
+        raise SampleError(
+            where, f"row mismatch: input_ids {t}, loss_mask {tensors['loss_mask'].shape[0]}, "
             f"aux_hidden_states {aux.shape[0]}, hidden_states {fin.shape[0]}")
     if aux.shape[1] % fin.shape[1] != 0:
-        raise ValueError(f"sample {where}: aux width {aux.shape[1]} is not a multiple of H={fin.shape[1]}")
+        raise SampleError(where, f"aux width {aux.shape[1]} is not a multiple of H={fin.shape[1]}")
     if aux.dtype != fin.dtype:
-        raise ValueError(f"sample {where}: aux dtype {aux.dtype} != final dtype {fin.dtype}")
+        raise SampleError(where, f"aux dtype {aux.dtype} != final dtype {fin.dtype}")
 
 
 def check_manifest_compat(manifest: dict[str, Any], expect: dict[str, Any] | None = None,

@@ -11,9 +11,22 @@ Which samples form a batch is :mod:`eagle_data.stream.plan`'s business.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict
 
 import torch
+
+
+class Batch(TypedDict, total=False):
+    """The batch contract: what :class:`~eagle_data.stream.dataset.EagleShardDataset`, the loader
+    and the DataModule yield and the drafter training consumes (declared here only)."""
+    input_ids: torch.Tensor          #: [B, T] int64, 0 on padding
+    attention_mask: torch.Tensor     #: [B, T] bool, True on the sample's tokens
+    loss_mask: torch.Tensor          #: [B, T] bool, True on supervised (assistant) tokens, False on padding
+    aux_hidden_states: torch.Tensor  #: [B, T, 3H] stored dtype (bf16 bit-exact), aux layers low -> high
+    hidden_states: torch.Tensor      #: [B, T, H] stored dtype, final post-norm state; zeros on padding
+    keys: list[str]                  #: sample keys, row order
+    skipped: int                     #: samples of this slot skipped (on_error="skip") since the previous
+    #: batch; present only when > 0, taken out by :class:`~eagle_data.stream.loader.EagleDataLoader`
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -122,7 +135,7 @@ def _fill_rows(dst: torch.Tensor, src: Any, n: int) -> BaseException | None:
 
 def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size: int, aux_width: int,
             dtype: torch.dtype, num_skipped: int = 0, shared: bool = False, threads: int = 1,
-            pool: BufferPool | None = None) -> dict[str, Any]:
+            pool: BufferPool | None = None) -> Batch:
     """Pad decoded samples to the longest one. Each sample is copied once, into one tensor per
     field; hidden states still in a local shard (:class:`~eagle_data.format.payload.FileTensor`) are
     read with ``preadv`` straight into their rows. A single in-memory sample outside ``shared``
@@ -135,10 +148,8 @@ def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size
         pool: where the hidden-state tensors come from outside ``shared`` mode (reused memory).
 
     Returns:
-        ``input_ids`` [B, T] int64 (pad 0), ``attention_mask`` [B, T] bool, ``loss_mask``
-        [B, T] bool (False on padding), ``aux_hidden_states`` [B, T, 3H] and ``hidden_states``
-        [B, T, H] in the stored dtype (bf16 bit-exact; zeros on padding), ``keys`` list[str].
-        ``B == 0`` (``T == 0``) only when every sample of a batch was skipped by ``on_error="skip"``.
+        a :class:`Batch` (``skipped`` = ``num_skipped`` when > 0). ``B == 0`` (``T == 0``) only
+        when every sample of a batch was skipped by ``on_error="skip"``.
     """
     b = len(samples)
     t = max((s["input_ids"].shape[0] for s in samples), default=0)
@@ -175,5 +186,5 @@ def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size
             raise SampleReadError(errors)
     out["keys"] = list(keys)
     if num_skipped:
-        out["_skipped"] = num_skipped
+        out["skipped"] = num_skipped
     return out

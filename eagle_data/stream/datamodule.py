@@ -16,9 +16,7 @@ checkpoints, so ``trainer.fit(..., ckpt_path=...)`` continues mid-epoch without 
 skipping samples. Under DDP each rank reads its own disjoint part (rank/world from
 ``torch.distributed``); every rank gets the same number of batches.
 
-Batch (dict): ``input_ids`` [B, T] int64, ``attention_mask`` [B, T] bool, ``loss_mask`` [B, T]
-bool, ``aux_hidden_states`` [B, T, 3H] and ``hidden_states`` [B, T, H] in the stored dtype
-(bf16), ``keys`` list[str].
+Batches: :class:`eagle_data.stream.collate.Batch`.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from eagle_data.stream import plan as B
 from eagle_data.stream import collate as C
-from eagle_data.format.schema import HIDDEN_DTYPES, decode_tensors
+from eagle_data.format.schema import HIDDEN_DTYPES, SampleError, decode_tensors
 from eagle_data.format.layout import INDEX_NAME
 from eagle_data.stream.shards import check_compat, epoch_shard_order, resolve_sources, slot_sizes, slot_spans
 from eagle_data.format.payload import view_tensors
@@ -42,10 +42,8 @@ class EagleShardDataset(IterableDataset):
     """Padded EAGLE-3 batches from eagle-data shards; every sample exactly once per epoch
     across ``world_size`` ranks x ``num_workers`` workers, equal batch counts on all ranks.
 
-    Each item is a batch dict: ``input_ids`` [B, T] int64, ``attention_mask`` [B, T] bool,
-    ``loss_mask`` [B, T] bool, ``aux_hidden_states`` [B, T, 3H] and ``hidden_states`` [B, T, H]
-    in the stored dtype (bf16, bit-exact), ``keys`` list[str] (+ ``_skipped`` int, only with
-    ``on_error="skip"``; :class:`~eagle_data.stream.loader.EagleDataLoader` pops it).
+    Each item is a :class:`~eagle_data.stream.collate.Batch` (``skipped`` only with
+    ``on_error="skip"``; :class:`~eagle_data.stream.loader.EagleDataLoader` takes it out).
 
     Args:
         sources: dataset dir(s)/URL(s) with ``manifest.json``, manifest file(s), or shard
@@ -119,7 +117,7 @@ class EagleShardDataset(IterableDataset):
         self.aux_width = len(self.facts["aux_layer_ids"]) * self.hidden_size
         self.dtype = HIDDEN_DTYPES[self.facts["dtype"]]
         self.epoch = 0
-        self.num_workers = 1      # set by EagleDataLoader (used by __len__; workers read get_worker_info)
+        self.num_workers = 1      # see set_topology (used by __len__; workers read get_worker_info)
         self.skip_batches = 0     # rank-level batches of ``epoch`` already consumed (resume)
         self._epoch_cell: torch.Tensor | None = None  # shared [epoch, skip] for persistent workers
         self.skipped: Counter = Counter()
@@ -134,6 +132,15 @@ class EagleShardDataset(IterableDataset):
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
+
+    def set_topology(self, num_workers: int | None = None, freeze_rank: bool = False) -> None:
+        """Declare how this dataset is read: ``num_workers`` DataLoader workers (0 counts as 1;
+        :meth:`__len__` depends on it); ``freeze_rank`` fixes ``(rank, world_size)`` from
+        :meth:`rank_world` now (in the main process: workers may not see ``torch.distributed``)."""
+        if num_workers is not None:
+            self.num_workers = max(1, num_workers)
+        if freeze_rank:
+            self.rank, self.world_size = self.rank_world()
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Select the epoch (order = f(seed, epoch)) and how many of this rank's batches to skip.
@@ -219,9 +226,9 @@ class EagleShardDataset(IterableDataset):
         h = t["hidden_states"]
         if h.shape[1] != self.hidden_size or t["aux_hidden_states"].shape[1] != self.aux_width \
                 or h.dtype != self.dtype:
-            raise ValueError(f"sample {where}: hidden {tuple(h.shape)} {h.dtype} / aux "
-                             f"{tuple(t['aux_hidden_states'].shape)} disagree with the manifest "
-                             f"(H={self.hidden_size}, {self.dtype})")
+            raise SampleError(where, f"hidden {tuple(h.shape)} {h.dtype} / aux "
+                                     f"{tuple(t['aux_hidden_states'].shape)} disagree with the manifest "
+                                     f"(H={self.hidden_size}, {self.dtype})")
         if self.max_length is not None:
             t = {k: v[:self.max_length] for k, v in t.items()}
         return t
@@ -229,9 +236,9 @@ class EagleShardDataset(IterableDataset):
     def _drop(self, reason: str, where: str, err: BaseException) -> None:
         """Apply the error policy to one sample: raise naming it, or count and log."""
         if self.on_error == "raise":
-            if isinstance(err, ValueError) and where in str(err):
+            if isinstance(err, SampleError):  # names the sample already
                 raise err
-            raise ValueError(f"sample {where}: {err}") from err
+            raise SampleError(where, str(err)) from err
         self.skipped[reason] += 1
         log.warning("skipping %s sample %s: %s", reason, where, err)
 

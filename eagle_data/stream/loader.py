@@ -158,7 +158,7 @@ class EagleDataLoader(DataLoader):
         if prefetch_batches < 0:
             raise ValueError(f"prefetch_batches must be >= 0, got {prefetch_batches}")
         self.prefetch_batches = prefetch_batches
-        dataset.num_workers = max(1, num_workers)
+        dataset.set_topology(num_workers=num_workers)
         self.epoch = -1            # epoch of the current / last iteration
         self.batches = 0           # batches delivered in ``epoch``
         self.num_skipped = 0       # samples skipped by on_error="skip" (all epochs)
@@ -184,7 +184,7 @@ class EagleDataLoader(DataLoader):
         if skip >= total:
             epoch, skip = epoch + 1, 0
         # Freeze topology in the main process (workers may not see torch.distributed).
-        ds.rank, ds.world_size = ds.rank_world()
+        ds.set_topology(freeze_rank=True)
         ds.set_epoch(epoch, skip)
         if self.tune_malloc and self.num_workers == 0:
             tune_malloc()
@@ -193,7 +193,7 @@ class EagleDataLoader(DataLoader):
         if self.num_workers == 0 and self.prefetch_batches:
             src = background(src, self.prefetch_batches)
         for batch in src:
-            self.num_skipped += batch.pop("_skipped", 0)
+            self.num_skipped += batch.pop("skipped", 0)
             self.batches += 1
             yield batch
 

@@ -18,11 +18,11 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from eagle_data.format.schema import hidden_dtype
 from eagle_data.extract.backends.base import BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 def _decoder_parts(model):
@@ -57,15 +57,14 @@ class HFBackend:
     def __init__(self, model_path: str | Path, aux_layer_ids: Sequence[int] | None = None,
                  dtype: str = "bfloat16", device: str = "cpu", attn_implementation: str = "sdpa",
                  trust_remote_code: bool = False, model=None, out_dtype: str | None = None):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        compute = hidden_dtype(dtype)
         self.device = torch.device(device)
         if model is None:
             from transformers import AutoModelForCausalLM
             model = AutoModelForCausalLM.from_pretrained(
-                str(model_path), dtype=_DTYPES[dtype], attn_implementation=attn_implementation,
+                str(model_path), dtype=compute, attn_implementation=attn_implementation,
                 trust_remote_code=trust_remote_code)
-        self.model = model.to(device=self.device, dtype=_DTYPES[dtype]).eval()
+        self.model = model.to(device=self.device, dtype=compute).eval()
         self.base, layers, norm = _decoder_parts(self.model)
         cfg = self.model.config
         n = len(layers)
@@ -73,7 +72,7 @@ class HFBackend:
         self.info = BackendInfo("hf", str(model_path), int(cfg.hidden_size), n, int(cfg.vocab_size),
                                 dtype, ids, {"attn_implementation": attn_implementation,
                                              "device": str(self.device)})
-        self.out_dtype = _DTYPES[out_dtype or dtype]
+        self.out_dtype = hidden_dtype(out_dtype or dtype, "out_dtype")
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._store: dict[str, torch.Tensor] = {}
         self._handles = [layers[k].register_forward_hook(self._hook(f"aux{j}")) for j, k in enumerate(ids)]
@@ -127,7 +126,9 @@ class HFBackend:
         aux = torch.cat([self._store["aux0"], self._store["aux1"], self._store["aux2"]], dim=-1).to(self.out_dtype)
         fin = self._store["final"].to(self.out_dtype)
         self._store.clear()
-        assert aux.shape[:2] == (b, t) and fin.shape[:2] == (b, t), (aux.shape, fin.shape)
+        if aux.shape[:2] != (b, t) or fin.shape[:2] != (b, t):
+            raise RuntimeError(f"the model returned states {tuple(aux.shape)} / {tuple(fin.shape)} for a "
+                               f"[{b}, {t}] batch (keys {[k for k, _ in batch][:4]})")
         if not on_gpu:
             return PendingCapture([k for k, _ in batch], lens, aux, fin, None)
         done = torch.cuda.Event()

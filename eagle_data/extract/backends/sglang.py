@@ -49,6 +49,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
+from eagle_data.format.schema import hidden_dtype
 from eagle_data.extract.backends.base import BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
 from eagle_data.extract.backends.sglang_engine import CPU_KERNEL_DIR, base_engine_kwargs, model_facts, prepare_cpu_environment  # noqa: F401
 from eagle_data.extract.backends.sglang_spool import RowsMissing, Spool, StitchError, list_spool, read_error, read_piece, stitch
@@ -56,7 +57,6 @@ from eagle_data.extract.backends.sglang_spool import RowsMissing, Spool, StitchE
 log = logging.getLogger(__name__)
 
 HOOK_FACTORY = "eagle_data.extract.backends.sglang_hook:make_capture_hook"
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # Engine args the backend owns: overriding them would break the capture invariants.
 _OWNED = {"model_path", "dtype", "device", "tp_size", "skip_tokenizer_init", "disable_radix_cache",
           "enable_mixed_chunk", "enable_return_aux_hidden_states", "speculative_algorithm",
@@ -99,8 +99,7 @@ class SGLangBackend:
                  attention_backend: str | None = None, collect_timeout_s: float = 5.0,
                  cpu_kernel: str = "standin", log_level: str = "error",
                  engine_kwargs: dict[str, Any] | None = None, _allow_radix_cache: bool = False):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        hidden_dtype(dtype)  # ValueError naming an unknown dtype
         dev = torch.device(device).type
         if dev not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
