@@ -9,6 +9,7 @@ OUT=${OUT:-/tmp/gpu_out}; W=${WORK:-/tmp/eagle_gpu}; TOK=${TOK:-.gpu/tok}; DATA=
 N=${N:-200}; STEPS=${STEPS:-30}; PHASES=${PHASES:-bench multi loader train ddp}
 mkdir -p "$OUT" "$W"
 ed() { python3 -m eagle_data.cli.main "$@"; }
+bench() { python3 -m benchmarks "$@"; }
 ms() { date +%s%N; }
 took() { echo "  [$(( ($(ms) - $1) / 1000000 )) ms] $2" | tee -a "$OUT/timings.txt"; }
 has() { [[ " $PHASES " == *" $1 "* ]]; }
@@ -25,7 +26,7 @@ need_x1() {
 
 if has bench; then  # issue 7: (a) plain (b) capture->host (c) capture+shards on local disk (d) raw disk
   for w in ${BENCH_WRITERS:-2}; do
-    s=$(ms); ed bench extract --writers $w --json_out "$OUT/bench_extract_w$w.json" 2>&1 | grep -v Warn; took $s bench_extract_w$w
+    s=$(ms); bench extract --writers $w --json_out "$OUT/bench_extract_w$w.json" 2>&1 | grep -v Warn; took $s bench_extract_w$w
   done
 fi
 if has multi; then  # issue 8.1: one rank on GPU 0, then two ranks on GPUs 0 and 1 over the same rows
@@ -52,14 +53,14 @@ PY
 fi
 if has loader; then  # issue 7.3: loader vs raw sequential read of the same shards
   need_x1; s=$(ms)
-  ed bench loader "$W/x1" --workers "${LOADER_WORKERS:-[0,2,4]}" --rounds "${ROUNDS:-2}" --json_out "$OUT/bench_loader.json" 2>&1 | tail -24 | tee "$OUT/bench_loader.txt"
+  bench loader "$W/x1" --workers "${LOADER_WORKERS:-[0,2,4]}" --rounds "${ROUNDS:-2}" --json_out "$OUT/bench_loader.json" 2>&1 | tail -24 | tee "$OUT/bench_loader.txt"
   took $s bench_loader
 fi
 if has train; then  # issue 7.3: drafter step time with the DataModule vs batch held on the GPU
   need_x1
   for nw in ${TRAIN_WORKERS:-4}; do
     s=$(ms)
-    ed bench train "$W/x1" "$W/target" --steps "$STEPS" --num_workers "$nw" --json_out "$OUT/bench_train_w$nw.json" 2>&1 | tail -15
+    bench train "$W/x1" "$W/target" --steps "$STEPS" --num_workers "$nw" --json_out "$OUT/bench_train_w$nw.json" 2>&1 | tail -15
     took $s bench_train_w$nw
   done
 fi

@@ -39,7 +39,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from eagle_data.extract.chat import tokenize
-    from eagle_data.extract.conversations import ErrorPolicy, normalize
+    from eagle_data.extract.conversations import normalize
+    from eagle_data.extract.fault import ErrorPolicy
     from eagle_data.extract.sources import iter_records
 
     records = list(iter_records("sharegpt", num_samples=args.rows))

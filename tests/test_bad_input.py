@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eagle_data.extract.chat import ChatRenderer, tokenize
-from eagle_data.extract.conversations import Conversation, ErrorPolicy, Skip, normalize, normalize_record
+from eagle_data.extract.conversations import Conversation, normalize, normalize_record
+from eagle_data.extract.fault import ErrorPolicy, Skip
 from eagle_data.extract.config import ExtractConfig
 from eagle_data.extract.run import run_extract
 from eagle_data.tools.verify import verify_dataset

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from eagle_data.extract.chat import ChatRenderer, tokenize
-from eagle_data.extract.conversations import Conversation, ErrorPolicy
+from eagle_data.extract.conversations import Conversation
+from eagle_data.extract.fault import ErrorPolicy
 from eagle_data.extract.mask import SpecialTokenInText
 
 from templates import TEMPLATES_DIR, family_tokenizer, template_files

@@ -2,7 +2,8 @@
 
 import pytest
 
-from eagle_data.extract.conversations import Conversation, ErrorPolicy, normalize, normalize_record
+from eagle_data.extract.conversations import Conversation, normalize, normalize_record
+from eagle_data.extract.fault import ErrorPolicy
 
 OK_SHAREGPT = {"id": "a.1", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
 

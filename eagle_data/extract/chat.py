@@ -38,7 +38,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from eagle_data.extract.conversations import Conversation, ErrorPolicy, Skip, normalize_message
+from eagle_data.extract.conversations import Conversation, normalize_message
+from eagle_data.extract.fault import ErrorPolicy, Skip
 from eagle_data.extract.mask import (PLACEHOLDER, MaskError, SpecialTokenInText, TurnMarkers, align, assistant_spans, first_marker,
                    placeholder_messages)
 from eagle_data.format.schema import sample_key

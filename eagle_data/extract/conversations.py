@@ -1,8 +1,9 @@
 """Normalise ShareGPT / OpenAI chat records into validated message lists.
 
 Stages take and return iterators (webdataset/datatrove style). A record that cannot be
-used is never dropped silently: it becomes a :class:`Skip` with a named reason, which
-:class:`DropCounter` counts and logs, and which the manifest stores. A change that keeps
+used is never dropped silently: it becomes a :class:`~eagle_data.extract.fault.Skip` with a
+named reason, which the :class:`~eagle_data.extract.fault.ErrorPolicy` counts and logs, and
+which the manifest stores. A change that keeps
 the record but not all of it (a conversation cut before a blank reply) is a *note*:
 counted, logged and stored the same way (``note_counts``).
 
@@ -42,9 +43,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
+
+from eagle_data.extract.fault import BadRecord, ErrorPolicy, Skip
 
 log = logging.getLogger(__name__)
 
@@ -74,74 +76,6 @@ class Conversation:
     source_id: str
     messages: list[dict[str, Any]]
     notes: list[tuple[str, str]] = field(default_factory=list)
-
-
-@dataclass
-class Skip:
-    """A record that was not used: ``reason`` is a short stable name, ``detail`` says where."""
-    row: int
-    source_id: str
-    reason: str
-    detail: str = ""
-
-
-class BadRecord(ValueError):
-    """A record field that cannot be used; ``reason`` is the skip reason."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
-
-
-class DropCounter:
-    """Counts skipped samples (and notes) per reason and logs each one (first ``log_first`` in full)."""
-
-    def __init__(self, log_first: int = 20):
-        self.counts: Counter[str] = Counter()
-        self.notes: Counter[str] = Counter()
-        self.log_first = log_first
-
-    def add(self, skip: Skip, note: bool = False) -> None:
-        (self.notes if note else self.counts)[skip.reason] += 1
-        n = sum(self.counts.values()) + sum(self.notes.values())
-        msg = "%s row %d (id %s): %s%s" % ("note" if note else "skip", skip.row, skip.source_id, skip.reason,
-                                            f": {skip.detail[:300]}" if skip.detail else "")
-        if n <= self.log_first:
-            log.warning(msg)
-        else:
-            if n == self.log_first + 1:
-                log.warning("more skipped/noted rows are logged at debug level (an extraction writes every one, "
-                            "with its detail, to skips-RANK.jsonl in its output directory)")
-            log.debug(msg)
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(sorted(self.counts.items()))
-
-
-@dataclass
-class ErrorPolicy:
-    """What to do with a bad record: ``"skip"`` (count + log, default for data) or ``"raise"``."""
-    mode: str = "skip"
-    counter: DropCounter = field(default_factory=DropCounter)
-    #: called with ``(skip, is_note)`` for every counted skip and note (e.g. to persist them)
-    listener: Callable[[Skip, bool], None] | None = None
-
-    def __post_init__(self):
-        if self.mode not in ("skip", "raise"):
-            raise ValueError(f"error policy must be 'skip' or 'raise', got {self.mode!r}")
-
-    def handle(self, skip: Skip) -> None:
-        if self.mode == "raise":
-            raise ValueError(f"row {skip.row} (id {skip.source_id}): {skip.reason}: {skip.detail}")
-        self.counter.add(skip)
-        if self.listener is not None:
-            self.listener(skip, False)
-
-    def note(self, skip: Skip) -> None:
-        """A kept record that was changed (counted and logged; never raises)."""
-        self.counter.add(skip, note=True)
-        if self.listener is not None:
-            self.listener(skip, True)
 
 
 def _text(value: Any, where: str, allow_none: bool = False) -> str | None:

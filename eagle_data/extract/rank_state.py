@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from eagle_data.extract.config import ExtractConfig, rows_to_read
-from eagle_data.extract.conversations import Skip
+from eagle_data.extract.fault import Skip
 from eagle_data.extract.manifest import check_resume, config_hash, load_progress, repair_rank
 from eagle_data.format.layout import progress_path
 from eagle_data.extract.sink import atomic_write_bytes, atomic_write_json

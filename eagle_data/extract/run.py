@@ -38,7 +38,8 @@ from eagle_data.extract.async_sink import AsyncShardWriter
 from eagle_data.extract.backends.base import Backend
 from eagle_data.extract.chat import ChatRenderer, tokenize
 from eagle_data.extract.config import DEFAULT_MODEL, ExtractConfig, check_paths, rows_to_read, storage_dtype
-from eagle_data.extract.conversations import ErrorPolicy, normalize
+from eagle_data.extract.conversations import normalize
+from eagle_data.extract.fault import ErrorPolicy
 from eagle_data.extract.manifest import load_progress, lock_rank, merge, weights_fingerprint
 from eagle_data.extract.rank_state import RankState
 from eagle_data.extract.signals import ExtractionInterrupted, Signals, interruptible_iter

@@ -12,7 +12,7 @@ Local ``.json``/``.jsonl`` files are read with the standard library, one record 
 not with ``datasets``: its schema inference fails on files whose rows disagree in type (a
 content that is a string in one row and a list in another), which would stop a run in the
 middle. Here every line is its own record; a line that is not valid JSON becomes a
-:class:`~eagle_data.extract.conversations.Skip` (``unreadable_record``) in its row, counted like any
+:class:`~eagle_data.extract.fault.Skip` (``unreadable_record``) in its row, counted like any
 other bad record. A ``.json`` file holding one JSON array (or one record object) is read as
 that; one whose first line is a JSON value on its own is read as JSON lines; anything else is
 a ``ValueError`` naming the syntax error's position.
@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from eagle_data.extract.conversations import Skip
+from eagle_data.extract.fault import Skip
 
 _FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -132,7 +132,7 @@ def iter_records(data: str, split: str = "train", rank: int = 0, world_size: int
     """Yield ``(row, record)`` for this rank, over the first ``num_samples`` source rows.
 
     A record is normally a dict; a row that could not be read is a
-    :class:`~eagle_data.extract.conversations.Skip` with its ``row`` filled in.
+    :class:`~eagle_data.extract.fault.Skip` with its ``row`` filled in.
 
     Raises:
         ValueError: bad rank/world size; unreadable source.

@@ -16,7 +16,7 @@ import torch
 
 from eagle_data.extract.backends.base import Backend, Captured
 from eagle_data.extract.chat import TokenizedSample
-from eagle_data.extract.conversations import ErrorPolicy, Skip
+from eagle_data.extract.fault import ErrorPolicy, Skip
 from eagle_data.extract.signals import Signals
 from eagle_data.packing import pack_window
 

@@ -82,6 +82,9 @@ def read_manifest(path: str | Path) -> Manifest:
     if not p.exists():
         raise ValueError(f"{p}: no manifest; run `eagle-data merge` on the output directory first")
     try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON: {e}") from e
+        m = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: not a manifest.json (not JSON text: {e}); give the dataset directory") from e
+    if not isinstance(m, dict):
+        raise ValueError(f"{p}: not a manifest.json (a JSON {type(m).__name__}, not an object)")
+    return m

@@ -89,6 +89,8 @@ class EagleShardDataset(IterableDataset):
             raise ValueError("give exactly one of batch_size or max_tokens")
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1 (or None: keep all), got {max_length}")
+        if dtype is not None and dtype not in HIDDEN_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(HIDDEN_DTYPES)} (or None: the manifest's), got {dtype!r}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.shards, manifests = resolve_sources(sources, manifest)

@@ -1,0 +1,77 @@
+"""The import rules of ARCHITECTURE.md, checked on the source (AST, every import incl. lazy ones).
+
+* ``format/`` is the bottom: it imports no other part of the package;
+* ``extract/`` (writes) and ``stream/`` (reads) never import each other, nor ``tools/`` or ``cli/``;
+* nothing below ``cli/`` parses command lines (argparse / jsonargparse);
+* the installed packages never import ``benchmarks`` (not installed).
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("format", "extract", "stream", "tools", "cli")
+#: part -> parts of eagle_data it may import (besides itself and the leaf modules)
+ALLOWED = {
+    "format": set(),
+    "extract": {"format"},
+    "stream": {"format"},
+    "tools": {"format", "extract", "stream"},
+    "cli": {"format", "extract", "stream", "tools"},
+}
+LEAVES = {"eagle_data", "eagle_data.packing", "eagle_data.assets"}  # imported from anywhere
+CLI_PARSERS = ("argparse", "jsonargparse")
+
+
+def _imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return out
+
+
+def _part(mod: str) -> str | None:
+    bits = mod.split(".")
+    return bits[1] if len(bits) > 1 and bits[0] == "eagle_data" and bits[1] in PARTS else None
+
+
+def _files(folder: str) -> list[Path]:
+    return sorted(p for p in (ROOT / folder).rglob("*.py") if "cpu_sgl_kernel" not in p.parts)
+
+
+def test_every_module_lives_in_a_part_or_is_a_leaf():
+    top = {p.stem for p in (ROOT / "eagle_data").glob("*.py")} - {"__init__"}
+    assert {f"eagle_data.{m}" for m in top} <= LEAVES, top
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_part_imports_only_what_it_may(part):
+    bad = []
+    for f in _files(f"eagle_data/{part}"):
+        for mod in _imports(f):
+            other = _part(mod)
+            if other is not None and other != part and other not in ALLOWED[part]:
+                bad.append(f"{f.relative_to(ROOT)} imports {mod}")
+            if mod.split(".")[0] == "benchmarks":
+                bad.append(f"{f.relative_to(ROOT)} imports {mod}")
+            if part != "cli" and mod.split(".")[0] in CLI_PARSERS:
+                bad.append(f"{f.relative_to(ROOT)} parses command lines ({mod})")
+    assert bad == []
+
+
+def test_training_reads_through_stream_and_tools_only():
+    bad = [f"{f.relative_to(ROOT)} imports {m}" for f in _files("eagle_train") for m in _imports(f)
+           if _part(m) in ("extract", "cli") or m.split(".")[0] == "benchmarks"]
+    assert bad == []
+
+
+def test_the_rules_see_lazy_imports(tmp_path):
+    """The checker itself: an import inside a function counts."""
+    f = tmp_path / "m.py"
+    f.write_text("def g():\n    from eagle_data.extract.run import run_extract\n")
+    assert "eagle_data.extract.run" in _imports(f) and _part("eagle_data.extract.run") == "extract"
