@@ -32,3 +32,20 @@ def test_bench_loader_cli_refuses_a_directory_without_manifest(tmp_path, capsys)
     with pytest.raises(SystemExit) as e:
         main(["loader", str(tmp_path)])
     assert e.value.code == 2 and "no manifest.json" in capsys.readouterr().err
+
+
+def test_benchmark_commands_are_one_static_table(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and all(c in out for c in ("loader", "extract", "train", "sglang"))
+
+
+def test_bench_extract_runs_from_its_command_line(tmp_path):
+    """The extract benchmark's options come from its signature; the figures land in --json_out."""
+    out = tmp_path / "x.json"
+    main(["extract", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--seq_len", "16",
+          "--batch_size", "2", "--num_batches", "2", "--repeats", "1", "--out_dir", str(tmp_path / "d"),
+          "--json_out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["repeats"]["a_plain"][0] > 0 and res["c_capture_write_tok_s"] > 0 and res["seq_len"] == 16
