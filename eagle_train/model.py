@@ -288,13 +288,16 @@ class Eagle3Drafter(nn.Module):
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
-        mask0 = (causal[None] & key_valid[:, None, :])[:, None]  # [B, 1, T, T]
+        # a padded row may always see itself: a row with no valid key (a 1-token sample) would
+        # otherwise softmax over nothing and turn the gradients NaN; valid rows are unaffected
+        eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
+        mask0 = ((causal[None] & key_valid[:, None, :]) | eye)[:, None]  # [B, 1, T, T]
         hidden = self.fc(aux.to(self.fc.weight.dtype))
         outs, k0 = [], None
         extra_k: list[torch.Tensor] = []
         extra_v: list[torch.Tensor] = []
         for k in range(steps):
-            ids = F.pad(input_ids[:, k:], (0, k))
+            ids = F.pad(input_ids[:, k:], (0, min(k, t)))  # x[r + k], 0 beyond the end (also when T <= k)
             cos, sin = self.rope(positions + k, hidden)
             q, kk, vv = self.midlayer.qkv(self.embed(ids), hidden, cos, sin)
             if k == 0:

@@ -318,3 +318,71 @@ def test_dataset_directory_named_like_a_tar(tmp_path):
     assert sorted(k for b in run_epoch(EagleDataLoader(EagleShardDataset(d, batch_size=2))) for k in b) == \
         [f"syn_{g:09d}" for g in range(5)]
     assert sum(1 for _ in EagleDataLoader(EagleShardDataset(f"{d}/00000-{{000000..000001}}.tar", batch_size=5))) == 1
+
+
+@pytest.mark.parametrize("shards,world,batch_size", [([5], 1, 2), ([7, 4], 2, 3), ([3, 3, 3], 2, 4), ([6, 5], 2, 1)])
+def test_batch_count_and_sizes_do_not_depend_on_workers(tmp_path, shards, world, batch_size):
+    """Fixed batch size: every rank yields the same sequence of batch sizes with 0, 2 or 3 workers
+    (and as many batches as every other rank), each sample once."""
+    write_synthetic(tmp_path, shards)
+    n = sum(shards) - (sum(shards) % world if batch_size == 1 else 0)
+    seqs = {}
+    for workers in (0, 2, 3):
+        per_rank = [run_epoch(dl) for dl in ranks(tmp_path, world=world, workers=workers, batch_size=batch_size)]
+        seqs[workers] = [[len(b) for b in r] for r in per_rank]
+        assert len({len(r) for r in per_rank}) == 1
+        keys = [k for r in per_rank for b in r for k in b]
+        assert len(keys) == len(set(keys)) == n
+        assert all(len(dl) == len(per_rank[0]) for dl in ranks(tmp_path, world=world, workers=workers,
+                                                                 batch_size=batch_size))
+    assert seqs[0] == seqs[2] == seqs[3], seqs
+    assert all(s == sorted(s, reverse=True) for s in seqs[0][0:1])  # full batches first
+
+
+@pytest.mark.parametrize("stop", [1, 2, 3])
+def test_resume_when_workers_serve_unequal_batch_counts(tmp_path, stop):
+    """7 samples, batch 2, 2 workers: 4 batches, worker 0 serves 2 and worker 1 serves 2; 3 workers:
+    worker 0 serves 2, the others 1. A resume after ``stop`` batches continues the same order."""
+    write_synthetic(tmp_path, [7])
+    for workers in (2, 3):
+        full = run_epoch(ranks(tmp_path, world=1, workers=workers, batch_size=2)[0])
+        assert [len(b) for b in full] == [2, 2, 2, 1]
+        dl = ranks(tmp_path, world=1, workers=workers, batch_size=2)[0]
+        seen = []
+        for i, b in enumerate(dl):
+            seen.append(b["keys"])
+            if i + 1 == stop:
+                break
+        dl2 = ranks(tmp_path, world=1, workers=workers, batch_size=2)[0]
+        dl2.load_state_dict(json.loads(json.dumps(dl.state_dict())))
+        assert seen + run_epoch(dl2) == full
+
+
+def test_a_batch_whose_samples_were_all_skipped_is_a_filler_not_empty(tmp_path):
+    """on_error="skip": a batch whose every sample is unreadable becomes one filler row (2 tokens,
+    nothing supervised), so the step count stays equal on every rank and the loss runs; the skips
+    are counted. The TTT loss of that batch is 0 with finite gradients."""
+    import sys
+
+    from eagle_data.stream.collate import FILLER_KEY
+
+    write_synthetic(tmp_path, [4], hidden_size=64)
+    rewrite_members(tmp_path / "00000-000000.tar",
+                    lambda name, data: b"\xff" * len(data) if name.startswith(("syn_000000000.", "syn_000000001."))
+                    else data)
+    dl = EagleDataLoader(EagleShardDataset(tmp_path, batch_size=2, shuffle=False, on_error="skip"))
+    batches = list(dl)
+    assert [b["keys"] for b in batches] == [[FILLER_KEY], ["syn_000000002", "syn_000000003"]]
+    assert dl.num_skipped == 2 and len(dl) == 2
+    f = batches[0]
+    assert f["input_ids"].shape == (1, 2) and not f["loss_mask"].any() and f["attention_mask"].all()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from train_tiny import tiny_module
+
+    from eagle_train.loss import ttt_loss
+
+    mod = tiny_module(tmp_path / "m")
+    out = ttt_loss(mod.drafter, mod.target_lm_head, f, steps=3)
+    out["loss"].backward()
+    assert float(out["loss"]) == 0.0 and all(int(n) == 0 for n in out["n_k"])
+    assert all(torch.isfinite(p.grad).all() for p in mod.drafter.parameters() if p.grad is not None)

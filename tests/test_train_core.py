@@ -230,3 +230,18 @@ def test_acceptance_runs_and_plot(tmp_path):
     for bad in (0, 1):  # `eagle-data eval --max_length 0` used to mean "no truncation"
         with pytest.raises(ValueError, match="max_length"):
             acceptance(mod.drafter, tiny_target(), s, steps=3, positions_per_sample=4, max_length=bad)
+
+
+def test_ttt_loss_on_samples_shorter_than_the_steps(tmp_path):
+    """Samples of T <= K tokens (a 4- and a 1-token sample, K=7) train: finite loss and gradients;
+    steps that would predict past the end supervise nothing."""
+    from eagle_train.loss import ttt_loss
+
+    mod = tiny_module(tmp_path, exclude_oov=False)
+    batch = tiny_batch(tiny_target(), n=2, t=4)
+    batch["loss_mask"][:, :] = batch["attention_mask"]
+    out = ttt_loss(mod.drafter, mod.target_lm_head, batch, steps=7, exclude_oov=False)
+    out["loss"].backward()
+    assert torch.isfinite(out["loss"]) and float(out["loss"]) > 0
+    assert [int(n) for n in out["n_k"]] == [2, 1, 0, 0, 0, 0, 0]  # rows 0, 1 predict x2, x3 at step 0
+    assert all(torch.isfinite(p.grad).all() for p in mod.drafter.parameters() if p.grad is not None)

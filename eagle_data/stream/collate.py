@@ -16,6 +16,12 @@ from typing import Any, Sequence, TypedDict
 import torch
 
 
+#: the key of a filler row: when every sample of a batch was skipped (``on_error="skip"``) the
+#: batch holds one 2-token row of zeros with no supervised token instead of being empty, so every
+#: rank still takes the same number of steps and the loss sees a well-formed batch
+FILLER_KEY = ""
+
+
 class Batch(TypedDict, total=False):
     """The batch contract: what :class:`~eagle_data.stream.dataset.EagleShardDataset`, the loader
     and the DataModule yield and the drafter training consumes (declared here only)."""
@@ -24,7 +30,7 @@ class Batch(TypedDict, total=False):
     loss_mask: torch.Tensor          #: [B, T] bool, True on supervised (assistant) tokens, False on padding
     aux_hidden_states: torch.Tensor  #: [B, T, 3H] stored dtype (bf16 bit-exact), aux layers low -> high
     hidden_states: torch.Tensor      #: [B, T, H] stored dtype, final post-norm state; zeros on padding
-    keys: list[str]                  #: sample keys, row order
+    keys: list[str]                  #: sample keys, row order (:data:`FILLER_KEY` for a filler row)
     skipped: int                     #: samples of this slot skipped (on_error="skip") since the previous
     #: batch; present only when > 0, taken out by :class:`~eagle_data.stream.loader.EagleDataLoader`
 
@@ -148,8 +154,7 @@ def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size
         pool: where the hidden-state tensors come from outside ``shared`` mode (reused memory).
 
     Returns:
-        a :class:`Batch` (``skipped`` = ``num_skipped`` when > 0). ``B == 0`` (``T == 0``) only
-        when every sample of a batch was skipped by ``on_error="skip"``.
+        a :class:`Batch` (``skipped`` = ``num_skipped`` when > 0).
     """
     b = len(samples)
     t = max((s["input_ids"].shape[0] for s in samples), default=0)

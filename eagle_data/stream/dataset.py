@@ -158,18 +158,26 @@ class EagleShardDataset(IterableDataset):
         if self._epoch_cell is None:
             self._epoch_cell = torch.tensor([self.epoch, self.skip_batches], dtype=torch.int64).share_memory_()
 
-    def _sizes(self, world: int, workers: int) -> list[int]:
-        n, num_slots = self.num_samples, world * workers
-        if n < num_slots:
-            raise ValueError(f"{n} samples cannot feed {num_slots} rank x worker slots; use fewer workers")
-        if self.batch_size == 1 and n % num_slots and not self._warned_drop:
+    def _sizes(self, world: int, workers: int) -> tuple[list[int], list[list[int]] | None]:
+        """``(samples per slot, batch sizes per slot)`` in slot order (rank-major); the batch sizes
+        only in fixed mode, where they are planned per rank and dealt to its workers
+        (:func:`eagle_data.stream.plan.rank_fixed_sizes`), so they do not depend on ``workers``."""
+        n = self.num_samples
+        if self.batch_size is None:  # token mode: ranks get n // world or one more, split evenly over workers
+            if n < world * workers:
+                raise ValueError(f"{n} samples cannot feed {world * workers} rank x worker slots; use fewer workers")
+            return [m for r in slot_sizes(n, world) for m in slot_sizes(r, workers)], None
+        if n < world:
+            raise ValueError(f"{n} samples cannot feed {world} ranks")
+        if self.batch_size == 1 and n % world and not self._warned_drop:
             self._warned_drop = True
             log.warning("batch_size=1: dropping the last %d positions of epoch's permuted stream so all "
-                        "%d slots have equal batch counts", n % num_slots, num_slots)
+                        "%d ranks have equal batch counts", n % world, world)
         if self.batch_size == 1:
-            n -= n % num_slots
-        # ranks get n // world or one more; each rank's part is split evenly over its workers
-        return [m for r in slot_sizes(n, world) for m in slot_sizes(r, workers)]
+            n -= n % world
+        per_rank = B.rank_fixed_sizes(slot_sizes(n, world), self.batch_size)
+        batches = [B.deal(sizes, workers, w) for sizes in per_rank for w in range(workers)]
+        return [sum(b) for b in batches], batches
 
     @functools.cache
     def _lengths(self) -> dict[tuple[str, str], list[int]]:
@@ -192,14 +200,14 @@ class EagleShardDataset(IterableDataset):
         return random.Random(f"{self.seed}:{epoch}:{slot}")
 
     def plan(self, epoch: int, world: int, workers: int, slot: int):
-        """``(spans, batches)`` of one slot: ``batches`` is a list of batch sizes (fixed mode)
-        or of lists of slot-local positions (token mode); equal length for every slot."""
-        sizes = self._sizes(world, workers)
+        """``(spans, batches)`` of one slot: ``batches`` is a list of batch sizes (fixed mode: the
+        slot's share ``j % workers == worker`` of its rank's batches) or of lists of slot-local
+        positions (token mode: equal length for every slot)."""
+        sizes, fixed = self._sizes(world, workers)
         order = epoch_shard_order(self.shards, self.seed, epoch, self.shuffle)
         spans = slot_spans(order, sizes, slot)
-        if self.batch_size is not None:
-            nb = B.num_fixed_batches(sizes, self.batch_size)
-            return spans, B.fixed_sizes(sizes[slot], nb, self.batch_size)
+        if fixed is not None:
+            return spans, fixed[slot]
         plans = []
         for s in range(len(sizes)):
             lens = [n for sp in slot_spans(order, sizes, s)
@@ -216,7 +224,7 @@ class EagleShardDataset(IterableDataset):
         """Batches each rank yields in ``epoch`` (same on every rank)."""
         k = max(1, num_workers if num_workers is not None else self.num_workers)
         _, world = self.rank_world()
-        return k * len(self.plan(self.epoch if epoch is None else epoch, world, k, 0)[1])
+        return sum(len(self.plan(self.epoch if epoch is None else epoch, world, k, w)[1]) for w in range(k))
 
     def __len__(self) -> int:
         return self.batches_per_rank()
@@ -258,6 +266,8 @@ class EagleShardDataset(IterableDataset):
                     self._drop("undecodable", where, e)
             holes += 1
         while True:
+            if not samples:  # every sample skipped: a filler row keeps the step count (DDP) and shapes
+                samples, keys, wheres = [self._filler()], [C.FILLER_KEY], ["filler"]
             # in a DataLoader worker the batch is built in shared memory, so torch does not copy
             # it again to send it to the main process
             try:
@@ -269,6 +279,12 @@ class EagleShardDataset(IterableDataset):
                     self._drop("unreadable", wheres[i], e.errors[i])
                     del samples[i], keys[i], wheres[i]
                     holes += 1
+
+    def _filler(self) -> dict[str, torch.Tensor]:
+        """A 2-token sample of zeros with no supervised token (see :data:`~eagle_data.stream.collate.FILLER_KEY`)."""
+        return {"input_ids": torch.zeros(2, dtype=torch.int64), "loss_mask": torch.zeros(2, dtype=torch.uint8),
+                "aux_hidden_states": torch.zeros(2, self.aux_width, dtype=self.dtype),
+                "hidden_states": torch.zeros(2, self.hidden_size, dtype=self.dtype)}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._epoch_cell is not None and get_worker_info() is not None:  # persistent worker

@@ -1,17 +1,20 @@
-"""Deterministic shuffling and batch plans with equal batch counts per slot (rank x worker).
+"""Deterministic shuffling and batch plans with equal batch counts on every rank.
 
-Every rank x worker *slot* yields exactly the same number of batches per epoch, so the
-DataLoader's round-robin over workers is regular (batch ``j`` of a rank comes from worker
-``j % num_workers``) and DDP collectives never wait for a rank that ran out of data.
+Batch ``j`` of a rank comes from DataLoader worker ``j % num_workers`` (the DataLoader's
+round-robin), and every rank yields the same number of batches per epoch, so DDP collectives
+never wait for a rank that ran out of data.
 
-* fixed batch size ``B``: every slot yields ``ceil(max_slot_samples / B)`` batches; a slot with
-  one sample less ends with a batch one smaller (sizes from :func:`fixed_sizes`). No sample is
-  dropped or repeated, except when ``B == 1`` and ``N % slots != 0``: then the last
-  ``N % slots`` positions of the epoch's permuted stream are dropped (warned; they differ
-  each epoch).
-* token budget: batches are planned from per-sample lengths (``index.parquet``
-  ``num_tokens``, read once) by :func:`token_plan`; slots with fewer batches than the
-  largest split their largest batches (never exceeding the budget) until counts are equal.
+* fixed batch size ``B``: the plan is made per rank, then dealt to its workers: every rank
+  yields ``ceil(max_rank_samples / B)`` batches of the sizes :func:`rank_fixed_sizes` gives
+  (full batches first; a rank with one sample less ends with a batch one smaller), whatever
+  the number of workers; worker ``w`` takes batches ``w, w + k, ...`` and reads exactly their
+  samples. No sample is dropped or repeated, except when ``B == 1`` and ``N % ranks != 0``:
+  then the last ``N % ranks`` positions of the epoch's permuted stream are dropped (warned;
+  they differ each epoch).
+* token budget: batches are planned per rank x worker *slot* from per-sample lengths
+  (``index.parquet`` ``num_tokens``, read once) by :func:`token_plan`; slots with fewer
+  batches than the largest split their largest batches (never exceeding the budget) until
+  counts are equal (so here the count depends on the number of workers).
 """
 
 from __future__ import annotations
@@ -103,6 +106,18 @@ def split_to(plan: list[list[int]], target: int, lengths: Sequence[int]) -> list
     return plan
 
 
-def num_fixed_batches(sizes: Sequence[int], batch_size: int) -> int:
-    """Batches per slot for fixed batch size (see module doc)."""
-    return math.ceil(max(sizes) / batch_size)
+def rank_fixed_sizes(rank_samples: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Fixed-size mode: the batch sizes of each rank, as many batches on every rank
+    (``ceil(max(rank_samples) / batch_size)``), independent of the number of workers.
+
+    Raises:
+        ValueError: a rank has fewer samples than batches (only possible with ``batch_size=1``
+            and unequal ranks: drop ``N % ranks`` samples first).
+    """
+    nb = math.ceil(max(rank_samples) / batch_size)
+    return [fixed_sizes(n, nb, batch_size) for n in rank_samples]
+
+
+def deal(sizes: Sequence[int], num_workers: int, worker: int) -> list[int]:
+    """The batches (their sizes) worker ``worker`` of ``num_workers`` serves: ``j % num_workers == worker``."""
+    return list(sizes[worker::num_workers])
