@@ -50,11 +50,14 @@ class EagleDrafterModule(pl.LightningModule):
                  draft_vocab_size: int = 32000, aux_layer_ids: Optional[list[int]] = None, ttt_steps: int = 7,
                  step_weight: float = 0.8, exclude_oov: bool = True, lr: float = 1e-4, weight_decay: float = 0.0,
                  warmup_steps: int = 0, min_lr_ratio: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
-                 init_lm_head_from_target: bool = True, exclude_keys: Optional[str] = None, seed: int = 0):
+                 init_lm_head_from_target: bool = True, exclude_keys: Optional[str] = None, seed: int = 0,
+                 _vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["_vocab"])
         tcfg = read_target_config(target_model_path)
-        if draft_vocab and Path(draft_vocab).exists():
+        if _vocab is not None:  # from a checkpoint (load_from_checkpoint): the file is not needed
+            d2t, t2d = _vocab
+        elif draft_vocab and Path(draft_vocab).exists():
             d2t, t2d = load_vocab(draft_vocab)
         elif dataset_dir:
             d2t, t2d, path = build_vocab(dataset_dir, draft_vocab_size, out=draft_vocab)
@@ -130,6 +133,24 @@ class EagleDrafterModule(pl.LightningModule):
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | Path, map_location: Any = None, **kwargs: Any):
+        """Lightning's loader, self-contained: ``d2t``/``t2d`` come from the checkpoint itself, so
+        the draft-vocabulary file (and the dataset it was built from) may be gone. The target
+        folder is still read (its frozen ``embed_tokens``/``lm_head`` are not in the checkpoint).
+        Loads with ``weights_only=True`` (no arbitrary unpickling).
+
+        Raises:
+            ValueError: the file is not a checkpoint of this module (no ``drafter.d2t``/``t2d``).
+        """
+        ckpt = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+        sd = ckpt.get("state_dict", {}) if isinstance(ckpt, dict) else {}
+        if "drafter.d2t" not in sd or "drafter.t2d" not in sd:
+            raise ValueError(f"{checkpoint_path}: not an EagleDrafterModule checkpoint (no drafter.d2t/t2d)")
+        kwargs.setdefault("_vocab", (sd["drafter.d2t"], sd["drafter.t2d"]))
+        return super().load_from_checkpoint(checkpoint_path, map_location=map_location, weights_only=True,
+                                            **kwargs)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["eagle"] = {"draft_config": self.drafter.cfg.to_dict(), "aux_layer_ids": self.aux_layer_ids}

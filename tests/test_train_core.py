@@ -166,6 +166,31 @@ def test_lightning_fit_and_resume(tmp_path):
     torch.testing.assert_close(back.drafter.fc.weight, mod.drafter.fc.weight)
 
 
+def test_checkpoint_is_self_contained_without_the_vocab_file(tmp_path):
+    """load_from_checkpoint and the SGLang export work after the draft-vocab file (and the dataset)
+    are gone: d2t/t2d come from the checkpoint, and equal the trained ones."""
+    import lightning.pytorch as pl
+
+    from eagle_train.export import export_checkpoint
+    from eagle_train.module import EagleDrafterModule
+
+    mod = tiny_module(tmp_path, draft_vocab_size=40, ttt_steps=2)
+    tr = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    tr.fit(mod, train_dataloaders=_Loader([tiny_batch(tiny_target(), n=2, t=12)]))
+    ck = tmp_path / "a.ckpt"
+    tr.save_checkpoint(str(ck))
+    Path(mod.hparams.draft_vocab).unlink()
+    back = EagleDrafterModule.load_from_checkpoint(str(ck), map_location="cpu")
+    assert torch.equal(back.drafter.d2t, mod.drafter.d2t) and torch.equal(back.drafter.t2d, mod.drafter.t2d)
+    torch.testing.assert_close(back.drafter.lm_head.weight, mod.drafter.lm_head.weight)
+    out = export_checkpoint(str(ck), str(tmp_path / "export"), dtype="float32", aux_layer_ids=[1, 3, 5])
+    assert (Path(out) / "config.json").exists()
+    with pytest.raises(ValueError, match="not an EagleDrafterModule checkpoint"):
+        torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
+        EagleDrafterModule.load_from_checkpoint(str(tmp_path / "other.ckpt"))
+
+
 class _Loader:
     def __init__(self, batches):
         self.batches = batches
