@@ -1,4 +1,4 @@
-"""``python -m benchmarks loader|extract|train|sglang``: benchmarks that print numbers.
+"""``python -m benchmarks loader|extract|train|train_step|sglang``: benchmarks that print numbers.
 
 Run from a checkout (this folder is not installed). Each command is the benchmark function
 itself: its signature and docstring make the command line (jsonargparse); ``--help`` lists
@@ -11,9 +11,11 @@ from benchmarks.extract import bench_extract
 from benchmarks.loader import bench_loader
 from benchmarks.sglang import bench_sglang
 from benchmarks.train import bench_train
+from benchmarks.train_step import bench_train_step
 from eagle_data.cli.main import run_cli
 
-COMMANDS = {"loader": bench_loader, "extract": bench_extract, "train": bench_train, "sglang": bench_sglang}
+COMMANDS = {"loader": bench_loader, "extract": bench_extract, "train": bench_train, "sglang": bench_sglang,
+            "train_step": bench_train_step}
 
 
 def main(argv: list[str] | None = None) -> None:

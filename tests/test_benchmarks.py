@@ -1,5 +1,5 @@
-"""`eagle-data bench loader`: runs end to end on a tiny synthetic dataset and reports every
-reader over the same samples (figures themselves are for BENCHMARKS.md, not asserted)."""
+"""Benchmarks run end to end on tiny inputs and report what they promise (figures themselves are
+for BENCHMARKS.md, not asserted): the loader over the same samples, extract and train_step via the CLI."""
 
 import json
 
@@ -49,3 +49,18 @@ def test_bench_extract_runs_from_its_command_line(tmp_path):
           "--json_out", str(out)])
     res = json.loads(out.read_text())
     assert res["repeats"]["a_plain"][0] > 0 and res["c_capture_write_tok_s"] > 0 and res["seq_len"] == 16
+
+
+def test_bench_train_step_counts_flops_and_runs(tmp_path):
+    """train_step on a tiny drafter: one row per length; the FLOP count grows superlinearly in T
+    (attention) and at least linearly (every matmul per token)."""
+    from benchmarks.extract import TINY
+    from benchmarks.train_step import step_flops
+
+    out = tmp_path / "t.json"
+    main(["train_step", "--shape", "tiny", "--seq_lens", "[16, 32]", "--device", "cpu", "--draft_vocab_size", "100",
+          "--iters", "1", "--warmup", "0", "--json_out", str(out)])
+    rows = json.loads(out.read_text())["by_seq_len"]
+    assert set(rows) == {"16", "32"} and all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in rows.values())
+    f1, f2 = step_flops(TINY, 1024, 7, 100), step_flops(TINY, 2048, 7, 100)
+    assert 2 < f2 / f1 < 4

@@ -1,0 +1,112 @@
+"""``python -m benchmarks train_step``: drafter training speed (MFU) and peak memory per sequence length.
+
+One optimizer step = the unrolled TTT loss (K steps) forward + backward + AdamW, on a random
+batch held on the device (the data path is ``python -m benchmarks train``'s subject). The drafter
+has a target's shape (default Llama-3.1-8B: H=4096, 32 heads, 8 KV heads, intermediate 14336,
+target vocab 128256) with a draft vocabulary of ``draft_vocab_size``; the target's frozen
+``embed_tokens``/``lm_head`` are random.
+
+MFU counts the matmul FLOPs of the model as written (2 x multiply-adds; backward = 2 x forward for
+trainable weights): per token, ``fc`` once, then per TTT step q/k/v/o, the MLP, the draft
+``lm_head`` and the attention (causal step-0 part: on average T/2 keys, plus k diagonal keys),
+plus the teacher (target ``lm_head`` restricted to the draft vocabulary, forward only) and the
+out-of-vocabulary check (full target ``lm_head``, forward only) once per batch. FLOPs the
+implementation spends beyond these (recomputation) are not counted, so MFU is honest.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.extract import LLAMA31_8B, TINY
+
+
+def step_flops(cfg: dict[str, Any], t: int, steps: int, n_draft: int, exclude_oov: bool = True) -> float:
+    """Matmul FLOPs of one training step on one sequence of ``t`` tokens (see module doc)."""
+    h, inter, nh, nkv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], \
+        cfg["num_key_value_heads"]
+    hd, v = h // nh, cfg["vocab_size"]
+    per_step = 2 * (2 * h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter + h * n_draft)  # weights, fwd
+    fwd = t * (2 * 3 * h * h)  # fc
+    for k in range(steps):
+        attn = 2 * 2 * nh * hd * (t / 2 + k)  # QK^T and PV per token: T/2 causal keys on average + k extras
+        fwd += t * (per_step + attn)
+    frozen = t * 2 * h * n_draft + (t * 2 * h * v if exclude_oov else 0)  # teacher + OOV check, no backward
+    return 3 * fwd + frozen
+
+
+def bench_train_step(shape: str = "llama3.1-8b", seq_lens: list[int] = [2048, 8192], steps: int = 7,
+                     draft_vocab_size: int = 32000, iters: int = 6, warmup: int = 2, device: str = "cuda",
+                     peak_tflops: float = 989.0, json_out: str | None = None) -> dict[str, Any]:
+    """Step time, tokens/s, MFU and peak memory of drafter training at each sequence length.
+
+    Args:
+        shape: "llama3.1-8b" or "tiny" (target shape the drafter copies).
+        seq_lens: one sequence of each length per step (B=1).
+        steps: K, TTT steps.
+        draft_vocab_size: N.
+        iters: timed steps per length (median reported).
+        warmup: untimed steps first.
+        device: "cuda" or "cpu".
+        peak_tflops: peak dense bf16 TFLOP/s of the device for MFU (H200: 989).
+        json_out: also write the figures to this JSON file.
+    """
+    from eagle_train.loss import ttt_loss
+    from eagle_train.model import DraftConfig, Eagle3Drafter
+
+    cfg = dict(LLAMA31_8B if shape == "llama3.1-8b" else TINY)
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    n, v, h = draft_vocab_size, cfg["vocab_size"], cfg["hidden_size"]
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[torch.randperm(v, generator=g)[:n]] = True
+    d2t = t2d.nonzero().squeeze(1) - torch.arange(n)
+    dcfg = DraftConfig.from_target(cfg, draft_vocab_size=n)
+    embed = torch.randn(v, h, generator=g) * 0.02
+    drafter = Eagle3Drafter(dcfg, embed, d2t, t2d).to(dev)
+    lm_head = (torch.randn(v, h, generator=g) * 0.02).to(dev)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=dev.type == "cuda")
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16)
+    res: dict[str, Any] = {"shape": shape, "steps": steps, "draft_vocab_size": n, "device": str(dev),
+                           "params_M": round(sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6, 1),
+                           "by_seq_len": {}}
+    for t in seq_lens:
+        batch = {"input_ids": torch.randint(0, v, (1, t), generator=g).to(dev),
+                 "attention_mask": torch.ones(1, t, dtype=torch.bool, device=dev),
+                 "loss_mask": torch.ones(1, t, dtype=torch.bool, device=dev),
+                 "aux_hidden_states": torch.randn(1, t, 3 * h, generator=g).to(dev, torch.bfloat16),
+                 "hidden_states": torch.randn(1, t, h, generator=g).to(dev, torch.bfloat16)}
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            with amp:
+                out = ttt_loss(drafter, lm_head, batch, steps)
+            opt.zero_grad(set_to_none=True)
+            out["loss"].backward()
+            opt.step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        s = statistics.median(times)
+        fl = step_flops(cfg, t, steps, n)
+        row = {"step_s": round(s, 4), "tokens_per_s": round(t / s), "TFLOPs": round(fl / s / 1e12, 1),
+               "MFU": round(fl / s / 1e12 / peak_tflops, 3),
+               "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
+               "loss": round(float(out["loss"].detach()), 4)}
+        res["by_seq_len"][t] = row
+        print(f"T={t:6d}  step {row['step_s'] * 1e3:8.1f} ms  {row['tokens_per_s']:8d} tok/s  "
+              f"{row['TFLOPs']:6.1f} TFLOP/s  MFU {row['MFU']:.3f}  peak {row['peak_GiB']} GiB", flush=True)
+        del batch, out
+    if json_out:
+        Path(json_out).write_text(json.dumps(res, indent=1))
+    return res
