@@ -1,5 +1,6 @@
-"""`eagle-data bench loader`: runs end to end on a tiny synthetic dataset and reports every
-reader over the same samples (figures themselves are for BENCHMARKS.md, not asserted)."""
+"""`eagle-data bench loader` and `python -m benchmarks tar_walk`: run end to end on tiny synthetic
+datasets and report every reader over the same samples (figures themselves are for BENCHMARKS.md,
+not asserted)."""
 
 import json
 
@@ -32,3 +33,15 @@ def test_bench_loader_cli_refuses_a_directory_without_manifest(tmp_path, capsys)
     with pytest.raises(SystemExit) as e:
         main(["loader", str(tmp_path)])
     assert e.value.code == 2 and "no manifest.json" in capsys.readouterr().err
+
+
+def test_bench_tar_walk_times_both_walks_over_the_same_members(tmp_path, capsys):
+    from benchmarks.tar_walk import bench_tar_walk
+
+    res = bench_tar_walk(samples=20, typical_hidden=16, typical_tokens=(4, 12), repeats=1,
+                         json_out=str(tmp_path / "w.json"))
+    assert set(res) == {"small", "typical"} and json.loads((tmp_path / "w.json").read_text()) == res
+    for r in res.values():
+        assert r["members"] == 40 and r["tarfile_us_per_member"] > 0 and r["handwritten_us_per_member"] > 0
+        assert 0 < r["tarfile_share"] and 0 < r["handwritten_share"] and r["loader_us_per_sample"] > 0
+    assert "tarfile walk / loader" in capsys.readouterr().out

@@ -139,13 +139,14 @@ def write_index_part(path: Path, rows: list[dict[str, Any]]) -> None:
 class ShardSink:
     """Writes samples into atomic USTAR shards and reports each published shard.
 
-    The tar framing is written here rather than through ``webdataset.ShardWriter``: the
-    payload buffers (safetensors header + views of the tensors' own memory, see
-    :func:`eagle_data.format.schema.safetensors_parts`) go to the file and to sha256 without any
-    copy and with the GIL released, which is what lets extraction keep up with the GPU
-    (webdataset's writer copies each payload several times under the GIL). The archives
-    are byte-identical to what ``tarfile`` writes in USTAR format for the same members
-    (``KEY.json`` then ``KEY.safetensors``; tested), so stock ``webdataset``/``datasets`` read them.
+    The tar framing (headers and padding from :mod:`eagle_data.format.tar`) is written here
+    rather than through ``webdataset.ShardWriter``: the payload buffers (safetensors header +
+    views of the tensors' own memory, see :func:`eagle_data.format.schema.safetensors_parts`) go
+    to the file and to sha256 without any copy and with the GIL released, which is what lets
+    extraction keep up with the GPU (webdataset's writer copies each payload several times under
+    the GIL). The archives are byte-identical to what ``tarfile`` writes in USTAR format for the
+    same members (``KEY.json`` then ``KEY.safetensors``; tested), so stock
+    ``webdataset``/``datasets`` read them.
 
     Args:
         out_dir: dataset directory.
