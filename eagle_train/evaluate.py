@@ -24,11 +24,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import tarfile
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
+
+from eagle_data.tools.read_samples import read_samples  # also this module's public name, as before
 
 
 def heldout_split(dataset_dir: str | Path, fraction: float = 0.1, seed: int = 0, min_count: int = 1) -> list[str]:
@@ -40,27 +41,6 @@ def heldout_split(dataset_dir: str | Path, fraction: float = 0.1, seed: int = 0,
     n = max(min_count, round(fraction * len(keys)))
     ranked = sorted(keys, key=lambda k: hashlib.sha256(f"{seed}:{k}".encode()).hexdigest())
     return sorted(ranked[:n])
-
-
-def read_samples(dataset_dir: str | Path, keys: Iterable[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """Decode the given samples from a local dataset's shards (listed in manifest.json)."""
-    from eagle_data.format.records import read_manifest
-    from eagle_data.format.schema import decode_tensors
-
-    want = set(keys)
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for sh in read_manifest(dataset_dir)["shards"]:
-        with tarfile.open(Path(dataset_dir) / sh["name"]) as tf:
-            for mem in tf:
-                key, _, ext = mem.name.partition(".")
-                if ext == "safetensors" and key in want:
-                    out[key] = decode_tensors(tf.extractfile(mem).read(), where=key)
-        if len(out) == len(want):
-            break
-    missing = want - set(out)
-    if missing:
-        raise ValueError(f"{dataset_dir}: samples not found: {sorted(missing)[:5]}")
-    return out
 
 
 class GreedyOracle:

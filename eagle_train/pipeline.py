@@ -37,8 +37,9 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
     import lightning.pytorch as pl
 
     from eagle_data.stream.datamodule import EagleDataModule
+    from eagle_data.tools.read_samples import read_samples
 
-    from eagle_train.evaluate import acceptance, heldout_split, load_target, plot_acceptance, read_samples
+    from eagle_train.evaluate import acceptance, heldout_split, load_target, plot_acceptance
     from eagle_train.export import export_drafter
     from eagle_train.module import EagleDrafterModule
     from eagle_train.vocab import build_vocab

@@ -64,3 +64,15 @@ def test_bench_train_step_counts_flops_and_runs(tmp_path):
     assert set(rows) == {"16", "32"} and all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in rows.values())
     f1, f2 = step_flops(TINY, 1024, 7, 100), step_flops(TINY, 2048, 7, 100)
     assert 2 < f2 / f1 < 4
+
+
+def test_bench_tar_walk_times_both_walks_over_the_same_members(tmp_path, capsys):
+    from benchmarks.tar_walk import bench_tar_walk
+
+    res = bench_tar_walk(samples=20, typical_hidden=16, typical_tokens=(4, 12), repeats=1,
+                         json_out=str(tmp_path / "w.json"))
+    assert set(res) == {"small", "typical"} and json.loads((tmp_path / "w.json").read_text()) == res
+    for r in res.values():
+        assert r["members"] == 40 and r["tarfile_us_per_member"] > 0 and r["handwritten_us_per_member"] > 0
+        assert 0 < r["tarfile_share"] and 0 < r["handwritten_share"] and r["loader_us_per_sample"] > 0
+    assert "tarfile walk / loader" in capsys.readouterr().out

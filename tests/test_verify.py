@@ -66,6 +66,34 @@ def test_strays_missing_index_rows_and_totals(ds):
             ("manifest", "manifest.json")} <= got
 
 
+def test_unexpected_members_and_a_corrupt_header_are_reported_with_the_shard(ds):
+    import io
+    import tarfile
+
+    shard = ds / "00000-000004.tar"
+    with tarfile.open(shard) as tf:
+        members = [(m, tf.extractfile(m).read()) for m in tf.getmembers()]
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for m, data in members:
+            tf.addfile(m, io.BytesIO(data))
+        d = tarfile.TarInfo("somedir")
+        d.type = tarfile.DIRTYPE
+        tf.addfile(d)
+        meta = tarfile.TarInfo("__meta__")
+        tf.addfile(meta, io.BytesIO(b""))
+    rep = verify_dataset(ds)
+    assert {("shards", "00000-000004.tar", f"unexpected tar member {n!r}") for n in ("somedir", "__meta__")} <= \
+        set(rep.problems)
+    second = members[1][0].offset  # header of the shard's second member
+    data = bytearray(shard.read_bytes())
+    data[second + 2] ^= 1
+    shard.write_bytes(bytes(data))
+    rep = verify_dataset(ds)
+    text = [x for c, w, x in rep.problems if w == "00000-000004.tar"]
+    assert f"not a readable tar: corrupt tar header at byte {second} of 00000-000004.tar: bad checksum" in text
+    assert "sha256 differs from the manifest (file changed or corrupted)" in text  # read to its end all the same
+
+
 def test_duplicate_keys_across_ranks_and_nan(ds, tmp_path):
     m = _manifest(ds)
     shutil.copy(ds / "00000-000000.tar", ds / "00001-000000.tar")  # same keys again, "rank 1"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tarfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +29,8 @@ import torch
 from eagle_data.format.layout import INDEX_DIR, index_part, shard_name
 from eagle_data.format.records import ShardRecord
 from eagle_data.format.schema import INDEX_SCHEMA, encode_sample_parts
+from eagle_data.format.tar import archive_end, member_padding, tar_member_header
+
 
 def tmp_name(path: Path) -> Path:
     """The temporary next to ``path`` used by this process: ``NAME.<pid>.tmp``."""
@@ -136,32 +137,17 @@ def write_index_part(path: Path, rows: list[dict[str, Any]]) -> None:
     write_parquet_atomic(path, pa.Table.from_pylist(rows, schema=INDEX_SCHEMA))
 
 
-_BLOCK = 512
-_RECORD = 20 * _BLOCK  # tarfile's RECORDSIZE: archives are padded to a multiple of it
-
-
-def tar_member_header(name: str, size: int) -> bytes:
-    """USTAR header of one regular-file member, as webdataset's TarWriter writes it
-    (mode 0444, owner ``bigdata``, mtime 0 for reproducible shards).
-
-    Raises:
-        ValueError: the name does not fit a USTAR header.
-    """
-    ti = tarfile.TarInfo(name)
-    ti.size, ti.mtime, ti.mode, ti.uname, ti.gname = size, 0, 0o444, "bigdata", "bigdata"
-    return ti.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
-
-
 class ShardSink:
     """Writes samples into atomic USTAR shards and reports each published shard.
 
-    The tar framing is written here rather than through ``webdataset.ShardWriter``: the
-    payload buffers (safetensors header + views of the tensors' own memory, see
-    :func:`eagle_data.format.schema.safetensors_parts`) go to the file and to sha256 without any
-    copy and with the GIL released, which is what lets extraction keep up with the GPU
-    (webdataset's writer copies each payload several times under the GIL). The archives
-    are byte-identical to what ``tarfile`` writes in USTAR format for the same members
-    (``KEY.json`` then ``KEY.safetensors``; tested), so stock ``webdataset``/``datasets`` read them.
+    The tar framing (headers and padding from :mod:`eagle_data.format.tar`) is written here
+    rather than through ``webdataset.ShardWriter``: the payload buffers (safetensors header +
+    views of the tensors' own memory, see :func:`eagle_data.format.schema.safetensors_parts`) go
+    to the file and to sha256 without any copy and with the GIL released, which is what lets
+    extraction keep up with the GPU (webdataset's writer copies each payload several times under
+    the GIL). The archives are byte-identical to what ``tarfile`` writes in USTAR format for the
+    same members (``KEY.json`` then ``KEY.safetensors``; tested), so stock
+    ``webdataset``/``datasets`` read them.
 
     Args:
         out_dir: dataset directory.
@@ -221,8 +207,7 @@ class ShardSink:
             f.write(tar_member_header(f"{key}.{ext}", size))
             for b in bufs:
                 f.write(b)
-            if size % _BLOCK:
-                f.write(bytes(_BLOCK - size % _BLOCK))
+            f.write(member_padding(size))
         name = self._path.name.removesuffix(".tmp")
         self._rows.append(index_row(key, name, meta, tensors["input_ids"], tensors["loss_mask"]))
 
@@ -230,9 +215,7 @@ class ShardSink:
         """End the current archive (two zero blocks + record padding) and publish it."""
         f, tmp = self._file, self._path
         self._file = None
-        f.write(bytes(2 * _BLOCK))
-        if f.n % _RECORD:
-            f.write(bytes(_RECORD - f.n % _RECORD))
+        f.write(archive_end(f.n))
         f.close()
         rows, self._rows = self._rows, []
         final = tmp.with_name(tmp.name.removesuffix(".tmp"))

@@ -3,8 +3,8 @@
 Pipeline (webdataset stages; each worker runs it on its own slot, see :mod:`eagle_data.stream.shards`)::
 
     shard list (manifests) -> (seed, epoch) permutation -> split by node -> split by worker
-    -> tar (own reader, webdataset member/key semantics, per span; local files: member
-       descriptors + kernel readahead) -> shuffle (webdataset's bufsize/initial schedule)
+    -> tar (:class:`eagle_data.format.tar.TarWalk`, webdataset member/key semantics, per span;
+       local files: member descriptors + kernel readahead) -> shuffle (webdataset's bufsize/initial schedule)
     -> batch plan -> decode (safetensors header checks, no pickle; hidden states stay in the
        file or are views) + truncate -> pad/collate (one copy per sample: ``preadv`` or a
        memory copy straight into the batch, in ``read_threads`` threads; shared memory in

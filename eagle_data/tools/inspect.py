@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import tarfile
 from pathlib import Path
 
 from rich.console import Console
@@ -13,22 +12,16 @@ from rich.text import Text
 
 from eagle_data.format.records import read_manifest
 from eagle_data.format.schema import META_EXT, TENSOR_EXT, check_manifest_compat, decode_tensors
+from eagle_data.tools.read_samples import shard_payloads
 
 
 def read_sample(shard: Path, key: str) -> tuple[dict, dict]:
-    """Read one sample's tensors and metadata from a shard (sequential tar scan).
+    """One sample's tensors and metadata from a local shard (one walk of its headers).
 
     Raises:
-        ValueError: the key is not in the shard.
+        ValueError: the key is not in the shard (or only one of its members is).
     """
-    found: dict[str, bytes] = {}
-    with tarfile.open(shard, "r|") as tf:
-        for m in tf:
-            base, _, ext = m.name.partition(".")
-            if base == key and ext in (TENSOR_EXT, META_EXT):
-                found[ext] = tf.extractfile(m).read()
-                if len(found) == 2:
-                    break
+    found = shard_payloads(shard, {key}).get(key, {})
     if len(found) != 2:
         raise ValueError(f"{shard}: sample {key} not found (or incomplete)")
     return decode_tensors(found[TENSOR_EXT], where=f"{shard.name}:{key}"), json.loads(found[META_EXT])

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import tarfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from eagle_data.format.records import read_manifest
 from eagle_data.format.schema import (HIDDEN_DTYPES, META_EXT, TENSOR_EXT, check_manifest_compat, decode_tensors, sample_key)
 from eagle_data.format.layout import INDEX_NAME, MANIFEST_NAME, parse_shard_name
 from eagle_data.format.layout import INDEX_DIR
+from eagle_data.format.tar import CorruptTar, TarWalk
 
 CATEGORIES = ("manifest", "shards", "samples", "keys", "index", "directory", "recompute")
 DEFAULT_RTOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
@@ -64,6 +64,8 @@ class VerifyReport:
 
 
 class _HashingReader:
+    """A file read once, in order, through sha256 (a stream to :class:`TarWalk`)."""
+
     def __init__(self, f):
         self.f, self.h, self.n = f, hashlib.sha256(), 0
 
@@ -73,31 +75,43 @@ class _HashingReader:
         self.n += len(b)
         return b
 
+    def readinto(self, buf) -> int:
+        n = self.f.readinto(buf)
+        self.h.update(memoryview(buf).cast("B")[:n])
+        self.n += n
+        return n
+
     def drain(self) -> None:
         while self.read(1 << 20):
             pass
 
 
 def _iter_tar(path: Path, rep: VerifyReport, shard: str, result: dict[str, Any]) -> Iterator[tuple[str, bytes, bytes]]:
-    """Yield ``(key, safetensors bytes, json bytes)``; report layout problems; when the file was
-    read to its end, put its ``bytes`` and ``sha256`` into ``result``."""
+    """Yield ``(key, safetensors bytes, json bytes)`` (the shard is read once, in order, through
+    sha256); report layout problems and an unreadable tar; put the file's ``bytes`` and
+    ``sha256`` into ``result``.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
     pending: dict[str, dict[str, bytes]] = {}
     with open(path, "rb") as f:
         r = _HashingReader(f)
-        with tarfile.open(fileobj=r, mode="r|") as tf:  # type: ignore[call-overload]
-            for m in tf:
-                key, _, ext = m.name.partition(".")
-                if not m.isfile() or "/" in m.name or ext not in (TENSOR_EXT, META_EXT):
+        walk = TarWalk(r, shard)
+        try:
+            for m in walk.members(everything=True):
+                if not m.sample or "/" in m.name or m.ext not in (TENSOR_EXT, META_EXT):
                     rep.add("shards", shard, f"unexpected tar member {m.name!r}")
                     continue
-                data = tf.extractfile(m).read()
-                got = pending.setdefault(key, {})
-                if ext in got:
-                    rep.add("keys", shard, f"key {key} stored twice in the same shard")
-                got[ext] = data
+                got = pending.setdefault(m.key, {})
+                if m.ext in got:
+                    rep.add("keys", shard, f"key {m.key} stored twice in the same shard")
+                got[m.ext] = walk.read(m).tobytes()
                 if len(got) == 2:
-                    del pending[key]
-                    yield key, got[TENSOR_EXT], got[META_EXT]
+                    del pending[m.key]
+                    yield m.key, got[TENSOR_EXT], got[META_EXT]
+        except CorruptTar as e:
+            rep.add("shards", shard, f"not a readable tar: {e}")
         r.drain()
     for key, got in pending.items():
         rep.add("shards", shard, f"sample {key} has only {sorted(got)}")
@@ -223,8 +237,8 @@ def verify_dataset(path: str | Path, recompute: int = 0, seed: int = 0, device: 
                 if f is not None:
                     facts[key] = f
                     rep.num_tokens += f["num_tokens"]
-        except (tarfile.TarError, OSError, EOFError) as e:
-            rep.add("shards", name, f"not a readable tar: {type(e).__name__}: {e}")
+        except OSError as e:
+            rep.add("shards", name, f"not readable: {type(e).__name__}: {e}")
         size, digest = res.get("bytes", p.stat().st_size), res.get("sha256")
         if size != s.get("bytes"):
             rep.add("shards", name, f"size {size} != manifest {s.get('bytes')}")
