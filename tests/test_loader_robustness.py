@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from eagle_data.stream.collate import FILLER_KEY
 from eagle_data.stream.dataset import EagleShardDataset
 from eagle_data.stream.loader import EagleDataLoader, background
 from eagle_data.tools.synthetic import write_synthetic
@@ -44,9 +45,11 @@ def test_shard_truncated_after_its_walk(tmp_path, on_error):
         with pytest.raises(ValueError, match=rf"{shard}:syn_\d+.*(end of file|changed)"):
             next(it)
         return
-    rest = [k for b in it for k in b["keys"]]
+    batches = [b["keys"] for b in it]
+    rest = [k for b in batches for k in b if k != FILLER_KEY]
     assert len(first) == 2 and not set(first) & set(rest)
     assert len(first) + len(rest) + dl.num_skipped == 10 and dl.num_skipped >= 6
+    assert len(batches) == 4 and all(b == [FILLER_KEY] for b in batches if FILLER_KEY in b)  # never empty
 
 
 def test_io_error_on_hidden_states_is_a_named_skip(tmp_path, monkeypatch):
