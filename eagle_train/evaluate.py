@@ -48,9 +48,10 @@ class GreedyOracle:
 
     def __init__(self, target, ids: torch.Tensor):
         self.target, self.ids = target, ids
+        self.device = next(target.parameters()).device
         with torch.no_grad():
-            out = target(ids[None], use_cache=True)
-        self.tf = out.logits[0].argmax(-1)  # tf[t]: greedy next token after x[<=t]
+            out = target(ids[None].to(self.device), use_cache=True)
+        self.tf = out.logits[0].argmax(-1).cpu()  # tf[t]: greedy next token after x[<=t]
         self.cache = out.past_key_values     # KV of the whole sample; cropped copies serve prefixes
 
     def continuation(self, t: int, need: int, check=None) -> list[int]:
@@ -68,9 +69,11 @@ class GreedyOracle:
                         past = copy.deepcopy(self.cache)
                         if t + 1 < T:
                             past.crop(t + 1 - T)  # drop the last T - (t + 1) positions
-                        out = self.target(torch.tensor([ys]), past_key_values=past, use_cache=True)
+                        out = self.target(torch.tensor([ys], device=self.device), past_key_values=past,
+                                          use_cache=True)
                     else:
-                        out = self.target(torch.tensor([[ys[-1]]]), past_key_values=past, use_cache=True)
+                        out = self.target(torch.tensor([[ys[-1]]], device=self.device), past_key_values=past,
+                                          use_cache=True)
                 past = out.past_key_values
                 tok = int(out.logits[0, -1].argmax())
             ys.append(tok)
@@ -85,8 +88,14 @@ class GreedyOracle:
 def acceptance(drafter, target, samples: dict[str, dict[str, torch.Tensor]], steps: int = 7,
                positions_per_sample: int = 8, max_length: Optional[int] = None,
                oracles: Optional[dict[str, "GreedyOracle"]] = None) -> dict[str, Any]:
-    """Run the protocol; returns ``tau``, ``accept_at_least`` [K] (P(a >= i)), ``accept_cond`` [K]
-    (P(d_i accepted | d_1..d_(i-1) accepted)), ``num_chains`` and per-chain ``accepted``.
+    """Run the protocol; returns ``tau``, ``tau_ci95`` (95 % interval, bootstrap over samples: the
+    chains of one conversation are not independent), ``accept_at_least`` [K] (P(a >= i)),
+    ``accept_cond`` [K] (P(d_i accepted | d_1..d_(i-1) accepted)), ``num_chains``, per-chain
+    ``accepted`` and ``chain_keys`` (the sample of each chain).
+
+    ``drafter`` has :meth:`eagle_train.model.Eagle3Drafter.propose_chain`'s interface (also
+    :class:`eagle_train.ngram.PromptLookupDrafter`); it runs on the device of its parameters
+    (if any), the target on its own.
 
     ``max_length`` truncates samples first; ``oracles`` (a dict, filled on first use) shares the
     target's teacher-forced pass between drafters evaluated on the same samples."""
@@ -94,7 +103,10 @@ def acceptance(drafter, target, samples: dict[str, dict[str, torch.Tensor]], ste
         raise ValueError(f"max_length must be >= 2 (a position and the token after it), got {max_length}")
     oracles = {} if oracles is None else oracles
     accepted: list[int] = []
+    chain_keys: list[str] = []
     drafter.eval()
+    p0 = next(iter(drafter.parameters()), None)
+    dev = p0.device if p0 is not None else torch.device("cpu")
     for key in sorted(samples):
         s = {k: v[:max_length] for k, v in samples[key].items()} if max_length is not None else samples[key]
         ids, m = s["input_ids"], s["loss_mask"].bool()
@@ -108,7 +120,8 @@ def acceptance(drafter, target, samples: dict[str, dict[str, torch.Tensor]], ste
         oracle = oracles[key]
         row_ids = torch.cat([ids[1:], ids.new_zeros(1)])            # row r holds x[r+1]
         first = [int(oracle.tf[t]) for t in pos]
-        drafts = drafter.propose_chain(row_ids, s["aux_hidden_states"].float(), pos, first, steps)
+        drafts = drafter.propose_chain(row_ids.to(dev), s["aux_hidden_states"].float().to(dev), pos, first, steps,
+                                       first_token_id=int(ids[0])).cpu()
         for t, d in zip(pos, drafts.tolist()):
             # ys[0] = y1 (target's own token), ys[i] must equal d[i-1]
             ys = oracle.continuation(t, steps + 1, check=lambda i, tok: i == 0 or tok == d[i - 1])
@@ -116,11 +129,30 @@ def acceptance(drafter, target, samples: dict[str, dict[str, torch.Tensor]], ste
             while a < steps and a + 1 < len(ys) and ys[a + 1] == d[a]:
                 a += 1
             accepted.append(a)
+            chain_keys.append(key)
     acc = torch.tensor(accepted, dtype=torch.float64)
     at_least = [float((acc >= i).double().mean()) for i in range(1, steps + 1)]
     cond = [float((acc >= i).sum() / max(int((acc >= i - 1).sum()), 1)) for i in range(1, steps + 1)]
-    return {"tau": float(1 + acc.mean()) if len(accepted) else float("nan"), "accept_at_least": at_least,
-            "accept_cond": cond, "num_chains": len(accepted), "accepted": accepted}
+    return {"tau": float(1 + acc.mean()) if len(accepted) else float("nan"),
+            "tau_ci95": tau_interval(accepted, chain_keys), "accept_at_least": at_least,
+            "accept_cond": cond, "num_chains": len(accepted), "accepted": accepted, "chain_keys": chain_keys}
+
+
+def tau_interval(accepted: list[int], keys: list[str], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """95 % percentile interval of tau, resampling whole samples (clusters of chains) with replacement."""
+    if not accepted:
+        return [float("nan"), float("nan")]
+    by_key: dict[str, list[int]] = {}
+    for a, k in zip(accepted, keys):
+        by_key.setdefault(k, []).append(a)
+    groups = list(by_key.values())
+    sums = torch.tensor([sum(g) for g in groups], dtype=torch.float64)
+    counts = torch.tensor([len(g) for g in groups], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.randint(0, len(groups), (resamples, len(groups)), generator=gen)
+    taus = 1 + sums[pick].sum(1) / counts[pick].sum(1)
+    lo, hi = torch.quantile(taus, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return [round(lo, 4), round(hi, 4)]
 
 
 def plot_acceptance(results: dict[str, dict[str, Any]], path: str | Path) -> Path:
@@ -133,7 +165,9 @@ def plot_acceptance(results: dict[str, dict[str, Any]], path: str | Path) -> Pat
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in results.items():
         xs = list(range(1, len(r["accept_at_least"]) + 1))
-        ax.plot(xs, r["accept_at_least"], marker="o", label=f"{name} (tau={r['tau']:.3f})")
+        lo, hi = r.get("tau_ci95", [float("nan")] * 2)
+        ax.plot(xs, r["accept_at_least"], marker="o",
+                label=f"{name}: tau {r['tau']:.3f} [{lo:.2f}, {hi:.2f}], {r['num_chains']} chains")
     ax.set_xlabel("draft position i")
     ax.set_ylabel("P(accepted length >= i)")
     ax.set_ylim(0, 1)
@@ -148,43 +182,54 @@ def plot_acceptance(results: dict[str, dict[str, Any]], path: str | Path) -> Pat
     return path
 
 
-def load_target(model_path: str | Path):
+def default_device() -> str:
+    """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_target(model_path: str | Path, device: str = "cpu"):
+    """The target in fp32 on ``device`` (the greedy references are exact in fp32)."""
     from transformers import AutoModelForCausalLM
 
     from eagle_train.model import resolve_model_path
 
-    return AutoModelForCausalLM.from_pretrained(str(resolve_model_path(model_path)), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(resolve_model_path(model_path)),
+                                                dtype=torch.float32).to(device).eval()
 
 
 def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_keys: Optional[str] = None,
              heldout_fraction: float = 0.1, num_samples: int = 16, positions_per_sample: int = 8, steps: int = 7,
              compare_untrained: bool = True, target_model: Optional[str] = None,
-             max_length: Optional[int] = None) -> dict[str, Any]:
-    """tau of the checkpoint (and of the same drafter untrained) on held-out samples; writes
-    ``acceptance.json`` and ``acceptance.png`` to ``out_dir``."""
+             max_length: Optional[int] = None, device: Optional[str] = None,
+             prompt_lookup_max: int = 4) -> dict[str, Any]:
+    """tau of the checkpoint, of the same drafter untrained, and of prompt-lookup speculation (the
+    free baseline, :mod:`eagle_train.ngram`) on the same held-out positions; writes
+    ``acceptance.json`` and ``acceptance.png`` to ``out_dir``. ``device``: where the drafter and
+    the target run (default: the GPU when there is one)."""
     from eagle_train.module import EagleDrafterModule
+    from eagle_train.ngram import PromptLookupDrafter
 
+    dev = device or default_device()
     keys = json.loads(Path(heldout_keys).read_text()) if heldout_keys else heldout_split(dataset_dir, heldout_fraction)
     keys = sorted(keys)[:num_samples]
     samples = read_samples(dataset_dir, keys)
-    results: dict[str, Any] = {}
-    mod = None
-    if checkpoint:
-        mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu")
-    target = load_target(target_model or (mod.hparams.target_model_path if mod else None))
-    oracles: dict = {}
+    mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu") if checkpoint else None
+    target = load_target(target_model or (mod.hparams.target_model_path if mod else None), dev)
+    drafters: dict[str, Any] = {}
     if mod is not None:
-        results["trained"] = acceptance(mod.drafter.float(), target, samples, steps, positions_per_sample,
-                                        max_length, oracles)
-    if compare_untrained:
-        hp = dict(mod.hparams) if mod is not None else {}
-        fresh = EagleDrafterModule(**hp) if hp else None
-        if fresh is not None:
-            results["untrained"] = acceptance(fresh.drafter.float(), target, samples, steps, positions_per_sample,
-                                              max_length, oracles)
+        drafters["trained"] = mod.drafter
+        if compare_untrained:
+            drafters["untrained"] = EagleDrafterModule(**dict(mod.hparams),
+                                                       _vocab=(mod.drafter.d2t, mod.drafter.t2d)).drafter
+    drafters["prompt_lookup"] = PromptLookupDrafter(max_n=prompt_lookup_max)
+    oracles: dict = {}
+    results = {name: acceptance(d.float().to(dev) if isinstance(d, torch.nn.Module) else d, target, samples, steps,
+                                positions_per_sample, max_length, oracles)
+               for name, d in drafters.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = {name: {k: v for k, v in r.items() if k != "accepted"} for name, r in results.items()}
+    summary: dict[str, Any] = {name: {k: v for k, v in r.items() if k not in ("accepted", "chain_keys")}
+                               for name, r in results.items()}
     summary["heldout_keys"] = keys
     (out / "acceptance.json").write_text(json.dumps(summary, indent=1))
     summary["plot"] = str(plot_acceptance(results, out / "acceptance.png"))

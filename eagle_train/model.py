@@ -311,7 +311,7 @@ class Eagle3Drafter(nn.Module):
 
     @torch.no_grad()
     def propose_chain(self, input_ids: torch.Tensor, aux: torch.Tensor, rows: list[int], first_tokens: list[int],
-                      steps: int) -> torch.Tensor:
+                      steps: int, first_token_id: Optional[int] = None) -> torch.Tensor:
         """Greedy chain drafting (SGLang chain / topk=1 semantics) for several rows of one sequence.
 
         Step 0 for the prefix rows ``< r`` uses the real shifted tokens (their keys are the KV
@@ -323,6 +323,8 @@ class Eagle3Drafter(nn.Module):
             input_ids: [T] shifted tokens (row ``r`` holds ``x[r+1]``); aux: [T, 3*Ht].
             rows: rows ``r`` to draft from; first_tokens: target token at each row.
             steps: K proposals per row.
+            first_token_id: ``x[0]``; unused here (row ``r`` already pairs ``x[r+1]`` with ``g[r]``),
+                part of the proposer interface (:class:`eagle_train.ngram.PromptLookupDrafter`).
 
         Returns:
             int64 [len(rows), K] target ids of the proposals.

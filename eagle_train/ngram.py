@@ -52,6 +52,10 @@ class PromptLookupDrafter:
     def eval(self) -> "PromptLookupDrafter":
         return self
 
+    def parameters(self):
+        """None: it runs on the CPU (the interface of a drafter module)."""
+        return iter(())
+
     def propose_chain(self, input_ids: torch.Tensor, aux: torch.Tensor, rows: list[int], first_tokens: list[int],
                       steps: int, first_token_id: int | None = None) -> torch.Tensor:
         """int64 [len(rows), K]: the proposals after ``x[<=r] + [first_tokens[i]]``, padded with

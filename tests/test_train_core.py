@@ -270,3 +270,26 @@ def test_ttt_loss_on_samples_shorter_than_the_steps(tmp_path):
     assert torch.isfinite(out["loss"]) and float(out["loss"]) > 0
     assert [int(n) for n in out["n_k"]] == [2, 1, 0, 0, 0, 0, 0]  # rows 0, 1 predict x2, x3 at step 0
     assert all(torch.isfinite(p.grad).all() for p in mod.drafter.parameters() if p.grad is not None)
+
+
+def test_prompt_lookup_scored_on_the_same_positions_with_an_interval(tmp_path):
+    """A target that loops (its own greedy text, stored as the sample) is predicted by prompt
+    lookup; chains and positions are those the drafter gets; the 95 % interval brackets tau."""
+    from eagle_train.evaluate import acceptance, tau_interval
+    from eagle_train.ngram import PromptLookupDrafter
+
+    target = tiny_target()
+    with torch.no_grad():
+        ids = target.generate(torch.tensor([[5, 9, 5, 9]]), max_new_tokens=60, do_sample=False)[0]
+    b = tiny_batch(target, n=1, t=24)
+    loss_mask = torch.zeros_like(ids, dtype=torch.uint8)
+    loss_mask[4:] = 1
+    s = {"loop": {"input_ids": ids, "loss_mask": loss_mask,
+                  "aux_hidden_states": torch.zeros(len(ids), b["aux_hidden_states"].shape[-1])}}
+    pl = acceptance(PromptLookupDrafter(), target, s, steps=5, positions_per_sample=8)
+    dr = acceptance(tiny_module(tmp_path).drafter, target, s, steps=5, positions_per_sample=8)
+    assert pl["num_chains"] == dr["num_chains"] == 8 and pl["chain_keys"] == ["loop"] * 8
+    assert pl["tau"] > 2.0 and pl["tau"] > dr["tau"], (pl, dr)  # the loops are what prompt lookup predicts
+    lo, hi = pl["tau_ci95"]
+    assert lo <= pl["tau"] <= hi
+    assert tau_interval([0, 0, 6, 6], ["a", "a", "b", "b"]) == [1.0, 7.0]  # two clusters: all-a to all-b

@@ -50,8 +50,9 @@ def train(model: Optional[dict[str, Any]] = None, data: Optional[Union[dict[str,
 def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Optional[str] = None,
              heldout_fraction: float = 0.1, num_samples: int = 16, positions_per_sample: int = 8,
              steps: int = 7, compare_untrained: bool = True, target_model: Optional[str] = None,
-             max_length: Optional[int] = None) -> None:
-    """Acceptance length tau (greedy chain) of a drafter vs the HF target on held-out samples.
+             max_length: Optional[int] = None, device: Optional[str] = None, prompt_lookup_max: int = 4) -> None:
+    """Acceptance length tau (greedy chain) of a drafter vs the HF target on held-out samples, beside
+    prompt-lookup (n-gram) speculation on the same positions: the free baseline to beat.
 
     Args:
         path: dataset directory holding the held-out samples.
@@ -65,12 +66,15 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
         compare_untrained: also evaluate the same drafter at initialisation.
         target_model: target HF folder (default: the checkpoint's).
         max_length: truncate held-out samples to this many tokens first.
+        device: where the drafter and target run (default: "cuda" when a GPU is visible, else "cpu").
+        prompt_lookup_max: longest n-gram prompt lookup tries (vLLM's prompt_lookup_max).
     """
     from eagle_train.evaluate import evaluate as _evaluate
 
     s = _evaluate(path, checkpoint, out, heldout_keys, heldout_fraction, num_samples, positions_per_sample,
-                  steps, compare_untrained, target_model, max_length)
-    print(json.dumps({k: (v["tau"] if isinstance(v, dict) and "tau" in v else v)
+                  steps, compare_untrained, target_model, max_length, device, prompt_lookup_max)
+    print(json.dumps({k: ({"tau": v["tau"], "tau_ci95": v["tau_ci95"], "num_chains": v["num_chains"]}
+                          if isinstance(v, dict) and "tau" in v else v)
                       for k, v in s.items() if k != "heldout_keys"}, indent=1))
 
 
