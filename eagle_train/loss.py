@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def shift_left(x: torch.Tensor, n: int, fill: Any = 0) -> torch.Tensor:
@@ -79,9 +80,17 @@ def target_argmax_in_vocab(final: torch.Tensor, lm_head: torch.Tensor, t2d: torc
     return out.view(final.shape[:-1])
 
 
+#: elements of one row chunk of draft logits [rows, N] in :func:`ttt_loss` (64 Mi)
+LOSS_CHUNK_ELEMS = 2 ** 26
+
+
 def ttt_loss(drafter, target_lm_head: torch.Tensor, batch: dict[str, Any], steps: int = 7,
-             step_weight: float = 0.8, exclude_oov: bool = True) -> dict[str, Any]:
-    """Unrolled TTT loss of one batch.
+             step_weight: float = 0.8, exclude_oov: bool = True, chunk_rows: int | None = None) -> dict[str, Any]:
+    """Unrolled TTT loss of one batch (definition: module docstring), memory linear in T.
+
+    The teacher is computed once, only at the rows some step supervises (``[n_teacher, N]`` fp32);
+    each step's soft cross-entropy runs over row chunks of ``chunk_rows`` under activation
+    checkpointing, so no ``[rows, N]`` tensor of a step outlives its chunk.
 
     Args:
         drafter: :class:`eagle_train.model.Eagle3Drafter`.
@@ -89,33 +98,97 @@ def ttt_loss(drafter, target_lm_head: torch.Tensor, batch: dict[str, Any], steps
         batch: a :class:`eagle_data.stream.collate.Batch` (``input_ids`` [B, T],
             ``aux_hidden_states`` [B, T, 3H], ``hidden_states`` [B, T, H], masks [B, T]).
         steps: K; step_weight: ``w`` of ``w^k``.
+        chunk_rows: rows per loss chunk (default: :data:`LOSS_CHUNK_ELEMS` / N).
 
     Returns:
         ``{"loss": scalar, "loss_k": [K] tensors, "acc_k": [K], "n_k": [K] supervised rows}``.
     """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
     ids, valid = batch["input_ids"], batch["attention_mask"].bool()
-    aux, final = batch["aux_hidden_states"], batch["hidden_states"]
-    # row frame: row r <- position r + 1
-    sup = step_loss_masks(batch["loss_mask"], valid, steps)[:, :, 1:]          # [K, B, T-1]
-    if exclude_oov:
-        ok = target_argmax_in_vocab(final[:, 1:], target_lm_head, drafter.t2d)  # row r: f[r+1]
-        sup = sup & torch.stack([shift_left(ok, k, False) for k in range(steps)])
-    row_ids, row_aux, row_valid = ids[:, 1:], aux[:, :-1], valid[:, 1:]
-    with torch.no_grad():
-        teach = torch.softmax(teacher_logits(final[:, 1:], target_lm_head, drafter.t2d), -1)  # [B, T-1, N]
-    hiddens = drafter.ttt_forward(row_ids, row_aux, row_valid, steps)
+    sup = supervised_rows(drafter, target_lm_head, batch, steps, exclude_oov)   # [K, B, T-1]
+    slot, teach = row_teacher(batch["hidden_states"][:, 1:], target_lm_head, drafter.t2d, sup)
+    teach_arg = teach.argmax(-1)
+    hiddens = drafter.ttt_forward(ids[:, 1:], batch["aux_hidden_states"][:, :-1], valid[:, 1:], steps)
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    chunk = chunk_rows or max(1, LOSS_CHUNK_ELEMS // teach.shape[-1])
     total = 0.0
     loss_k, acc_k, n_k = [], [], []
     for k, h in enumerate(hiddens):
         m = sup[k]
         n = m.sum()
-        tp = shift_left(teach, k, 0.0)[m]                                     # [n, N]
-        logp = F.log_softmax(drafter.logits(h[m]).float(), -1)
-        lk = -(tp * logp).sum(-1).sum() / n.clamp(min=1)
-        with torch.no_grad():
-            acc = (logp.argmax(-1) == tp.argmax(-1)).float().sum() / n.clamp(min=1)
+        ce, hit = _step_ce(drafter, h[m], teach, teach_arg, shift_left(slot, k, -1)[m], chunk)
+        lk = ce / n.clamp(min=1)
         total = total + (step_weight ** k) * lk
         loss_k.append(lk.detach())
-        acc_k.append(acc)
+        acc_k.append(hit.float() / n.clamp(min=1))
         n_k.append(n)
     return {"loss": total, "loss_k": loss_k, "acc_k": acc_k, "n_k": n_k}
+
+
+def supervised_rows(drafter, target_lm_head: torch.Tensor, batch: dict[str, Any], steps: int,
+                    exclude_oov: bool) -> torch.Tensor:
+    """bool [K, B, T-1] in the row frame (row ``r`` <- position ``r + 1``): step ``k`` of row ``r``
+    is supervised (:func:`step_loss_masks`, with ``exclude_oov``: the teacher's full-vocabulary
+    argmax at ``f[r+k+1]`` lies in the draft vocabulary)."""
+    valid, final = batch["attention_mask"].bool(), batch["hidden_states"]
+    sup = step_loss_masks(batch["loss_mask"], valid, steps)[:, :, 1:]
+    if exclude_oov:
+        ok = target_argmax_in_vocab(final[:, 1:], target_lm_head, drafter.t2d)  # row r: f[r+1]
+        sup = sup & torch.stack([shift_left(ok, k, False) for k in range(steps)])
+    return sup
+
+
+@torch.no_grad()
+def row_teacher(final: torch.Tensor, lm_head: torch.Tensor, t2d: torch.Tensor, sup: torch.Tensor,
+                chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher distribution at the rows some step needs (step ``k`` of row ``r`` reads row ``r + k``).
+
+    Args:
+        final: [B, R, H] final states in the row frame; lm_head: [V, H]; t2d: bool [V];
+        sup: bool [K, B, R] supervised steps (:func:`supervised_rows`).
+
+    Returns:
+        ``(slot, probs)``: slot int64 [B, R] (index into probs, -1 where not needed), probs
+        [n_teacher, N] fp32 = ``softmax(teacher_logits)`` at those rows.
+    """
+    need = torch.zeros_like(sup[0])
+    for k in range(min(sup.shape[0], sup.shape[2])):  # a step k >= R reads no row
+        need[:, k:] |= sup[k, :, :sup.shape[2] - k]
+    slot = torch.cumsum(need.flatten(), 0).sub_(1).view_as(need).masked_fill_(~need, -1)
+    rows = final[need]
+    w = lm_head[t2d].float()
+    probs = torch.empty(rows.shape[0], w.shape[0], dtype=torch.float32, device=final.device)
+    for i in range(0, rows.shape[0], chunk):
+        probs[i:i + chunk] = torch.softmax(rows[i:i + chunk].float() @ w.T, -1)
+    return slot, probs
+
+
+def _step_ce(drafter, h: torch.Tensor, teach: torch.Tensor, teach_arg: torch.Tensor, ts: torch.Tensor,
+             rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's soft cross-entropy, summed over the supervised rows, in chunks of ``rows``.
+
+    Args:
+        h: [n, H] pre-norm drafter states; teach: [n_teacher, N] teacher probabilities,
+            teach_arg: [n_teacher] their argmax; ts: int64 [n] teacher row of each row of ``h``.
+
+    Returns:
+        ``(ce, hits)``: scalar fp32 sum of ``-sum_v p_T log q``; int64 count of rows whose draft
+        argmax equals the teacher's. Each chunk is checkpointed: no [rows, N] tensor is kept for
+        backward (the chunk's logits are recomputed there).
+    """
+    def chunk_ce(hc, tc):
+        logp = F.log_softmax(drafter.logits(hc).float(), -1)
+        return -(teach[tc] * logp).sum(-1).sum(), logp.detach().argmax(-1)
+
+    ce, hits = None, ts.new_zeros(())
+    for i in range(0, max(1, h.shape[0]), rows):  # an empty step still gives a loss with a graph
+        hc, tc = h[i:i + rows], ts[i:i + rows]
+        if torch.is_grad_enabled() and hc.requires_grad:
+            c, arg = checkpoint(chunk_ce, hc, tc, use_reentrant=False, preserve_rng_state=False)
+        else:
+            c, arg = chunk_ce(hc, tc)
+        ce = c if ce is None else ce + c
+        hits = hits + (arg == teach_arg[tc]).sum()
+    return ce, hits

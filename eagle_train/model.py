@@ -26,7 +26,6 @@ One drafter step (SGLang ``LlamaDecoderLayer.forward`` with ``is_input_layer``):
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -34,6 +33,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from eagle_train.attention import ttt_attention, ttt_attention_reference  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -149,8 +150,9 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``x`` [B, T, 2H] -> q [B, nh, T, hd], k/v [B, nh, T, hd] (kv heads repeated), roped."""
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, repeat_kv: bool = True):
+        """``x`` [B, T, 2H] -> q [B, nh, T, hd], k/v [B, nh, T, hd] (kv heads repeated; with
+        ``repeat_kv=False`` [B, nkv, T, hd]), roped."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         b, t, _ = x.shape
@@ -158,35 +160,10 @@ class DraftAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if not repeat_kv:
+            return q, k, v
         rep = self.nh // self.nkv
         return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-
-
-def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: torch.Tensor,
-                  extra_k: list[torch.Tensor], extra_v: list[torch.Tensor]) -> torch.Tensor:
-    """Attention of the training-time test (SpecForge's ``cache_hidden`` scheme).
-
-    Row ``t`` of the query attends to the step-0 keys allowed by ``mask0`` (causal: ``<= t``)
-    and to ``extra_k[j][..., t, :]`` (the key of the SAME row at later step ``j + 1``).
-
-    Args:
-        q: [B, h, Tq, d]; k0, v0: [B, h, Tk, d]; mask0: bool broadcastable to [B, h, Tq, Tk]
-            (True = visible); extra_k/extra_v: lists of [B, h, Tq, d].
-
-    Returns:
-        [B, Tq, h * d].
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s0 = torch.matmul(q, k0.transpose(-1, -2)) * scale
-    s0 = s0.masked_fill(~mask0, float("-inf"))
-    se = [(q * k).sum(-1, keepdim=True) * scale for k in extra_k]
-    p = torch.softmax(torch.cat([s0, *se], dim=-1).float(), dim=-1).to(q.dtype)
-    tk = k0.shape[-2]
-    out = torch.matmul(p[..., :tk], v0)
-    for j, v in enumerate(extra_v):
-        out = out + p[..., tk + j: tk + j + 1] * v
-    b, h, tq, d = out.shape
-    return out.transpose(1, 2).reshape(b, tq, h * d)
 
 
 class DraftMLP(nn.Module):
@@ -211,9 +188,9 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
-    def qkv(self, embeds, hidden, cos, sin):
+    def qkv(self, embeds, hidden, cos, sin, repeat_kv: bool = True):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        return self.self_attn.qkv(x, cos, sin)
+        return self.self_attn.qkv(x, cos, sin, repeat_kv)
 
     def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """``attn`` [B, T, h*d], ``hidden`` = the residual (layer input) -> pre-norm output [B, T, H]."""
@@ -266,13 +243,13 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     def ttt_forward(self, input_ids: torch.Tensor, aux: torch.Tensor, key_valid: torch.Tensor, steps: int,
-                    positions: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+                    positions: Optional[torch.Tensor] = None, attn_impl: str = "auto") -> list[torch.Tensor]:
         """Unrolled training-time test over all rows at once.
 
         Row ``r`` of step ``k`` reads token ``input_ids[:, r + k]`` (0 beyond the end) and, at step 0,
         ``fc(aux[:, r])``, later its own pre-norm output of step ``k - 1``; rope position ``r + k``.
-        Attention (:func:`ttt_attention`): step-0 keys at rows ``<= r`` that are valid, plus the
-        keys of the same row at steps ``1..k``.
+        Attention (:func:`eagle_train.attention.ttt_attention`, memory linear in ``T``): step-0
+        keys at rows ``<= r`` that are valid, plus the keys of the same row at steps ``1..k``.
 
         Args:
             input_ids: [B, T] int64, tokens already shifted so that row ``r`` pairs token ``x[r+1]``
@@ -280,18 +257,18 @@ class Eagle3Drafter(nn.Module):
             aux: [B, T, 3*Ht] target aux states.
             key_valid: [B, T] bool, False at padding.
             steps: K.
+            attn_impl: ``impl`` of :func:`eagle_train.attention.ttt_attention` ("auto": compiled
+                flex_attention on CUDA, chunked elsewhere).
 
         Returns:
             K pre-norm hidden states [B, T, H] (one per step).
         """
         b, t = input_ids.shape
+        if key_valid.shape != (b, t):
+            raise ValueError(f"key_valid {tuple(key_valid.shape)} != input_ids {(b, t)}")
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
-        # a padded row may always see itself: a row with no valid key (a 1-token sample) would
-        # otherwise softmax over nothing and turn the gradients NaN; valid rows are unaffected
-        eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
-        mask0 = ((causal[None] & key_valid[:, None, :]) | eye)[:, None]  # [B, 1, T, T]
+        key_valid, cache = key_valid.bool(), {}
         hidden = self.fc(aux.to(self.fc.weight.dtype))
         outs, k0 = [], None
         extra_k: list[torch.Tensor] = []
@@ -299,13 +276,14 @@ class Eagle3Drafter(nn.Module):
         for k in range(steps):
             ids = F.pad(input_ids[:, k:], (0, min(k, t)))  # x[r + k], 0 beyond the end (also when T <= k)
             cos, sin = self.rope(positions + k, hidden)
-            q, kk, vv = self.midlayer.qkv(self.embed(ids), hidden, cos, sin)
+            q, kk, vv = self.midlayer.qkv(self.embed(ids), hidden, cos, sin, repeat_kv=False)
             if k == 0:
                 k0, v0 = kk, vv
             else:
                 extra_k.append(kk)
                 extra_v.append(vv)
-            hidden = self.midlayer.finish(ttt_attention(q, k0, v0, mask0, extra_k, extra_v), hidden)
+            attn = ttt_attention(q, k0, v0, key_valid, extra_k, extra_v, impl=attn_impl, cache=cache)
+            hidden = self.midlayer.finish(attn, hidden)
             outs.append(hidden)
         return outs
 
@@ -350,7 +328,7 @@ class Eagle3Drafter(nn.Module):
                     ek.append(kk)
                     ev.append(vv)
                 mask = torch.ones(1, 1, 1, r + 1, dtype=torch.bool, device=q.device)
-                hidden = self.midlayer.finish(ttt_attention(q, k0, v0, mask, ek, ev), hidden)
+                hidden = self.midlayer.finish(ttt_attention_reference(q, k0, v0, mask, ek, ev), hidden)
                 token = tids[self.logits(hidden).argmax(-1)]
                 out[i, k] = token.item()
         return out

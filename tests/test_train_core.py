@@ -86,7 +86,7 @@ def test_teacher_logits_match_target():
 
 def test_ttt_attention_mask():
     """Step k, row t sees step-0 keys <= t and the step-j (1<=j<=k) keys of row t only."""
-    from eagle_train.model import ttt_attention
+    from eagle_train.model import ttt_attention, ttt_attention_reference
 
     torch.manual_seed(0)
     B, h, T, d = 1, 1, 5, 4
@@ -94,12 +94,14 @@ def test_ttt_attention_mask():
     ks = [torch.randn(B, h, T, d) for _ in range(3)]
     vs = [torch.randn(B, h, T, d) for _ in range(3)]
     mask0 = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
-    out = ttt_attention(q, ks[0], vs[0], mask0, ks[1:], vs[1:])
+    out = ttt_attention_reference(q, ks[0], vs[0], mask0, ks[1:], vs[1:])
+    new = ttt_attention(q, ks[0], vs[0], torch.ones(B, T, dtype=torch.bool), ks[1:], vs[1:], chunk=2)
     for t in range(T):  # explicit reference: keys = step-0 rows <= t, then row t of steps 1, 2
         K = torch.cat([ks[0][0, 0, : t + 1], ks[1][0, 0, t: t + 1], ks[2][0, 0, t: t + 1]])
         V = torch.cat([vs[0][0, 0, : t + 1], vs[1][0, 0, t: t + 1], vs[2][0, 0, t: t + 1]])
         w = torch.softmax(q[0, 0, t] @ K.T / d ** 0.5, -1)
         torch.testing.assert_close(out[0, t], w @ V)
+        torch.testing.assert_close(new[0, t], w @ V)
 
 
 def test_chain_matches_ttt_first_step(tmp_path):
