@@ -80,8 +80,8 @@ def target_argmax_in_vocab(final: torch.Tensor, lm_head: torch.Tensor, t2d: torc
     return out.view(final.shape[:-1])
 
 
-#: elements of one row chunk of draft logits [rows, N] in :func:`ttt_loss` (64 Mi)
-LOSS_CHUNK_ELEMS = 2 ** 26
+#: elements of one row chunk of draft logits [rows, N] in :func:`ttt_loss` (32 Mi: ~1k rows at N = 32k)
+LOSS_CHUNK_ELEMS = 2 ** 25
 
 
 def ttt_loss(drafter, target_lm_head: torch.Tensor, batch: dict[str, Any], steps: int = 7,

@@ -125,6 +125,35 @@ def load_target_tensors(model_path: str | Path, names: list[str]) -> dict[str, t
     return out
 
 
+def cast_for_autocast(x: torch.Tensor) -> torch.Tensor:
+    """Under autocast, ``x`` cast once to the autocast dtype (same values autocast would give each
+    projection), so that the projections reading ``x`` share ONE copy saved for backward instead
+    of each casting and saving its own."""
+    dev = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
+
+
+class _SiluMul(torch.autograd.Function):
+    """``silu(gate) * up`` saving only ``gate`` and ``up`` (autograd would also keep ``silu(gate)``);
+    the backward recomputes the sigmoid (fp32)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        x, gf = gate.float(), g.float()
+        sig = torch.sigmoid(x)
+        d_up = gf * x * sig
+        d_gate = gf * up.float() * sig * (1 + x * (1 - sig))
+        return d_gate.to(gate.dtype), d_up.to(up.dtype)
+
+
 class RMSNorm(nn.Module):
     """Llama RMSNorm (fp32 statistics), same math as HF ``LlamaRMSNorm`` / SGLang ``forward_native``."""
 
@@ -134,10 +163,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dt = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dt)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)`` saving only ``x`` and the
+    rsqrt [..., 1] (autograd would keep an fp32 copy of ``x`` and the normalised ``x`` too)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # .float(); fp64 stays fp64 (tests)
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, r)
+        return weight * (xf * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x, weight, r = ctx.saved_tensors
+        xn = x.to(r.dtype) * r                                    # [..., H] fp32
+        gw = (gy * xn.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        g = (gy * weight).to(x.dtype).to(r.dtype)                 # grad of the rounded xn
+        gx = r * (g - xn * (g * xn).mean(-1, keepdim=True))
+        return gx.to(x.dtype), gw, None
 
 
 class DraftAttention(nn.Module):
@@ -156,6 +203,7 @@ class DraftAttention(nn.Module):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         b, t, _ = x.shape
+        x = cast_for_autocast(x)
         q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
@@ -174,7 +222,8 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        x = cast_for_autocast(x)
+        return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 class DraftDecoderLayer(nn.Module):

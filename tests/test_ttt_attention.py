@@ -359,3 +359,62 @@ def test_ttt_loss_memory(tmp_path):
     rows = sum(512 - 2 - k for k in range(steps))  # supervised rows over the steps
     assert saved(big, 512, True) == n4
     assert saved(big, 512, False) - r4 >= 2 * rows * (192 - 48) * 4
+
+
+# ---------------------------------------------------------------- memory-lean layer pieces
+def test_silu_mul_matches_autograd():
+    from eagle_train.model import _SiluMul
+
+    g = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_SiluMul.apply, (g, u))
+    out = _SiluMul.apply(g, u)
+    torch.testing.assert_close(out, F.silu(g) * u, rtol=0, atol=0)
+    cot = torch.randn_like(out)
+    got = torch.autograd.grad((out * cot).sum(), (g, u))
+    want = torch.autograd.grad(((F.silu(g) * u) * cot).sum(), (g, u))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_cast_once_under_autocast_same_values(tmp_path):
+    """The layer under bf16 autocast gives bit-identical outputs with the single cast of the
+    projections' input (autocast would cast the same values for each projection)."""
+    from eagle_train.model import DraftMLP, cast_for_autocast
+
+    mod = tiny_module(tmp_path)
+    mlp: DraftMLP = mod.drafter.midlayer.mlp
+    x = torch.randn(2, 5, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert cast_for_autocast(x).dtype == torch.bfloat16
+        got = mlp(x)
+        want = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    assert cast_for_autocast(x) is x  # no autocast: untouched
+    assert torch.equal(got, want)
+
+
+def _rmsnorm_autograd(x, w, eps):
+    """RMSNorm as plain autograd ops (the formula of ``eagle_train.model.RMSNorm``)."""
+    dt = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_function_matches_autograd(dtype):
+    from eagle_train.model import _RMSNormFn
+
+    x64 = torch.randn(3, 4, 8, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: _RMSNormFn.apply(x, w, 1e-6), (x64, w64))
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 64, generator=g) * 3).to(dtype).requires_grad_()
+    w = (1 + torch.randn(64, generator=g) * 0.1).requires_grad_()
+    y = _RMSNormFn.apply(x, w, 1e-6)
+    want = _rmsnorm_autograd(x, w, 1e-6)
+    assert torch.equal(y, want)  # forward: bit-identical
+    cot = torch.randn(y.shape, generator=g)
+    for a, b in zip(torch.autograd.grad((y * cot).sum(), (x, w)), torch.autograd.grad((want * cot).sum(), (x, w))):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
