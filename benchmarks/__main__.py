@@ -1,4 +1,4 @@
-"""``python -m benchmarks loader|extract|train|train_step|sglang|tar_walk``: benchmarks that print numbers.
+"""``python -m benchmarks loader|extract|pipeline|train|train_step|sglang|tar_walk``: benchmarks that print numbers.
 
 Run from a checkout (this folder is not installed). Each command is the benchmark function
 itself: its signature and docstring make the command line (jsonargparse); ``--help`` lists
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from benchmarks.extract import bench_extract
 from benchmarks.loader import bench_loader
+from benchmarks.pipeline import bench_pipeline
 from benchmarks.sglang import bench_sglang
 from benchmarks.tar_walk import bench_tar_walk
 from benchmarks.train import bench_train
@@ -16,7 +17,8 @@ from benchmarks.train_step import bench_train_step
 from eagle_data.cli.main import run_cli
 
 COMMANDS = {"loader": bench_loader, "extract": bench_extract, "train": bench_train, "sglang": bench_sglang,
-            "train_step": bench_train_step, "tar_walk": bench_tar_walk}
+            "train_step": bench_train_step, "tar_walk": bench_tar_walk,
+            "pipeline": bench_pipeline}
 
 
 def main(argv: list[str] | None = None) -> None:

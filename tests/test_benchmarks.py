@@ -76,3 +76,17 @@ def test_bench_tar_walk_times_both_walks_over_the_same_members(tmp_path, capsys)
         assert r["members"] == 40 and r["tarfile_us_per_member"] > 0 and r["handwritten_us_per_member"] > 0
         assert 0 < r["tarfile_share"] and 0 < r["handwritten_share"] and r["loader_us_per_sample"] > 0
     assert "tarfile walk / loader" in capsys.readouterr().out
+
+
+def test_bench_pipeline_runs_extraction_end_to_end(tmp_path, tiny):
+    """The pipeline benchmark extracts every row of a small JSONL with a random target built around
+    a tokenizer folder, and reports tokens/s per run."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"id": str(i), "conversations": [
+        {"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer number {i}"}]})
+        for i in range(3)) + "\n")
+    out = tmp_path / "p.json"
+    main(["pipeline", "--data", str(data), "--tokenizer_dir", str(tiny[0]), "--num_samples", "null",
+          "--device", "cpu", "--dtype", "float32", "--max_length", "1024", "--repeats", "1", "--json_out", str(out)])
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["samples"] == 3 and run["tok_s"] > 0
