@@ -53,7 +53,7 @@ REASONS = {"no_messages", "unknown_role", "non_string_content", "empty_assistant
            "broken_alternation", "misplaced_system", "bad_turn", "not_an_object", "invalid_unicode",
            "unreadable_record", "template_error", "no_loss_tokens", "token_id_out_of_range",
            "non_finite_hidden_states", "non_text_content", "bad_tool_call", "mask_unaligned",
-           "message_not_rendered", "tool_calls_not_rendered", "special_token_in_text"}
+           "message_not_rendered", "tool_calls_not_rendered", "special_token_in_text", "ambiguous_record"}
 
 
 @settings(max_examples=300, deadline=None)
@@ -134,3 +134,91 @@ def test_unreadable_lines_and_json_array_files(tmp_path):
     a.write_text(json.dumps([{"id": 1}, {"id": 2}]))
     assert [rec["id"] for _, rec in iter_records(str(a), rank=1, world_size=2)] == [2]
     assert len(list(iter_records(str(tmp_path / "*.jsonl")))) == 4  # absolute glob
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"out": ""}, "out must be a non-empty string"),
+    ({"dataset_tag": ""}, "dataset_tag must be non-empty"),
+    ({"device": "foo"}, "device must be a torch device"),
+    ({"world_size": 0}, "world_size must be an integer >= 1"),
+    ({"rank": 2, "world_size": 2}, r"rank 2 must be in \[0, world_size=2\)"),
+    ({"template_date": "yesterday"}, "template_date must be a date YYYY-MM-DD"),
+    ({"split": " "}, "split must be a non-empty string"),
+])
+def test_bad_settings_name_the_field(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ExtractConfig(**kw)
+
+
+def test_folder_sources_read_every_data_file_and_refuse_other_files(tmp_path):
+    """A data folder: files in subfolders and upper-case extensions are read (sorted by path),
+    hidden entries ignored; a file that is not data is an error, not silently left out."""
+    from eagle_data.extract.sources import iter_records, resolve
+
+    rec = lambda i: json.dumps({"id": str(i), "conversations": [{"from": "human", "value": "q"},  # noqa: E731
+                                                                {"from": "gpt", "value": f"a{i}"}]})
+    d = tmp_path / "data"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.jsonl").write_text(rec(0) + "\n")
+    (d / "B.JSONL").write_text(rec(1) + "\n")
+    (d / "sub" / "c.jsonl").write_text(rec(2) + "\n")
+    (d / ".hidden.txt").write_text("ignored")
+    assert [r["id"] for _, r in iter_records(str(d))] == ["1", "0", "2"]  # B.JSONL, a.jsonl, sub/c.jsonl
+    (d / "notes.txt").write_text("not data")
+    with pytest.raises(ValueError, match=r"not \.json/\.jsonl/\.parquet: \['notes.txt'\]"):
+        resolve(str(d))
+
+
+def test_split_of_local_data_and_backend_options_are_checked(tiny, tmp_path):
+    """--split means a hub split (local files have only 'train'); backend_kwargs the backend does
+    not take, a model folder without weights: ValueError naming them, before any work."""
+    model, data = tiny
+    base = dict(model=str(model), data=str(data), out=str(tmp_path / "o"), dtype="float32", progress=False)
+    with pytest.raises(ValueError, match="split 'validation': local files"):
+        run_extract(ExtractConfig(split="validation", **base))
+    with pytest.raises(ValueError, match=r"backend_kwargs: the hf backend takes no option\(s\) \['foo'\]"):
+        run_extract(ExtractConfig(backend_kwargs={"foo": 1}, **base))
+    empty = tmp_path / "noweights"
+    shutil.copytree(model, empty)
+    (empty / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="cannot load its weights"):
+        run_extract(ExtractConfig(**{**base, "model": str(empty), "out": str(tmp_path / "o2")}))
+
+
+def test_merge_refuses_missing_shards_and_damaged_progress(tiny, tmp_path):
+    """merge never publishes a manifest listing a shard that is gone or changed size, nor reads
+    a progress file that is JSON but not a progress record."""
+    from eagle_data.extract.manifest import merge
+
+    model, data = tiny
+    out = tmp_path / "ds"
+    run_extract(ExtractConfig(model=str(model), data=str(data), out=str(out), dtype="float32", progress=False,
+                              shard_max_samples=4))
+    shards = sorted(out.glob("*.tar"))
+    data_bytes = shards[1].read_bytes()
+    shards[1].write_bytes(data_bytes[:-512])
+    with pytest.raises(ValueError, match=rf"{shards[1].name} \(size differs"):
+        merge(out)
+    shards[1].unlink()
+    with pytest.raises(ValueError, match=rf"{shards[1].name} \(missing\)"):
+        merge(out)
+    shards[1].write_bytes(data_bytes)
+    merge(out)
+    (out / "progress-00000.json").write_text('{"bad": 1}')
+    with pytest.raises(ValueError, match="not an eagle-data progress record"):
+        merge(out)
+
+
+def test_cli_reports_a_missing_file_without_traceback(tiny, tmp_path, capsys):
+    """A file-system failure (a shard deleted under inspect) exits 1 with the message, no traceback."""
+    from eagle_data.cli.main import main
+
+    model, data = tiny
+    out = tmp_path / "ds"
+    run_extract(ExtractConfig(model=str(model), data=str(data), out=str(out), dtype="float32", progress=False))
+    for s in out.glob("*.tar"):
+        s.unlink()
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", str(out), "--sample", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "error: " in err and "Traceback" not in err and ".tar" in err

@@ -132,3 +132,12 @@ def test_legacy_function_call_field_and_tool_calls_on_a_user_turn():
     bad = normalize_record(1, {"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"function": {"name": "f", "arguments": {}}}]}, {"role": "assistant", "content": "y"}]})
     assert bad.reason == "bad_tool_call" and "turn 0 is a user message" in bad.detail
+
+
+def test_a_record_with_both_conversations_and_messages_is_skipped_not_guessed():
+    from eagle_data.extract.conversations import normalize_record
+
+    rec = {"id": "x", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}],
+           "messages": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "b"}]}
+    out = normalize_record(0, rec)
+    assert out.reason == "ambiguous_record" and "both 'conversations' and 'messages'" in out.detail

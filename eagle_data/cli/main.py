@@ -29,8 +29,9 @@ def run_cli(commands: dict[str, Any], argv: list[str] | None, prog: str,
             runners: dict[type, Callable[[Any], None]] | None = None) -> None:
     """Parse ``argv`` against ``commands`` and run the chosen one.
 
-    Bad data or settings (``ValueError``) end with exit code 2 and the message (no traceback
-    unless ``EAGLE_DATA_TRACEBACK=1``); Ctrl-C / an interrupted extraction with 130.
+    Bad data or settings (``ValueError``) end with exit code 2 and the message, a failing file
+    system or machine (``OSError``: full disk, missing file) with 1 (no traceback unless
+    ``EAGLE_DATA_TRACEBACK=1``); Ctrl-C / an interrupted extraction with 130.
     """
     from jsonargparse import CLI, set_parsing_settings
 
@@ -44,10 +45,16 @@ def run_cli(commands: dict[str, Any], argv: list[str] | None, prog: str,
         print("interrupted; rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:  # bad data or settings: the message says what and where
-        if os.environ.get("EAGLE_DATA_TRACEBACK"):
-            raise
-        print(f"error: {e}\n(set EAGLE_DATA_TRACEBACK=1 for the traceback)", file=sys.stderr)
-        sys.exit(2)
+        _fail(e, 2)
+    except OSError as e:  # the file system or the machine (full disk, missing file): no traceback either
+        _fail(e, 1)
+
+
+def _fail(e: BaseException, code: int) -> None:
+    if os.environ.get("EAGLE_DATA_TRACEBACK"):
+        raise e
+    print(f"error: {e}\n(set EAGLE_DATA_TRACEBACK=1 for the traceback)", file=sys.stderr)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:

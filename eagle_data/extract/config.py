@@ -94,9 +94,17 @@ class ExtractConfig:
             self.rank = _env_int("RANK", 0)
         if self.world_size is None:
             self.world_size = _env_int("WORLD_SIZE", 1)
-        if not (_is_int(self.world_size) and self.world_size >= 1 and _is_int(self.rank)
-                and 0 <= self.rank < self.world_size):
+        if not (_is_int(self.world_size) and self.world_size >= 1):
+            raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
+        if not (_is_int(self.rank) and 0 <= self.rank < self.world_size):
             raise ValueError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
+        for name in ("out", "model", "data", "split", "device"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        if self.dataset_tag is not None and not self.dataset_tag.strip():
+            raise ValueError("dataset_tag must be non-empty (or null: derived from the data name)")
+        _check_date(self.template_date)
+        _check_device(self.device)
         for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window", "writers", "write_queue",
                      "shard_max_bytes", "max_length"):
             v, lo = getattr(self, name), (2 if name == "max_length" else 1)
@@ -136,8 +144,15 @@ def check_paths(cfg: ExtractConfig) -> None:
     """
     from eagle_data.extract.sources import resolve
 
-    if cfg.data != DEFAULT_DATA:
-        resolve(cfg.data)
+    builder, kw, _ = resolve(cfg.data)
+    if kw.get("data_files") and cfg.split != "train":
+        raise ValueError(f"split {cfg.split!r}: local files (and the embedded demo) have one split, 'train'; "
+                         "split selects a split of a datasets hub name")
+    if cfg.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {cfg.device!r}: no CUDA GPU is visible to torch on this machine")
     if (cfg.model != DEFAULT_MODEL and cfg.model.startswith(("/", ".", "~"))
             and not Path(cfg.model).expanduser().is_dir()):
         raise ValueError(f"model {cfg.model!r} is not a model folder (a local HF folder with config.json)")
@@ -145,6 +160,24 @@ def check_paths(cfg: ExtractConfig) -> None:
         raise ValueError(f"out {cfg.out!r} exists and is not a directory")
     if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
         raise ValueError(f"chat_template {cfg.chat_template!r} is not a file")
+
+
+def _check_date(value: str) -> None:
+    import datetime
+
+    try:
+        datetime.date.fromisoformat(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"template_date must be a date YYYY-MM-DD, got {value!r}") from None
+
+
+def _check_device(value: str) -> None:
+    import torch
+
+    try:
+        torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}") from None
 
 
 def _is_int(v: Any) -> bool:

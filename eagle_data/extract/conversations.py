@@ -193,6 +193,8 @@ def _order(chat: list[dict[str, Any]]) -> None:
 
 
 def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
+    if record.get("conversations") is not None and record.get("messages") is not None:
+        raise BadRecord("ambiguous_record", "both 'conversations' and 'messages' are given; keep one")
     if isinstance(record.get("conversations"), list):
         turns, rkey, ckey = record["conversations"], "from", "value"
     elif isinstance(record.get("messages"), list):

@@ -83,16 +83,37 @@ def load_progress(out_dir: Path, rank: int) -> RankProgress | None:
     """This rank's progress record, or ``None`` if the rank has not started.
 
     Raises:
-        ValueError: the file is not valid JSON (it is written atomically, so only by hand).
+        ValueError: the file is not valid JSON or lacks a progress record's fields (it is written
+            atomically, so only by hand).
     """
     p = progress_path(out_dir, rank)
-    if not p.exists():
-        return None
+    return read_progress(p) if p.exists() else None
+
+
+#: the fields every progress file has (:class:`eagle_data.format.records.RankProgress`)
+_PROGRESS_FIELDS = {"config": dict, "rank": int, "world_size": int, "model": dict, "shards": list, "skipped": dict}
+
+
+def read_progress(p: Path) -> RankProgress:
+    """One progress file, checked for the fields and types of a :class:`RankProgress`.
+
+    Raises:
+        ValueError: naming the file and what is wrong.
+    """
     try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+        rec = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{p}: not valid JSON ({e}); it is only ever replaced atomically, so it "
                          "was edited or damaged outside eagle-data") from e
+    bad = [k for k, t in _PROGRESS_FIELDS.items() if not isinstance(rec, dict) or not isinstance(rec.get(k), t)]
+    if bad:
+        raise ValueError(f"{p}: not an eagle-data progress record (missing or mistyped: {bad}); it was edited "
+                         "or damaged outside eagle-data")
+    for s in rec["shards"]:
+        if not (isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("bytes"), int)
+                and isinstance(s.get("keys"), list) and isinstance(s.get("num_tokens"), int)):
+            raise ValueError(f"{p}: a shard record is damaged: {str(s)[:120]}")
+    return rec
 
 
 def lock_rank(out_dir: Path, rank: int) -> int | None:
@@ -207,12 +228,7 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
     paths = sorted(out.glob(PROGRESS_GLOB))
     if not paths:
         raise ValueError(f"{out}: no progress-*.json files; is this an eagle-data output directory?")
-    progs = []
-    for p in paths:
-        try:
-            progs.append(json.loads(p.read_text()))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}: not valid JSON: {e}") from e
+    progs = [read_progress(p) for p in paths]
     world = progs[0]["config"]["world_size"]
     ranks = sorted(p["rank"] for p in progs)
     if ranks != list(range(world)):
@@ -236,6 +252,11 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
     for p in progs:
         skips.update(p["skipped"].values())
         notes.update(p.get("notes", {}).values())
+    damaged = [f"{s['name']} ({'missing' if not (out / s['name']).is_file() else 'size differs from the record'})"
+               for s in shards if not (out / s["name"]).is_file() or (out / s["name"]).stat().st_size != s["bytes"]]
+    if damaged:
+        raise ValueError(f"{out}: listed shard(s) {damaged[:5]} are not as published; rerun the extraction of "
+                         "their rank (a resume redoes their samples), then merge")
     parts = [index_part(out, s["name"]) for s in shards]
     missing = [str(pp.relative_to(out)) for pp in parts if not pp.exists()]
     if missing:

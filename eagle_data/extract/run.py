@@ -69,7 +69,10 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
     """
     check_paths(cfg)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out {cfg.out!r}: cannot create the directory ({e.strerror or e})") from e
     lock = lock_rank(out, cfg.rank)
     try:
         return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer)

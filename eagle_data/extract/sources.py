@@ -3,7 +3,9 @@
 ``data`` may be:
 
 * ``"sharegpt"``: the embedded default (ShareGPT V3 from PyPI, see :mod:`eagle_data.assets`);
-* a local ``.json`` / ``.jsonl`` / ``.parquet`` file, or a directory/glob of them;
+* a local ``.json`` / ``.jsonl`` / ``.parquet`` file, a glob of them, or a directory: every
+  such file below it (subfolders included, extensions in any case, sorted by path; hidden files
+  and folders are not read); any other file in it is an error (nothing is skipped unsaid);
 * a ``datasets`` hub name (only on machines that can reach a hub).
 
 Rows are numbered in source order; rank ``r`` of ``w`` takes rows with ``row % w == r``.
@@ -38,9 +40,9 @@ def resolve(data: str) -> tuple[str, dict[str, Any], str]:
         from eagle_data.assets import sharegpt_jsonl
         return "json", {"data_files": str(sharegpt_jsonl())}, "sharegpt_v3"
     p = Path(data)
-    files = (sorted(p.glob("*")) if p.is_dir() else sorted(Path(f) for f in _glob.glob(data))
+    files = (_folder_files(p) if p.is_dir() else sorted(Path(f) for f in _glob.glob(data))
              if any(c in data for c in "*?[") else [p])
-    files = [f for f in files if f.suffix in _FORMATS]
+    files = [f for f in files if f.suffix.lower() in _FORMATS]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise ValueError(f"data: {missing[0]} does not exist")
@@ -48,13 +50,29 @@ def resolve(data: str) -> tuple[str, dict[str, Any], str]:
         raise ValueError(f"data: {data} is not a .json/.jsonl/.parquet file or a directory holding them"
                          + ("" if p.exists() else " (it does not exist)"))
     if files:
-        kinds = {_FORMATS[f.suffix] for f in files}
+        kinds = {_FORMATS[f.suffix.lower()] for f in files}
         if len(kinds) > 1:
             raise ValueError(f"{data}: mixed file formats {sorted(kinds)}")
         return kinds.pop(), {"data_files": [str(f) for f in files]}, _tag(p.stem if not p.is_dir() else p.name)
     if p.exists() or p.suffix:
         raise ValueError(f"{data}: not a .json/.jsonl/.parquet file or directory of them")
     return data, {}, _tag(data.split("/")[-1])
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """Every data file below ``folder`` (sorted by path, hidden entries skipped).
+
+    Raises:
+        ValueError: the folder also holds files that are not data (they would be left out unsaid).
+    """
+    found = sorted(f for f in folder.rglob("*")
+                   if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+    other = [str(f.relative_to(folder)) for f in found if f.suffix.lower() not in _FORMATS]
+    if other:
+        raise ValueError(f"data: {folder} holds files that are not .json/.jsonl/.parquet: {other[:5]}"
+                         f"{' ...' if len(other) > 5 else ''}; move them out or pass a glob such as "
+                         f"'{folder}/*.jsonl'")
+    return found
 
 
 def _tag(name: str) -> str:
@@ -84,7 +102,7 @@ def _iter_json_file(path: str) -> Iterator[Any]:
     of records (or one record object) if the file is one JSON value, else JSON lines; a ``.json``
     file that is neither (its first line is not a JSON value either) is a ValueError naming the
     position of the syntax error."""
-    if Path(path).suffix == ".json":
+    if Path(path).suffix.lower() == ".json":
         with open(path, "rb") as f:
             first = f.readline().removeprefix(b"\xef\xbb\xbf")
             while first and not first.strip():

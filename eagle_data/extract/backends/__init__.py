@@ -3,18 +3,38 @@
 Heavy imports (transformers, sglang) live only inside their backend module.
 """
 
+import inspect
+
 from eagle_data.extract.backends.base import Backend, BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
+
+#: options the extraction sets itself (not ``backend_kwargs``)
+_SET_BY_RUN = ("model_path", "aux_layer_ids", "dtype", "device", "model")
 
 
 def make_backend(name: str, **kwargs) -> Backend:
-    """Build a backend by name: ``"hf"`` (reference) or ``"sglang"`` (production)."""
+    """Build a backend by name: ``"hf"`` (reference) or ``"sglang"`` (production).
+
+    Raises:
+        ValueError: unknown backend, options it does not take (``backend_kwargs``), the sglang
+            extra not installed, or a model folder whose weights cannot be loaded.
+    """
     if name == "hf":
-        from eagle_data.extract.backends.hf import HFBackend
-        return HFBackend(**kwargs)
-    if name == "sglang":
-        from eagle_data.extract.backends.sglang import SGLangBackend
-        return SGLangBackend(**kwargs)
-    raise ValueError(f"unknown backend {name!r}; choose 'hf' or 'sglang'")
+        from eagle_data.extract.backends.hf import HFBackend as cls
+    elif name == "sglang":
+        try:
+            import sglang  # noqa: F401
+        except ModuleNotFoundError as e:
+            raise ValueError("backend 'sglang' needs the sglang extra: pip install -e '.[sglang]' "
+                             f"(import failed: {e})") from e
+        from eagle_data.extract.backends.sglang import SGLangBackend as cls
+    else:
+        raise ValueError(f"unknown backend {name!r}; choose 'hf' or 'sglang'")
+    params = inspect.signature(cls).parameters
+    unknown = sorted(k for k in kwargs if k not in params or k.startswith("_"))
+    if unknown:
+        takes = sorted(k for k in params if not k.startswith("_") and k not in _SET_BY_RUN)
+        raise ValueError(f"backend_kwargs: the {name} backend takes no option(s) {unknown}; it takes {takes}")
+    return cls(**kwargs)
 
 
 __all__ = ["Backend", "BackendInfo", "Captured", "default_aux_layer_ids", "validate_aux_layer_ids",

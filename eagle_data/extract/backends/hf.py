@@ -35,6 +35,26 @@ def _decoder_parts(model):
     return base, layers, norm
 
 
+def _load(model_path: str | Path, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool):
+    """The HF model of ``model_path``.
+
+    Raises:
+        ValueError: the folder's weights or config cannot be loaded (names the folder and the cause).
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, trust_remote_code=trust_remote_code,
+                                                    attn_implementation=attn_implementation)
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"model {model_path}: cannot load its weights ({type(e).__name__}: {first})") from e
+    except Exception as e:  # safetensors' own error type (truncated file, bad header)
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ValueError(f"model {model_path}: unreadable safetensors weights ({e})") from e
+
+
 class HFBackend:
     """Reference capture with HF ``AutoModelForCausalLM``.
 
@@ -60,10 +80,7 @@ class HFBackend:
         compute = hidden_dtype(dtype)
         self.device = torch.device(device)
         if model is None:
-            from transformers import AutoModelForCausalLM
-            model = AutoModelForCausalLM.from_pretrained(
-                str(model_path), dtype=compute, attn_implementation=attn_implementation,
-                trust_remote_code=trust_remote_code)
+            model = _load(model_path, compute, attn_implementation, trust_remote_code)
         self.model = model.to(device=self.device, dtype=compute).eval()
         self.base, layers, norm = _decoder_parts(self.model)
         cfg = self.model.config

@@ -28,7 +28,7 @@ request whose rows must arrive. On GPU, prefill CUDA graphs are disabled
 recorded in ``info.extra``.
 
 CPU: with ``device="cpu"`` the backend sets ``SGLANG_USE_CPU_ENGINE=1`` and puts
-``eagle_data/backends/cpu_sgl_kernel`` (a pure-torch ``sgl_kernel`` stand-in, see its
+``eagle_data/extract/backends/cpu_sgl_kernel`` (a pure-torch ``sgl_kernel`` stand-in, see its
 docstring) first on ``PYTHONPATH`` before importing sglang, so the spawned scheduler
 inherits both. Scripts that build this backend need ``if __name__ == "__main__":`` (spawn).
 

@@ -7,7 +7,7 @@ is a CUDA build (it needs ``libcuda.so.1``) and has no ``*_cpu`` ops, so
 
 How it is used: :class:`eagle_data.extract.backends.sglang.SGLangBackend` with ``device="cpu"``
 sets ``SGLANG_USE_CPU_ENGINE=1`` and puts the folder *containing* this package
-(``eagle_data/backends/cpu_sgl_kernel``) first on ``PYTHONPATH`` before the engine spawns
+(``eagle_data/extract/backends/cpu_sgl_kernel``) first on ``PYTHONPATH`` before the engine spawns
 its scheduler, so ``import sgl_kernel`` in the scheduler resolves here. On a CPU without
 AMX, SGLang then runs norm / activation / rotary / linear layers in native torch and only
 needs the names below at import time.
@@ -67,7 +67,7 @@ def _unsupported(name: str):
     def op(*_args, **_kwargs):
         raise NotImplementedError(
             f"sgl_kernel.{name} is not implemented by eagle-data's pure-torch CPU stand-in "
-            f"(eagle_data/backends/cpu_sgl_kernel); install SGLang's CPU kernel build to use it")
+            f"(eagle_data/extract/backends/cpu_sgl_kernel); install SGLang's CPU kernel build to use it")
     op.__name__ = name
     op.__qualname__ = name
     return op
