@@ -111,6 +111,10 @@ def test_rerun_resumes_and_config_change_refused(tmp_path, model_dir, data_file)
     assert again["run_stats"]["new_samples"] == 0 and again["num_samples"] == first["num_samples"]
     with pytest.raises(ValueError, match=r"max_length"):
         run_extract(cfg(out, model_dir, data_file, max_length=64))
+    with pytest.raises(ValueError) as e:  # a template record differs: only the differing entry is shown
+        run_extract(cfg(out, model_dir, data_file, template_vars={"foo": 1}))
+    assert "template.variables: existing {} != this run {'foo': 1}" in str(e.value)
+    assert "template_sha256" not in str(e.value)
 
 
 def test_bf16_roundtrip_bit_exact_through_a_shard(tmp_path):

@@ -160,6 +160,8 @@ def check_paths(cfg: ExtractConfig) -> None:
         raise ValueError(f"out {cfg.out!r} exists and is not a directory")
     if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
         raise ValueError(f"chat_template {cfg.chat_template!r} is not a file")
+    if cfg.chat_template is not None and not Path(cfg.chat_template).read_text(encoding="utf-8").strip():
+        raise ValueError(f"chat_template {cfg.chat_template!r} is empty")
 
 
 def _check_date(value: str) -> None:

@@ -208,9 +208,17 @@ def check_resume(prev: dict[str, Any], cfg: dict[str, Any], where: str) -> None:
     old = prev.get("config", {})
     diff = [k for k in RESUME_KEYS if old.get(k) != cfg.get(k)]
     if diff:
-        lines = "\n".join(f"  {k}: existing {old.get(k)!r} != this run {cfg.get(k)!r}" for k in diff)
+        lines = "\n".join(_describe_diff(k, old.get(k), cfg.get(k)) for k in diff)
         raise ValueError(f"{where} was written by a different run configuration; refusing to mix:\n{lines}\n"
                          "Use a new --out directory (or the original settings to resume).")
+
+
+def _describe_diff(key: str, old: Any, new: Any) -> str:
+    """One line per differing setting; for mappings (the template record) only the entries that differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        return "\n".join(f"  {key}.{k}: existing {old.get(k)!r} != this run {new.get(k)!r}" for k in keys)
+    return f"  {key}: existing {old!r} != this run {new!r}"
 
 
 def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:

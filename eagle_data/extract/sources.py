@@ -215,6 +215,8 @@ def check_unchanged(data: str, split: str, rank: int, world_size: int, keys: set
     if seen != len(keys) or combine(found) != expected:
         raise ValueError(f"data: {data} changed since the earlier run into this directory: the rows it extracted "
                          f"are not the same rows now ({seen} of {len(keys)} still there, contents "
-                         f"{'equal' if combine(found) == expected else 'differ'}). A row removed or inserted "
-                         "shifts the rows after it (edit bad rows in place instead), and a file added to a data "
-                         "folder shifts the rows of the files sorted after it. Use a new --out directory.")
+                         f"{'equal' if combine(found) == expected else 'differ'}). An extracted row edited in "
+                         "place changes its content; a row removed or inserted shifts the rows after it; a file "
+                         "added to a data folder shifts the rows of the files sorted after it. Restore the "
+                         "source, or use a new --out directory (only rows not extracted yet, or skipped ones, "
+                         "may be edited or appended between runs).")

@@ -77,14 +77,16 @@ def read_manifest(path: str | Path) -> Manifest:
     p = Path(path)
     if not p.exists():
         raise ValueError(f"{p} does not exist")
-    if p.is_dir():
+    given_dir = p.is_dir()
+    if given_dir:
         p = p / MANIFEST_NAME
     if not p.exists():
         raise ValueError(f"{p}: no manifest; run `eagle-data merge` on the output directory first")
     try:
         m = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{p}: not a manifest.json (not JSON text: {e}); give the dataset directory") from e
+        hint = "it was damaged; `eagle-data merge DIR` writes it again" if given_dir else "give the dataset directory"
+        raise ValueError(f"{p}: not a manifest.json (not JSON text: {e}); {hint}") from e
     if not isinstance(m, dict):
         raise ValueError(f"{p}: not a manifest.json (a JSON {type(m).__name__}, not an object)")
     return m
