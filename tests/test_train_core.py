@@ -295,3 +295,22 @@ def test_prompt_lookup_scored_on_the_same_positions_with_an_interval(tmp_path):
     lo, hi = pl["tau_ci95"]
     assert lo <= pl["tau"] <= hi
     assert tau_interval([0, 0, 6, 6], ["a", "a", "b", "b"]) == [1.0, 7.0]  # two clusters: all-a to all-b
+
+
+def test_timed_checkpoints_save_once_per_mark(tmp_path):
+    """Checkpoints at training-time marks: one file per mark once it is passed, loadable."""
+    import lightning.pytorch as pl
+
+    from eagle_train.callbacks import TimedCheckpoints
+    from eagle_train.module import EagleDrafterModule
+
+    mod = tiny_module(tmp_path, ttt_steps=1)
+    cb = TimedCheckpoints(minutes=[1e-6, 2e-6, 1e6], dirpath=str(tmp_path / "ck"))
+    tr = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False, callbacks=[cb],
+                    enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    tr.fit(mod, train_dataloaders=_Loader([tiny_batch(tiny_target(), n=1, t=12, seed=s) for s in range(3)]))
+    assert [Path(p).name for p in cb.saved] == ["at_1e-06min.ckpt", "at_2e-06min.ckpt"]  # the 1e6 mark never
+    back = EagleDrafterModule.load_from_checkpoint(cb.saved[0])
+    assert back.hparams.ttt_steps == 1
+    with pytest.raises(ValueError, match="positive marks"):
+        TimedCheckpoints(minutes=[0])
