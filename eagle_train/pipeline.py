@@ -53,7 +53,7 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
     held = heldout_split(dataset_dir, heldout_fraction, seed=seed, min_count=2)
     (out / "heldout_keys.json").write_text(json.dumps(held))
     vocab_path = out / f"draft_vocab_{draft_vocab_size}.safetensors"
-    build_vocab(dataset_dir, draft_vocab_size, out=vocab_path, exclude_keys=held)
+    build_vocab(dataset_dir, draft_vocab_size, out=vocab_path, exclude_keys=held, rebuild=True)  # a fresh run
 
     hp = dict(target_model_path=target_model, draft_vocab=str(vocab_path), dataset_dir=dataset_dir,
               draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, exclude_oov=False, lr=lr, warmup_steps=10,

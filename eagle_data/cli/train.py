@@ -11,20 +11,22 @@ def vocab(path: str, size: int = 32000, out: Optional[str] = None, rebuild: bool
     """Build the draft vocabulary (d2t/t2d) from the index histogram of supervised tokens.
 
     Rule: higher count first, ties to the lower token id; fewer than SIZE distinct tokens are
-    filled with the lowest unused ids; draft ids follow ascending target ids.
+    filled with the lowest unused ids; draft ids follow ascending target ids. The file records
+    what it was built from (dataset, size, excluded keys); an existing file built from anything
+    else is refused, not reused: pass --rebuild to overwrite it.
 
     Args:
         path: dataset directory (index.parquet + manifest.json).
         size: draft vocabulary size N.
         out: output safetensors file (default: PATH/draft_vocab_{size}.safetensors).
-        rebuild: recompute even if the output exists (otherwise it is reused).
-        exclude_keys: JSON list of sample keys not to count (a held-out split).
+        rebuild: recompute and overwrite the output if it exists (otherwise it is reused when
+            built from the same dataset, size and excluded keys, and refused when not).
+        exclude_keys: JSON file holding a list of sample keys not to count (a held-out split);
+            every key must be in the dataset's index.
     """
-    from pathlib import Path
+    from eagle_train.vocab import build_vocab, read_key_list
 
-    from eagle_train.vocab import build_vocab
-
-    ex = json.loads(Path(exclude_keys).read_text()) if exclude_keys else None
+    ex = read_key_list(exclude_keys, "--exclude_keys") if exclude_keys else None
     d2t, t2d, p = build_vocab(path, size, out=out, rebuild=rebuild, exclude_keys=ex)
     print(p)
 
