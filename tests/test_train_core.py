@@ -158,6 +158,27 @@ def test_module_vocab_built_from_the_dataset_leaves_its_held_out_keys_out(tmp_pa
     assert mod._exclude == {"b"}
 
 
+@pytest.mark.parametrize("args,msg", [(["--minutes", "-1"], "minutes must be a number > 0"),
+                                      (["--minutes", "0"], "minutes must be a number > 0"),
+                                      (["--draft_vocab_size", "0"], "draft_vocab_size must be >= 1, got 0"),
+                                      (["--eval_samples", "0"], "eval_samples must be >= 1, got 0")])
+def test_cli_demo_refuses_bad_numbers_before_running(tmp_path, capsys, args, msg):
+    """`eagle-data demo --minutes -1` used to run to the end and exit 0."""
+    from eagle_data.cli import main as cli
+
+    out = tmp_path / "demo"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", str(tmp_path / "no-dataset"), "--out", str(out), *args])
+    assert e.value.code == 2 and f"error: {msg}" in capsys.readouterr().err
+    assert not out.exists()
+    from eagle_train.pipeline import demo
+
+    with pytest.raises(ValueError, match="minutes must be a number > 0"):
+        demo(str(tmp_path / "no-dataset"), str(out), minutes=float("inf"))
+    with pytest.raises(ValueError, match=r"heldout_fraction must be in \(0, 1\), got 1.0"):
+        demo(str(tmp_path / "no-dataset"), str(out), heldout_fraction=1.0)
+
+
 def test_loss_mask_shift_example():
     from eagle_train.loss import step_loss_masks
 
