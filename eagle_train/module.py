@@ -23,6 +23,22 @@ from eagle_train.model import DraftConfig, Eagle3Drafter, load_target_tensors, r
 from eagle_train.vocab import build_vocab, load_vocab, read_key_list
 
 
+def _load_checkpoint_file(path: str | Path) -> Any:
+    """``torch.load(path, weights_only=True)`` on CPU, with a ``ValueError`` naming ``path`` for a
+    missing file or one that is not a (safely loadable) torch checkpoint."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"checkpoint {p} does not exist")
+    if not p.is_file():
+        raise ValueError(f"checkpoint {p} is not a file (give the .ckpt file, e.g. {p}/last.ckpt)")
+    try:
+        return torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle/zip/EOF errors, a KeyError from a stray byte, weights_only refusals
+        first = str(e).split(". ")[0][:120]  # not torch's advice to retry with weights_only=False
+        raise ValueError(f"{p}: not a checkpoint file torch can load with weights_only=True "
+                         f"({type(e).__name__}: {first})") from e
+
+
 class EagleDrafterModule(pl.LightningModule):
     """EAGLE-3 drafter + frozen target embedding/head, trained with the unrolled TTT loss.
 
@@ -143,9 +159,10 @@ class EagleDrafterModule(pl.LightningModule):
         Loads with ``weights_only=True`` (no arbitrary unpickling).
 
         Raises:
-            ValueError: the file is not a checkpoint of this module (no ``drafter.d2t``/``t2d``).
+            ValueError: the path does not exist, is not a torch checkpoint file, or is not a
+                checkpoint of this module (no ``drafter.d2t``/``t2d``); names the path.
         """
-        ckpt = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+        ckpt = _load_checkpoint_file(checkpoint_path)
         sd = ckpt.get("state_dict", {}) if isinstance(ckpt, dict) else {}
         if "drafter.d2t" not in sd or "drafter.t2d" not in sd:
             raise ValueError(f"{checkpoint_path}: not an EagleDrafterModule checkpoint (no drafter.d2t/t2d)")

@@ -327,6 +327,29 @@ def test_checkpoint_is_self_contained_without_the_vocab_file(tmp_path):
         EagleDrafterModule.load_from_checkpoint(str(tmp_path / "other.ckpt"))
 
 
+@pytest.mark.parametrize("content,msg", [(None, r"checkpoint .*missing.ckpt does not exist"),
+                                         ("dir", r"checkpoint .*missing.ckpt is not a file"),
+                                         (b"it is text, not a checkpoint\n", r"missing.ckpt: not a checkpoint file"),
+                                         (b"", r"missing.ckpt: not a checkpoint file"),
+                                         (bytes(range(256)) * 4, r"missing.ckpt: not a checkpoint file")])
+def test_load_from_checkpoint_names_a_missing_or_foreign_file(tmp_path, capsys, content, msg):
+    """Used to be FileNotFoundError / `KeyError: 105` / unpickling errors; export and eval say it."""
+    from eagle_data.cli import main as cli
+    from eagle_train.module import EagleDrafterModule
+
+    p = tmp_path / "missing.ckpt"
+    if content == "dir":
+        p.mkdir()
+    elif content is not None:
+        p.write_bytes(content)
+    with pytest.raises(ValueError, match=msg):
+        EagleDrafterModule.load_from_checkpoint(str(p))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", str(p), str(tmp_path / "export")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: " in err and re.search(msg, err) and "Traceback" not in err, err
+
+
 class _Loader:
     def __init__(self, batches):
         self.batches = batches
