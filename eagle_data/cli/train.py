@@ -53,8 +53,10 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
              heldout_fraction: float = 0.1, num_samples: int = 16, positions_per_sample: int = 8,
              steps: int = 7, compare_untrained: bool = True, target_model: Optional[str] = None,
              max_length: Optional[int] = None, device: Optional[str] = None, prompt_lookup_max: int = 4) -> None:
-    """Acceptance length tau (greedy chain) of a drafter vs the HF target on held-out samples, beside
-    prompt-lookup (n-gram) speculation on the same positions: the free baseline to beat.
+    """Acceptance length tau of a drafter vs the HF target on held-out samples, beside prompt lookup.
+
+    tau is the mean accepted length of greedy draft chains; prompt-lookup (n-gram) speculation
+    is scored on the same positions: the free baseline to beat.
 
     Args:
         path: dataset directory holding the held-out samples.
@@ -95,15 +97,17 @@ def export(checkpoint: str, out: str, dtype: str = "bfloat16") -> None:
 
 def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_vocab_size: int = 2048,
          eval_samples: int = 12, target_model: str = "smollm2") -> None:
-    """The main job's second half on CPU: draft vocab -> train a drafter for MINUTES -> tau of the
+    """CPU demo of drafter training: draft vocab, train for MINUTES, tau, SGLang export.
+
+    The main job's second half: draft vocab -> train a drafter for MINUTES -> tau of the
     trained and the untrained drafter on held-out conversations (+ PNG plot) -> SGLang export.
 
     Args:
         path: dataset directory written by `eagle-data extract`.
         out: output directory (checkpoint, demo_summary.json, acceptance.png, sglang_drafter/).
-        minutes: training wall time.
-        draft_vocab_size: N.
-        eval_samples: held-out samples evaluated at most.
+        minutes: training wall time (> 0).
+        draft_vocab_size: N (>= 1).
+        eval_samples: held-out samples evaluated at most (>= 1).
         target_model: "smollm2" (embedded default) or the target's HF folder.
     """
     from eagle_train.pipeline import demo as _demo
