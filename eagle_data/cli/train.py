@@ -55,8 +55,8 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
              max_length: Optional[int] = None, device: Optional[str] = None, prompt_lookup_max: int = 4) -> None:
     """Acceptance length tau of a drafter vs the HF target on held-out samples, beside prompt lookup.
 
-    tau is the mean accepted length of greedy draft chains; prompt-lookup (n-gram) speculation
-    is scored on the same positions: the free baseline to beat.
+    tau = 1 + the mean accepted prefix of greedy draft chains (eagle_train.evaluate);
+    prompt-lookup (n-gram) speculation is scored on the same positions: the free baseline to beat.
 
     Args:
         path: dataset directory holding the held-out samples.
