@@ -11,7 +11,6 @@ target ``embed_tokens``/``lm_head`` are re-read from ``target_model_path`` on co
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -21,7 +20,23 @@ import torch
 
 from eagle_train.loss import ttt_loss
 from eagle_train.model import DraftConfig, Eagle3Drafter, load_target_tensors, read_target_config
-from eagle_train.vocab import build_vocab, load_vocab
+from eagle_train.vocab import build_vocab, load_vocab, read_key_list
+
+
+def _load_checkpoint_file(path: str | Path) -> Any:
+    """``torch.load(path, weights_only=True)`` on CPU, with a ``ValueError`` naming ``path`` for a
+    missing file or one that is not a (safely loadable) torch checkpoint."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"checkpoint {p} does not exist")
+    if not p.is_file():
+        raise ValueError(f"checkpoint {p} is not a file (give the .ckpt file, e.g. {p}/last.ckpt)")
+    try:
+        return torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle/zip/EOF errors, a KeyError from a stray byte, weights_only refusals
+        first = str(e).split(". ")[0][:120]  # not torch's advice to retry with weights_only=False
+        raise ValueError(f"{p}: not a checkpoint file torch can load with weights_only=True "
+                         f"({type(e).__name__}: {first})") from e
 
 
 class EagleDrafterModule(pl.LightningModule):
@@ -42,7 +57,8 @@ class EagleDrafterModule(pl.LightningModule):
         init_lm_head_from_target: initialise ``lm_head`` with the target head's draft-vocab rows and
             ``norm`` with the target's final norm (a warm start; off: ``nn.Linear`` init, norm = 1).
         exclude_keys: JSON file with a list of sample keys to drop from training batches
-            (a held-out split living in the same shards).
+            (a held-out split living in the same shards); a vocabulary built here from
+            ``dataset_dir`` does not count them either.
         seed: seed of the drafter's initialisation.
     """
 
@@ -55,12 +71,13 @@ class EagleDrafterModule(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["_vocab"])
         tcfg = read_target_config(target_model_path)
+        excluded = read_key_list(exclude_keys, "exclude_keys") if exclude_keys else []
         if _vocab is not None:  # from a checkpoint (load_from_checkpoint): the file is not needed
             d2t, t2d = _vocab
         elif draft_vocab and Path(draft_vocab).exists():
             d2t, t2d = load_vocab(draft_vocab)
-        elif dataset_dir:
-            d2t, t2d, path = build_vocab(dataset_dir, draft_vocab_size, out=draft_vocab)
+        elif dataset_dir:  # held-out keys are not counted either
+            d2t, t2d, path = build_vocab(dataset_dir, draft_vocab_size, out=draft_vocab, exclude_keys=excluded)
         else:
             raise ValueError("give draft_vocab (an existing d2t/t2d file) or dataset_dir to build one")
         if aux_layer_ids is None and dataset_dir:
@@ -80,7 +97,7 @@ class EagleDrafterModule(pl.LightningModule):
                 with torch.no_grad():
                     self.drafter.norm.weight.copy_(w["model.norm.weight"].float())
         self.register_buffer("target_lm_head", w["lm_head.weight"].float(), persistent=False)
-        self._exclude = set(json.loads(Path(exclude_keys).read_text())) if exclude_keys else set()
+        self._exclude = set(excluded)
 
     # ------------------------------------------------------------------ steps
     def _filter(self, batch: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -142,9 +159,10 @@ class EagleDrafterModule(pl.LightningModule):
         Loads with ``weights_only=True`` (no arbitrary unpickling).
 
         Raises:
-            ValueError: the file is not a checkpoint of this module (no ``drafter.d2t``/``t2d``).
+            ValueError: the path does not exist, is not a torch checkpoint file, or is not a
+                checkpoint of this module (no ``drafter.d2t``/``t2d``); names the path.
         """
-        ckpt = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+        ckpt = _load_checkpoint_file(checkpoint_path)
         sd = ckpt.get("state_dict", {}) if isinstance(ckpt, dict) else {}
         if "drafter.d2t" not in sd or "drafter.t2d" not in sd:
             raise ValueError(f"{checkpoint_path}: not an EagleDrafterModule checkpoint (no drafter.d2t/t2d)")

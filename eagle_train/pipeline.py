@@ -8,12 +8,34 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 log = logging.getLogger(__name__)
+
+
+def check_demo_args(minutes: float, draft_vocab_size: int, heldout_fraction: float, eval_samples: int,
+                    positions_per_sample: int, ttt_steps: int, eval_steps: int, max_length: int, lr: float,
+                    threads: Optional[int]) -> None:
+    """Refuse numbers :func:`demo` cannot use, before it reads or writes anything.
+
+    Raises:
+        ValueError: naming the first bad argument.
+    """
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise ValueError(f"minutes must be a number > 0 (training wall time), got {minutes}")
+    if not 0 < heldout_fraction < 1:
+        raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a number > 0, got {lr}")
+    for name, v, low in (("draft_vocab_size", draft_vocab_size, 1), ("eval_samples", eval_samples, 1),
+                         ("positions_per_sample", positions_per_sample, 1), ("ttt_steps", ttt_steps, 1),
+                         ("eval_steps", eval_steps, 1), ("max_length", max_length, 2), ("threads", threads, 1)):
+        if v is not None and v < low:
+            raise ValueError(f"{name} must be >= {low}, got {v}")
 
 
 def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size: int = 2048,
@@ -31,10 +53,15 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
     4 unrolled TTT steps in training (the GPU configs use 7), chains of ``eval_steps`` = 7
     proposals at evaluation, lr 2e-3 constant after 10 warmup steps, gradient clipping 1.0.
 
+    Raises:
+        ValueError: an argument out of range (:func:`check_demo_args`), a bad dataset.
+
     Returns:
         dict with ``tau_trained`` (+ ``tau_ci95_trained``), ``tau_untrained``, ``tau_prompt_lookup``,
         ``plot``, ``checkpoint``, ``export``.
     """
+    check_demo_args(minutes, draft_vocab_size, heldout_fraction, eval_samples, positions_per_sample, ttt_steps,
+                    eval_steps, max_length, lr, threads)
     import lightning.pytorch as pl
 
     from eagle_data.stream.datamodule import EagleDataModule
@@ -53,7 +80,7 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
     held = heldout_split(dataset_dir, heldout_fraction, seed=seed, min_count=2)
     (out / "heldout_keys.json").write_text(json.dumps(held))
     vocab_path = out / f"draft_vocab_{draft_vocab_size}.safetensors"
-    build_vocab(dataset_dir, draft_vocab_size, out=vocab_path, exclude_keys=held)
+    build_vocab(dataset_dir, draft_vocab_size, out=vocab_path, exclude_keys=held, rebuild=True)  # a fresh run
 
     hp = dict(target_model_path=target_model, draft_vocab=str(vocab_path), dataset_dir=dataset_dir,
               draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, exclude_oov=False, lr=lr, warmup_steps=10,

@@ -38,6 +38,20 @@ def test_cli_help_lists_commands(capsys):
         assert name in out
 
 
+def test_cli_help_shows_each_command_summary_whole(capsys):
+    """jsonargparse shows only a docstring's first line: it must be the whole summary sentence
+    (verify's used to stop at "(sha256, size, sample count),", eval's at "beside")."""
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = "".join(capsys.readouterr().out.split())  # help wraps lines (also at hyphens)
+    for name, fn in cli.COMMANDS.items():
+        lines = fn.__doc__.strip().splitlines()
+        assert lines[0].endswith("."), (name, lines[0])
+        assert len(lines) == 1 or not lines[1].strip(), f"{name}: the summary continues on a second line"
+        assert "".join(lines[0].split()) in out, name
+    assert "Exits1onfailure." in out
+
+
 def test_cli_reports_bad_settings_without_traceback(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         cli.main(["extract", "--out", str(tmp_path / "o"), "--max_length", "1"])

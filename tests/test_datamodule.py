@@ -75,6 +75,22 @@ def test_plain_script_epochs_and_token_budget(tmp_path):
     assert dm.val_dataloader() == []
 
 
+@pytest.mark.parametrize("kw,name", [({"batch_size": -1}, "batch_size"), ({"batch_size": 0}, "batch_size"),
+                                     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -5}, "max_tokens"),
+                                     ({"max_batch_size": 0}, "max_batch_size"),
+                                     ({"bucket_window": 0}, "bucket_window"),
+                                     ({"val_batch_size": 0}, "val_batch_size"),
+                                     ({"num_workers": -1}, "num_workers")])
+def test_bad_batching_arguments_are_refused_at_construction(tmp_path, kw, name):
+    """Refused before any loader exists (not an empty epoch or a ZeroDivisionError mid-fit)."""
+    with pytest.raises(ValueError, match=rf"^{name} must be .*, got {kw[name]}$"):
+        EagleDataModule(train=str(tmp_path / "not-read-yet"), **kw)
+    write_synthetic(tmp_path, [4])
+    dm = EagleDataModule(train=str(tmp_path), val=str(tmp_path), batch_size=3, val_batch_size=1,
+                         num_workers=0, pin_memory=False)
+    assert [len(b["keys"]) for b in dm.val_dataloader()] == [1, 1, 1, 1]
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_configs_parse(path, tmp_path, capsys):
     """The documented uses of configs/datamodule*.yaml: a plain script, the project's

@@ -302,6 +302,17 @@ def test_shuffle_initial_exact_once_and_validated(ds30):
         EagleShardDataset(ds30, batch_size=2, shuffle_initial=0)
 
 
+@pytest.mark.parametrize("kw,name", [({"batch_size": -1}, "batch_size"), ({"batch_size": 0}, "batch_size"),
+                                     ({"batch_size": None, "max_tokens": 0}, "max_tokens"),
+                                     ({"batch_size": None, "max_tokens": -5}, "max_tokens"),
+                                     ({"batch_size": 2, "max_batch_size": 0}, "max_batch_size"),
+                                     ({"batch_size": 2, "bucket_window": -1}, "bucket_window")])
+def test_batching_arguments_below_one_are_refused_by_name(ds30, kw, name):
+    """batch_size=-1 used to give an empty epoch, batch_size=0 a ZeroDivisionError later."""
+    with pytest.raises(ValueError, match=rf"^{name} must be an integer >= 1, got {kw[name]}$"):
+        EagleShardDataset(ds30, **kw)
+
+
 def test_short_tar_message_counts_the_samples_the_tar_holds(tmp_path):
     """A clean tar that holds fewer samples than the manifest: the error gives the real count,
     also for a rank whose span starts after the tar's end."""

@@ -1,6 +1,7 @@
 """eagle_train: draft vocab, TTT loss masks, teacher logits, loss regression, attention, configs."""
 
 import glob
+import re
 from pathlib import Path
 
 import pytest
@@ -29,20 +30,153 @@ def test_vocab_ties_and_truncation():
     assert (torch.arange(3) + d2t).tolist() == [1, 3, 5]  # tie 3/5/8 -> lower ids win
 
 
-def test_vocab_from_index_and_reuse(tmp_path):
+def _vocab_dataset(d, **manifest):
+    """index.parquet of two samples + a minimal manifest (V=12, one shard) in ``d``."""
+    import json
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eagle_train.vocab import build_vocab
+    from eagle_data.format.schema import FINAL_STATE_NORM, LAYER_ID_CONVENTION, SCHEMA_VERSION
 
     pq.write_table(pa.table({"key": ["a", "b"], "loss_token_ids": [[2, 7], [7, 9]],
-                             "loss_token_counts": [[3, 4], [1, 1]]}), tmp_path / "index.parquet")
-    d2t, t2d, p = build_vocab(tmp_path, 4, vocab_size=12)
+                             "loss_token_counts": [[3, 4], [1, 1]]}), d / "index.parquet")
+    m = {"schema_version": SCHEMA_VERSION, "layer_id_convention": LAYER_ID_CONVENTION,
+         "final_state_norm": FINAL_STATE_NORM, "vocab_size": 12, "config_hash": "c0", "num_samples": 2,
+         "shards": [{"name": "00000-000000.tar", "sha256": "ab" * 32}]}
+    (d / "manifest.json").write_text(json.dumps({**m, **manifest}))
+    return d
+
+
+def test_vocab_from_index_and_reuse(tmp_path):
+    from eagle_train.vocab import build_vocab, vocab_provenance
+
+    _vocab_dataset(tmp_path)
+    d2t, t2d, p = build_vocab(tmp_path, 4)
     assert (torch.arange(4) + d2t).tolist() == [0, 2, 7, 9]
-    d2t2, _, p2 = build_vocab(tmp_path, 4, vocab_size=12, exclude_keys=["b"])  # reused, not rebuilt
+    assert vocab_provenance(p)["num_excluded"] == 0 and vocab_provenance(p)["vocab_size"] == 12
+    d2t2, _, p2 = build_vocab(tmp_path, 4)  # same inputs: reused
     assert p2 == p and torch.equal(d2t, d2t2)
-    d2t3, _, _ = build_vocab(tmp_path, 4, vocab_size=12, exclude_keys=["b"], rebuild=True)
+    d2t3, _, _ = build_vocab(tmp_path, 4, exclude_keys=["b"], rebuild=True)
     assert (torch.arange(4) + d2t3).tolist() == [0, 1, 2, 7]
+    assert torch.equal(build_vocab(tmp_path, 4, exclude_keys=["b"])[0], d2t3)  # reused with the same keys
+
+
+def test_vocab_file_built_from_other_inputs_is_refused_not_reused(tmp_path):
+    """A held-out list (or the dataset) that changed must not reuse a vocabulary that counted
+    the held-out samples; a file without the record (older eagle-data) is refused too."""
+    from eagle_train.vocab import build_vocab, save_vocab, select_vocab
+
+    _vocab_dataset(tmp_path)
+    p = build_vocab(tmp_path, 4)[2]
+    with pytest.raises(ValueError, match=r"built from other inputs: exclude_keys_sha256 .*num_excluded 0 \(now 1\);"
+                                         r" pass --rebuild"):
+        build_vocab(tmp_path, 4, exclude_keys=["b"])
+    _vocab_dataset(tmp_path, shards=[{"name": "00000-000000.tar", "sha256": "cd" * 32}], num_samples=3)
+    with pytest.raises(ValueError, match=r"dataset_sha256 .*num_samples 2 \(now 3\)"):
+        build_vocab(tmp_path, 4)
+    save_vocab(p, *select_vocab({1: 1}, 12, 4))  # no built_from record
+    with pytest.raises(ValueError, match="does not record what it was built from"):
+        build_vocab(tmp_path, 4)
+    assert (torch.arange(4) + build_vocab(tmp_path, 4, rebuild=True)[0]).tolist() == [0, 2, 7, 9]
+    p.write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="draft_vocab_4.safetensors: not a draft vocabulary file"):
+        build_vocab(tmp_path, 4)
+
+
+@pytest.mark.parametrize("exclude,msg", [(["b", "bb", "zz"], r"exclude_keys: 2 of 3 key\(s\) are not in the index "
+                                                            r".*\['bb', 'zz'\]"),
+                                         (["a", 3], r"exclude_keys: sample keys must be strings, got \[3\]"),
+                                         (["a", "b"], r"no supervised token to count \(2 sample\(s\), 2 excluded\)")])
+def test_vocab_exclude_keys_are_checked_against_the_index(tmp_path, exclude, msg):
+    from eagle_train.vocab import build_vocab
+
+    _vocab_dataset(tmp_path)
+    with pytest.raises(ValueError, match=msg):
+        build_vocab(tmp_path, 4, exclude_keys=exclude)
+    assert not (tmp_path / "draft_vocab_4.safetensors").exists()
+
+
+@pytest.mark.parametrize("manifest,msg", [({"schema_version": 99}, "schema_version 99, this eagle_data reads 1"),
+                                          ({"layer_id_convention": "x"}, "layer_id_convention 'x'"),
+                                          ({"vocab_size": None}, "vocab_size must be an integer >= 1, got None"),
+                                          ({"shards": None}, "no shards list")])
+def test_vocab_checks_the_manifest(tmp_path, manifest, msg):
+    import json
+
+    from eagle_train.vocab import build_vocab
+
+    _vocab_dataset(tmp_path, **manifest)
+    with pytest.raises(ValueError, match=msg):
+        build_vocab(tmp_path, 4)
+    (tmp_path / "manifest.json").write_text("{}")
+    with pytest.raises(ValueError, match="manifest.json: schema_version None"):
+        build_vocab(tmp_path, 4)
+    _vocab_dataset(tmp_path)
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    del m["vocab_size"]
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="manifest.json: no vocab_size field"):
+        build_vocab(tmp_path, 4)
+
+
+@pytest.mark.parametrize("content,msg", [(None, r"--exclude_keys: .*missing.json does not exist \(give a JSON file "
+                                                r"holding a list of sample keys\)"),
+                                         ('{"a": 1}', r"holds a JSON dict, expected a list of sample keys"),
+                                         ('["a", null]', r"sample keys must be strings, got \[None\]"),
+                                         ("a\nb", r"is not a JSON file holding a list of sample keys"),
+                                         ('["a", "typo"]', r"1 of 2 key\(s\) are not in the index .*\['typo'\]")])
+def test_cli_vocab_exclude_keys_file_errors(tmp_path, capsys, content, msg):
+    from eagle_data.cli import main as cli
+
+    _vocab_dataset(tmp_path)
+    f = tmp_path / ("missing.json" if content is None else "keys.json")
+    if content is not None:
+        f.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["vocab", str(tmp_path), "--size", "4", "--exclude_keys", str(f)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and "Traceback" not in err
+    assert re.search(msg, err), err
+    f.write_text('["b"]')
+    cli.main(["vocab", str(tmp_path), "--size", "4", "--exclude_keys", str(f)])
+    from eagle_train.vocab import load_vocab
+
+    assert (torch.arange(4) + load_vocab(capsys.readouterr().out.strip())[0]).tolist() == [0, 1, 2, 7]
+
+
+def test_module_vocab_built_from_the_dataset_leaves_its_held_out_keys_out(tmp_path):
+    from eagle_train.module import EagleDrafterModule
+    from train_tiny import tiny_target_dir
+
+    _vocab_dataset(tmp_path, vocab_size=256)
+    (tmp_path / "held.json").write_text('["b"]')
+    mod = EagleDrafterModule(target_model_path=str(tiny_target_dir(tmp_path)), dataset_dir=str(tmp_path),
+                             draft_vocab_size=4, aux_layer_ids=TINY_AUX, exclude_keys=str(tmp_path / "held.json"))
+    assert (torch.arange(4) + mod.drafter.d2t).tolist() == [0, 1, 2, 7]  # 9 is only in "b"
+    assert mod._exclude == {"b"}
+
+
+@pytest.mark.parametrize("args,msg", [(["--minutes", "-1"], "minutes must be a number > 0"),
+                                      (["--minutes", "0"], "minutes must be a number > 0"),
+                                      (["--draft_vocab_size", "0"], "draft_vocab_size must be >= 1, got 0"),
+                                      (["--eval_samples", "0"], "eval_samples must be >= 1, got 0")])
+def test_cli_demo_refuses_bad_numbers_before_running(tmp_path, capsys, args, msg):
+    """`eagle-data demo --minutes -1` used to run to the end and exit 0."""
+    from eagle_data.cli import main as cli
+
+    out = tmp_path / "demo"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", str(tmp_path / "no-dataset"), "--out", str(out), *args])
+    assert e.value.code == 2 and f"error: {msg}" in capsys.readouterr().err
+    assert not out.exists()
+    from eagle_train.pipeline import demo
+
+    with pytest.raises(ValueError, match="minutes must be a number > 0"):
+        demo(str(tmp_path / "no-dataset"), str(out), minutes=float("inf"))
+    with pytest.raises(ValueError, match=r"heldout_fraction must be in \(0, 1\), got 1.0"):
+        demo(str(tmp_path / "no-dataset"), str(out), heldout_fraction=1.0)
 
 
 def test_loss_mask_shift_example():
@@ -191,6 +325,29 @@ def test_checkpoint_is_self_contained_without_the_vocab_file(tmp_path):
     with pytest.raises(ValueError, match="not an EagleDrafterModule checkpoint"):
         torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
         EagleDrafterModule.load_from_checkpoint(str(tmp_path / "other.ckpt"))
+
+
+@pytest.mark.parametrize("content,msg", [(None, r"checkpoint .*missing.ckpt does not exist"),
+                                         ("dir", r"checkpoint .*missing.ckpt is not a file"),
+                                         (b"it is text, not a checkpoint\n", r"missing.ckpt: not a checkpoint file"),
+                                         (b"", r"missing.ckpt: not a checkpoint file"),
+                                         (bytes(range(256)) * 4, r"missing.ckpt: not a checkpoint file")])
+def test_load_from_checkpoint_names_a_missing_or_foreign_file(tmp_path, capsys, content, msg):
+    """Used to be FileNotFoundError / `KeyError: 105` / unpickling errors; export and eval say it."""
+    from eagle_data.cli import main as cli
+    from eagle_train.module import EagleDrafterModule
+
+    p = tmp_path / "missing.ckpt"
+    if content == "dir":
+        p.mkdir()
+    elif content is not None:
+        p.write_bytes(content)
+    with pytest.raises(ValueError, match=msg):
+        EagleDrafterModule.load_from_checkpoint(str(p))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", str(p), str(tmp_path / "export")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: " in err and re.search(msg, err) and "Traceback" not in err, err
 
 
 class _Loader:

@@ -132,6 +132,43 @@ def test_recompute_matches_reference_and_catches_wrong_model(ds, tmp_path, kr):
     assert max(rep.recompute.values()) > 0.1
 
 
+def test_dataset_without_samples_fails(tmp_path, capsys):
+    """An extraction that skipped every row leaves a manifest and an index of 0 samples: not OK."""
+    from eagle_data.tools.synthetic import write_synthetic
+
+    write_synthetic(tmp_path, [])
+    m = _manifest(tmp_path)
+    m["skip_counts"], m["num_skipped"] = {"no_messages": 3}, 3
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    rep = verify_dataset(tmp_path)
+    assert rep.num_samples == 0 and rep.problems == [
+        ("samples", "manifest.json", "no samples: the dataset is empty (skipped rows by reason: {'no_messages': 3})")]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["verify", str(tmp_path)])
+    assert e.value.code == 1 and "no samples" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,msg", [(["--rtol", "-1"], r"rtol must be >= 0 \(a max relative error\), got -1.0"),
+                                      (["--recompute", "1", "--device", "foo"], "device 'foo' is not a torch device"),
+                                      (["--recompute", "1", "--device", "cuda:99"],
+                                       r"device 'cuda:99': (CUDA is not available|only \d+ CUDA device)"),
+                                      (["--recompute", "-1"], "recompute must be >= 0, got -1")])
+def test_bad_arguments_are_usage_errors_not_a_failed_dataset(reference, capsys, args, msg):
+    """Exit 2 with the message before reading the (good) data; ``--device foo`` used to report
+    the dataset FAILED (exit 1), ``--rtol -1`` was accepted."""
+    import re
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["verify", str(reference), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and re.search("error: " + msg, err) and "Traceback" not in err, err
+
+
+def test_nan_rtol_is_refused(reference):
+    with pytest.raises(ValueError, match="rtol must be >= 0 .*, got nan"):
+        verify_dataset(reference, rtol=float("nan"))
+
+
 def test_on_disk_names_are_made_and_parsed_in_one_place():
     from eagle_data.format.layout import (PROGRESS_NAME, parse_progress_name, parse_shard_name, rank_shard_prefix, shard_name)
 

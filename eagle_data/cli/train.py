@@ -11,20 +11,22 @@ def vocab(path: str, size: int = 32000, out: Optional[str] = None, rebuild: bool
     """Build the draft vocabulary (d2t/t2d) from the index histogram of supervised tokens.
 
     Rule: higher count first, ties to the lower token id; fewer than SIZE distinct tokens are
-    filled with the lowest unused ids; draft ids follow ascending target ids.
+    filled with the lowest unused ids; draft ids follow ascending target ids. The file records
+    what it was built from (dataset, size, excluded keys); an existing file built from anything
+    else is refused, not reused: pass --rebuild to overwrite it.
 
     Args:
         path: dataset directory (index.parquet + manifest.json).
         size: draft vocabulary size N.
         out: output safetensors file (default: PATH/draft_vocab_{size}.safetensors).
-        rebuild: recompute even if the output exists (otherwise it is reused).
-        exclude_keys: JSON list of sample keys not to count (a held-out split).
+        rebuild: recompute and overwrite the output if it exists (otherwise it is reused when
+            built from the same dataset, size and excluded keys, and refused when not).
+        exclude_keys: JSON file holding a list of sample keys not to count (a held-out split);
+            every key must be in the dataset's index.
     """
-    from pathlib import Path
+    from eagle_train.vocab import build_vocab, read_key_list
 
-    from eagle_train.vocab import build_vocab
-
-    ex = json.loads(Path(exclude_keys).read_text()) if exclude_keys else None
+    ex = read_key_list(exclude_keys, "--exclude_keys") if exclude_keys else None
     d2t, t2d, p = build_vocab(path, size, out=out, rebuild=rebuild, exclude_keys=ex)
     print(p)
 
@@ -51,8 +53,10 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
              heldout_fraction: float = 0.1, num_samples: int = 16, positions_per_sample: int = 8,
              steps: int = 7, compare_untrained: bool = True, target_model: Optional[str] = None,
              max_length: Optional[int] = None, device: Optional[str] = None, prompt_lookup_max: int = 4) -> None:
-    """Acceptance length tau (greedy chain) of a drafter vs the HF target on held-out samples, beside
-    prompt-lookup (n-gram) speculation on the same positions: the free baseline to beat.
+    """Acceptance length tau of a drafter vs the HF target on held-out samples, beside prompt lookup.
+
+    tau = 1 + the mean accepted prefix of greedy draft chains (eagle_train.evaluate);
+    prompt-lookup (n-gram) speculation is scored on the same positions: the free baseline to beat.
 
     Args:
         path: dataset directory holding the held-out samples.
@@ -93,15 +97,17 @@ def export(checkpoint: str, out: str, dtype: str = "bfloat16") -> None:
 
 def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_vocab_size: int = 2048,
          eval_samples: int = 12, target_model: str = "smollm2") -> None:
-    """The main job's second half on CPU: draft vocab -> train a drafter for MINUTES -> tau of the
+    """CPU demo of drafter training: draft vocab, train for MINUTES, tau, SGLang export.
+
+    The main job's second half: draft vocab -> train a drafter for MINUTES -> tau of the
     trained and the untrained drafter on held-out conversations (+ PNG plot) -> SGLang export.
 
     Args:
         path: dataset directory written by `eagle-data extract`.
         out: output directory (checkpoint, demo_summary.json, acceptance.png, sglang_drafter/).
-        minutes: training wall time.
-        draft_vocab_size: N.
-        eval_samples: held-out samples evaluated at most.
+        minutes: training wall time (> 0).
+        draft_vocab_size: N (>= 1).
+        eval_samples: held-out samples evaluated at most (>= 1).
         target_model: "smollm2" (embedded default) or the target's HF folder.
     """
     from eagle_train.pipeline import demo as _demo

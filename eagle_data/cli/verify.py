@@ -51,17 +51,20 @@ def print_report(rep: VerifyReport, max_problems: int = 30, console: Console | N
 
 def verify(path: str, recompute: int = 0, seed: int = 0, device: str = "cpu", rtol: Optional[float] = None,
            max_problems: int = 30) -> None:
-    """Verify a dataset directory: every shard against the manifest (sha256, size, sample count),
-    the schema, rows == len(input_ids) == len(loss_mask), no NaN/Inf, unique keys across
-    shards and ranks, index.parquet against the shards, no leftover files. Exits 1 on failure.
+    """Verify a dataset directory end to end (shards, samples, keys, index). Exits 1 on failure.
+
+    Checks every shard against the manifest (sha256, size, sample count), the schema,
+    rows == len(input_ids) == len(loss_mask), no NaN/Inf, unique keys across shards and ranks,
+    index.parquet against the shards, no leftover files, and that there is at least one sample.
+    Bad arguments (negative --rtol, an unusable --device) exit 2 before anything is read.
 
     Args:
         path: dataset directory (with manifest.json; run `eagle-data merge` first if missing).
         recompute: re-run this many random samples through the HF reference backend (model,
             aux layer ids and compute dtype from the manifest) and report the max relative error per layer.
         seed: random seed choosing the recomputed samples.
-        device: device for the recompute ("cpu", "cuda", ...).
-        rtol: max relative error allowed in the recompute (default: 1e-4 for float32 data,
+        device: device for the recompute ("cpu", "cuda", "cuda:1", ...; checked when recompute > 0).
+        rtol: max relative error allowed in the recompute, >= 0 (default: 1e-4 for float32 data,
             5e-2 if the compute or storage dtype is bfloat16).
         max_problems: print at most this many problems.
     """

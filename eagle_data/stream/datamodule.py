@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 
 from lightning.pytorch import LightningDataModule
 
-from eagle_data.stream.dataset import EagleShardDataset
+from eagle_data.stream.dataset import EagleShardDataset, check_positive
 from eagle_data.stream.loader import EagleDataLoader
 
 
@@ -51,6 +51,10 @@ class EagleDataModule(LightningDataModule):
         on_error: "raise" on a corrupt shard/sample, or "skip" to count and continue.
         read_threads: threads per loader process reading samples into a batch (None: min(4, CPUs)).
         val_batch_size: validation batch size (default: batch_size); val is never shuffled.
+
+    Raises:
+        ValueError: ``batch_size``, ``max_tokens``, ``bucket_window``, ``max_batch_size`` or
+            ``val_batch_size`` below 1, ``num_workers`` below 0 (checked here, before any data is read).
     """
 
     def __init__(self, train: Union[str, list[str]], val: Optional[Union[str, list[str]]] = None,
@@ -62,6 +66,10 @@ class EagleDataModule(LightningDataModule):
                  dtype: Optional[str] = None, on_error: str = "raise", val_batch_size: Optional[int] = None,
                  read_threads: Optional[int] = None):
         super().__init__()
+        check_positive(batch_size=batch_size, max_tokens=max_tokens, bucket_window=bucket_window,
+                       max_batch_size=max_batch_size, val_batch_size=val_batch_size)
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         self.save_hyperparameters()
         if max_tokens is not None:
             batch_size = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
 import random
 from collections import Counter
 from typing import Any, Iterator, Sequence
@@ -36,6 +37,17 @@ from eagle_data.format.payload import view_tensors
 from eagle_data.stream.reader import read_span
 
 log = logging.getLogger(__name__)
+
+
+def check_positive(**args: int | None) -> None:
+    """Refuse a batching argument below 1 (``None`` means "not given" and passes).
+
+    Raises:
+        ValueError: naming the first argument that is not an integer >= 1.
+    """
+    for name, v in args.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
 
 
 class EagleShardDataset(IterableDataset):
@@ -75,7 +87,8 @@ class EagleShardDataset(IterableDataset):
         rank, world_size: override ``torch.distributed`` (simulation, tests).
 
     Raises:
-        ValueError: bad arguments, missing/incompatible manifests, fewer samples than slots.
+        ValueError: bad arguments (``batch_size``, ``max_tokens``, ``bucket_window``,
+            ``max_batch_size`` below 1, ...), missing/incompatible manifests, fewer samples than slots.
     """
 
     def __init__(self, sources: str | Sequence[str], *, manifest: str | None = None,
@@ -87,6 +100,8 @@ class EagleShardDataset(IterableDataset):
                  read_threads: int | None = None, rank: int | None = None, world_size: int | None = None):
         if (batch_size is None) == (max_tokens is None):
             raise ValueError("give exactly one of batch_size or max_tokens")
+        check_positive(batch_size=batch_size, max_tokens=max_tokens, bucket_window=bucket_window,
+                       max_batch_size=max_batch_size)
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1 (or None: keep all), got {max_length}")
         if dtype is not None and dtype not in HIDDEN_DTYPES:

@@ -4,6 +4,7 @@ Checks (each problem names the shard/sample/file it is about):
 
 * manifest: readable, schema/conventions (:func:`eagle_data.format.schema.check_manifest_compat`),
   totals equal the sum over shards;
+* the dataset holds at least one sample (an extraction that skipped every row fails);
 * every listed shard: present, size and sha256 as recorded, a tar of ``KEY.safetensors`` +
   ``KEY.json`` pairs only, as many samples as recorded;
 * every sample: the schema (:func:`eagle_data.format.schema.decode_tensors`: fields, dtypes,
@@ -194,16 +195,38 @@ def _check_directory(out: Path, m: dict[str, Any], rep: VerifyReport) -> None:
             rep.add("directory", f"{INDEX_DIR}/{p.name}", "index part of a shard not listed in the manifest")
 
 
-def verify_dataset(path: str | Path, recompute: int = 0, seed: int = 0, device: str = "cpu",
-                   rtol: float | None = None) -> VerifyReport:
-    """Verify a dataset directory (see module docstring). Never raises for bad data: every
-    problem goes into the returned :class:`VerifyReport`.
+def check_args(recompute: int, device: str, rtol: float | None) -> None:
+    """Usage errors of :func:`verify_dataset`, raised before any data is read.
 
     Raises:
-        ValueError: ``recompute`` is negative; ``path`` does not exist.
+        ValueError: ``recompute`` negative; ``rtol`` negative or NaN; with ``recompute``, a
+            ``device`` torch does not know or cannot use here (e.g. "cuda" without a GPU).
     """
     if recompute < 0:
         raise ValueError(f"recompute must be >= 0, got {recompute}")
+    if rtol is not None and not rtol >= 0:
+        raise ValueError(f"rtol must be >= 0 (a max relative error), got {rtol}")
+    if not recompute:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1'): {e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available on this machine (use --device cpu)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+
+
+def verify_dataset(path: str | Path, recompute: int = 0, seed: int = 0, device: str = "cpu",
+                   rtol: float | None = None) -> VerifyReport:
+    """Verify a dataset directory (see module docstring). Never raises for bad data: every
+    problem goes into the returned :class:`VerifyReport`; a dataset without samples fails.
+
+    Raises:
+        ValueError: bad arguments (:func:`check_args`); ``path`` does not exist.
+    """
+    check_args(recompute, device, rtol)
     out = Path(path)
     if not out.is_dir():
         raise ValueError(f"{out} is not a dataset directory" + ("" if out.exists() else " (it does not exist)"))
@@ -215,10 +238,25 @@ def verify_dataset(path: str | Path, recompute: int = 0, seed: int = 0, device: 
         rep.add("manifest", MANIFEST_NAME, str(e))
         return rep
     shards = m.get("shards", [])
-    world = int(m.get("world_size") or m.get("config", {}).get("world_size") or 1)
     for k, agg in (("num_samples", "num_samples"), ("num_tokens", "num_tokens"), ("total_bytes", "bytes")):
         if m.get(k) != sum(s.get(agg, 0) for s in shards):
             rep.add("manifest", MANIFEST_NAME, f"{k} {m.get(k)} != sum over shards {sum(s.get(agg, 0) for s in shards)}")
+    facts = _check_shards(out, m, shards, rep)
+    if rep.num_samples == 0:
+        rep.add("samples", MANIFEST_NAME, f"no samples: the dataset is empty (skipped rows by reason: "
+                                          f"{m.get('skip_counts') or {}})")
+    _check_index(out, facts, rep)
+    _check_directory(out, m, rep)
+    if recompute:
+        _recompute(out, m, facts, recompute, seed, device, rtol, rep)
+    return rep
+
+
+def _check_shards(out: Path, m: dict[str, Any], shards: list[dict[str, Any]], rep: VerifyReport
+                  ) -> dict[str, dict[str, Any]]:
+    """Stream every listed shard once: file facts against the manifest, every sample, key
+    uniqueness. Returns the per-sample facts (key -> :func:`_check_sample`'s result)."""
+    world = int(m.get("world_size") or m.get("config", {}).get("world_size") or 1)
     facts: dict[str, dict[str, Any]] = {}
     key_shards: dict[str, list[str]] = defaultdict(list)
     for s in shards:
@@ -250,11 +288,7 @@ def verify_dataset(path: str | Path, recompute: int = 0, seed: int = 0, device: 
     for k, names in key_shards.items():
         if len(names) > 1:
             rep.add("keys", k, f"stored {len(names)} times: {sorted(names)}")
-    _check_index(out, facts, rep)
-    _check_directory(out, m, rep)
-    if recompute:
-        _recompute(out, m, facts, recompute, seed, device, rtol, rep)
-    return rep
+    return facts
 
 
 def _recompute(out: Path, m: dict[str, Any], facts: dict[str, dict[str, Any]], n: int, seed: int,
