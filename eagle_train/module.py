@@ -11,6 +11,7 @@ target ``embed_tokens``/``lm_head`` are re-read from ``target_model_path`` on co
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -38,6 +39,8 @@ def _load_checkpoint_file(path: str | Path) -> Any:
         raise ValueError(f"{p}: not a checkpoint file torch can load with weights_only=True "
                          f"({type(e).__name__}: {first})") from e
 
+
+log = logging.getLogger(__name__)
 
 class EagleDrafterModule(pl.LightningModule):
     """EAGLE-3 drafter + frozen target embedding/head, trained with the unrolled TTT loss.
@@ -166,9 +169,20 @@ class EagleDrafterModule(pl.LightningModule):
         sd = ckpt.get("state_dict", {}) if isinstance(ckpt, dict) else {}
         if "drafter.d2t" not in sd or "drafter.t2d" not in sd:
             raise ValueError(f"{checkpoint_path}: not an EagleDrafterModule checkpoint (no drafter.d2t/t2d)")
-        kwargs.setdefault("_vocab", (sd["drafter.d2t"], sd["drafter.t2d"]))
-        return super().load_from_checkpoint(checkpoint_path, map_location=map_location, weights_only=True,
-                                            **kwargs)
+        # Built here rather than by Lightning's loader: a checkpoint written by LightningCLI carries an
+        # instantiator that re-parses the arguments and would refuse the vocabulary tensors.
+        hp = {k: v for k, v in (ckpt.get("hyper_parameters") or {}).items() if not k.startswith("_")}
+        hp.update(kwargs)
+        if hp.get("exclude_keys") and not Path(hp["exclude_keys"]).is_file():  # only training filters by it
+            log.warning("%s: its held-out key file %s is gone; the loaded module filters no keys",
+                        checkpoint_path, hp["exclude_keys"])
+            hp["exclude_keys"] = None
+        mod = cls(**hp, _vocab=(sd["drafter.d2t"], sd["drafter.t2d"]))
+        mod.load_state_dict(sd, strict=True)
+        mod.on_load_checkpoint(ckpt)
+        if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
+            mod.to(map_location)
+        return mod.eval()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["eagle"] = {"draft_config": self.drafter.cfg.to_dict(), "aux_layer_ids": self.aux_layer_ids}

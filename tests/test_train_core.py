@@ -322,6 +322,12 @@ def test_checkpoint_is_self_contained_without_the_vocab_file(tmp_path):
     torch.testing.assert_close(back.drafter.lm_head.weight, mod.drafter.lm_head.weight)
     out = export_checkpoint(str(ck), str(tmp_path / "export"), dtype="float32", aux_layer_ids=[1, 3, 5])
     assert (Path(out) / "config.json").exists()
+    cli_style = torch.load(ck, weights_only=True)  # what `eagle-data train` (LightningCLI) writes
+    cli_style["hyper_parameters"].update({"_class_path": "eagle_train.module.EagleDrafterModule",
+                                          "_instantiator": "lightning.pytorch.cli.instantiate_module"})
+    torch.save(cli_style, tmp_path / "cli.ckpt")
+    back2 = EagleDrafterModule.load_from_checkpoint(str(tmp_path / "cli.ckpt"))
+    torch.testing.assert_close(back2.drafter.fc.weight, mod.drafter.fc.weight)
     with pytest.raises(ValueError, match="not an EagleDrafterModule checkpoint"):
         torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
         EagleDrafterModule.load_from_checkpoint(str(tmp_path / "other.ckpt"))
