@@ -177,8 +177,11 @@ def test_radix_cache_left_on_is_caught_and_names_the_sample(tiny_dir):
     """Forced misalignment: with the radix cache on, a shared prefix is served from cache and
     its rows never reach the hook. The backend must refuse, naming the sample."""
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    sg = make_backend("sglang", model_path=str(tiny_dir), aux_layer_ids=AUX, dtype="float32", device="cpu",
-                      chunked_prefill_size=128, _allow_radix_cache=True, collect_timeout_s=0.5)
+    from eagle_data.extract.backends.sglang import SGLangBackend
+
+    # the private option is not a user setting (make_backend refuses it), so the backend is built directly
+    sg = SGLangBackend(model_path=str(tiny_dir), aux_layer_ids=AUX, dtype="float32", device="cpu",
+                       chunked_prefill_size=128, _allow_radix_cache=True, collect_timeout_s=0.5)
     try:
         pre, t1, t2 = _prompts([40, 10, 12], seed=5)
         sg.capture([("first", torch.cat([pre, t1]))])
