@@ -20,7 +20,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -41,7 +41,7 @@ def step_flops(cfg: dict[str, Any], t: int, steps: int, n_draft: int, exclude_oo
     return 3 * fwd + frozen
 
 
-def bench_train_step(shape: str = "llama3.1-8b", seq_lens: list[int] = [2048, 8192], steps: int = 7,
+def bench_train_step(shape: Literal["llama3.1-8b", "tiny"] = "llama3.1-8b", seq_lens: list[int] = [2048, 8192], steps: int = 7,
                      draft_vocab_size: int = 32000, iters: int = 6, warmup: int = 2, device: str = "cuda",
                      peak_tflops: float = 989.0, json_out: str | None = None) -> dict[str, Any]:
     """Step time, tokens/s, MFU and peak memory of drafter training at each sequence length.
@@ -61,6 +61,10 @@ def bench_train_step(shape: str = "llama3.1-8b", seq_lens: list[int] = [2048, 81
     from eagle_train.model import DraftConfig, Eagle3Drafter
 
     cfg = dict(LLAMA31_8B if shape == "llama3.1-8b" else TINY)
+    if not 1 <= draft_vocab_size <= cfg["vocab_size"]:
+        raise ValueError(f"draft_vocab_size must be in [1, {cfg['vocab_size']}] for shape {shape!r}, got {draft_vocab_size}")
+    if iters < 1 or warmup < 0 or not seq_lens or min(seq_lens) < 2:
+        raise ValueError(f"need iters >= 1, warmup >= 0 and seq_lens of >= 2 tokens, got {iters}, {warmup}, {seq_lens}")
     dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
     n, v, h = draft_vocab_size, cfg["vocab_size"], cfg["hidden_size"]

@@ -22,6 +22,7 @@ fp32, CPU).
 from __future__ import annotations
 
 import copy
+import logging
 import hashlib
 import json
 from pathlib import Path
@@ -30,6 +31,8 @@ from typing import Any, Optional
 import torch
 
 from eagle_data.tools.read_samples import read_samples  # also this module's public name, as before
+
+log = logging.getLogger(__name__)
 
 
 def heldout_split(dataset_dir: str | Path, fraction: float = 0.1, seed: int = 0, min_count: int = 1) -> list[str]:
@@ -138,14 +141,15 @@ def acceptance(drafter, target, samples: dict[str, dict[str, torch.Tensor]], ste
             "accept_cond": cond, "num_chains": len(accepted), "accepted": accepted, "chain_keys": chain_keys}
 
 
-def tau_interval(accepted: list[int], keys: list[str], resamples: int = 2000, seed: int = 0) -> list[float]:
-    """95 % percentile interval of tau, resampling whole samples (clusters of chains) with replacement."""
-    if not accepted:
-        return [float("nan"), float("nan")]
+def tau_interval(accepted: list[int], keys: list[str], resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """95 % percentile interval of tau, resampling whole samples (clusters of chains) with
+    replacement; None with fewer than 2 samples (no spread to estimate)."""
     by_key: dict[str, list[int]] = {}
     for a, k in zip(accepted, keys):
         by_key.setdefault(k, []).append(a)
     groups = list(by_key.values())
+    if len(groups) < 2:
+        return None
     sums = torch.tensor([sum(g) for g in groups], dtype=torch.float64)
     counts = torch.tensor([len(g) for g in groups], dtype=torch.float64)
     gen = torch.Generator().manual_seed(seed)
@@ -165,7 +169,7 @@ def plot_acceptance(results: dict[str, dict[str, Any]], path: str | Path) -> Pat
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in results.items():
         xs = list(range(1, len(r["accept_at_least"]) + 1))
-        lo, hi = r.get("tau_ci95", [float("nan")] * 2)
+        lo, hi = r.get("tau_ci95") or [float("nan")] * 2
         ax.plot(xs, r["accept_at_least"], marker="o",
                 label=f"{name}: tau {r['tau']:.3f} [{lo:.2f}, {hi:.2f}], {r['num_chains']} chains")
     ax.set_xlabel("draft position i")
@@ -180,6 +184,27 @@ def plot_acceptance(results: dict[str, dict[str, Any]], path: str | Path) -> Pat
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _check_eval_args(device: Optional[str], num_samples: int, positions: int, steps: int, fraction: float) -> str:
+    """The device to run on, after refusing arguments that would give no or meaningless chains.
+
+    Raises:
+        ValueError: naming the argument.
+    """
+    for name, v in (("num_samples", num_samples), ("positions_per_sample", positions), ("steps", steps)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"heldout_fraction must be in (0, 1], got {fraction!r}")
+    dev = device or default_device()
+    try:
+        d = torch.device(dev)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {dev!r}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {dev!r}: no CUDA GPU is visible to torch on this machine")
+    return dev
 
 
 def default_device() -> str:
@@ -209,11 +234,21 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
     from eagle_train.module import EagleDrafterModule
     from eagle_train.ngram import PromptLookupDrafter
 
-    dev = device or default_device()
-    keys = json.loads(Path(heldout_keys).read_text()) if heldout_keys else heldout_split(dataset_dir, heldout_fraction)
+    from eagle_train.vocab import read_key_list
+
+    dev = _check_eval_args(device, num_samples, positions_per_sample, steps, heldout_fraction)
+    mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu") if checkpoint else None
+    trained_out = mod.hparams.get("exclude_keys") if mod is not None else None
+    if heldout_keys is None and trained_out and Path(trained_out).is_file():
+        heldout_keys, source = trained_out, "the checkpoint's exclude_keys"
+    else:
+        source = "heldout_keys" if heldout_keys else "index split (not excluded from training!)"
+    keys = read_key_list(heldout_keys) if heldout_keys else heldout_split(dataset_dir, heldout_fraction)
+    if mod is not None and not heldout_keys:
+        log.warning("eval: the checkpoint records no held-out keys (train with --model.exclude_keys FILE); the "
+                    "evaluated samples may be ones the drafter trained on, which overstates tau")
     keys = sorted(keys)[:num_samples]
     samples = read_samples(dataset_dir, keys)
-    mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu") if checkpoint else None
     target = load_target(target_model or (mod.hparams.target_model_path if mod else None), dev)
     drafters: dict[str, Any] = {}
     if mod is not None:
@@ -231,6 +266,8 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
     summary: dict[str, Any] = {name: {k: v for k, v in r.items() if k not in ("accepted", "chain_keys")}
                                for name, r in results.items()}
     summary["heldout_keys"] = keys
+    summary["heldout_source"] = source
+    summary["num_samples"] = len(keys)
     (out / "acceptance.json").write_text(json.dumps(summary, indent=1))
     summary["plot"] = str(plot_acceptance(results, out / "acceptance.png"))
     return summary

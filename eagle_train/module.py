@@ -79,6 +79,9 @@ class EagleDrafterModule(pl.LightningModule):
             d2t, t2d = _vocab
         elif draft_vocab and Path(draft_vocab).exists():
             d2t, t2d = load_vocab(draft_vocab)
+            if int(d2t.numel()) != int(draft_vocab_size):
+                raise ValueError(f"draft_vocab {draft_vocab} holds {d2t.numel()} tokens, draft_vocab_size is "
+                                 f"{draft_vocab_size}: give the matching size or another file")
         elif dataset_dir:  # held-out keys are not counted either
             d2t, t2d, path = build_vocab(dataset_dir, draft_vocab_size, out=draft_vocab, exclude_keys=excluded)
         else:
@@ -88,6 +91,7 @@ class EagleDrafterModule(pl.LightningModule):
 
             aux_layer_ids = list(read_manifest(dataset_dir)["aux_layer_ids"])
         self.aux_layer_ids = aux_layer_ids
+        self.hparams["aux_layer_ids"] = aux_layer_ids  # in the checkpoint: export/eval need no dataset
         self.target_config = tcfg
         cfg = DraftConfig.from_target(tcfg, draft_vocab_size=int(d2t.numel()))
         w = load_target_tensors(target_model_path, ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"])

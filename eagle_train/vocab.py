@@ -224,8 +224,9 @@ def _check_reuse(path: Path, want: dict, dataset_dir: str | Path) -> None:
     got = vocab_provenance(path)
     if got == want:
         return
-    how = (f"pass --rebuild (`eagle-data vocab {dataset_dir} --size {want['draft_vocab_size']} --rebuild`, "
-           f"rebuild=True) to overwrite it, or write to another file (--out)")
+    how = (f"rebuild it (`eagle-data vocab {dataset_dir} --size {want['draft_vocab_size']} --out {path} "
+           f"--rebuild true` plus the same --exclude_keys FILE you gave, or rebuild=True in Python), "
+           "or write to another file (--out)")
     if got is None:
         raise ValueError(f"{path} exists but does not record what it was built from (written by an older "
                          f"eagle-data or by hand), so it may count held-out samples; {how}")

@@ -397,3 +397,18 @@ def test_a_batch_whose_samples_were_all_skipped_is_a_filler_not_empty(tmp_path):
     out["loss"].backward()
     assert float(out["loss"]) == 0.0 and all(int(n) == 0 for n in out["n_k"])
     assert all(torch.isfinite(p.grad).all() for p in mod.drafter.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("workers,world", [(2, 1), (0, 2)])
+def test_token_budget_smaller_than_two_samples_with_several_slots(tmp_path, workers, world):
+    """max_tokens that fits one sample per batch with more slots than can be balanced: the slots
+    short of batches get filler rows instead of the plan failing; every sample once, equal counts."""
+    from eagle_data.stream.collate import FILLER_KEY
+
+    write_synthetic(tmp_path, [7], length=lambda g: 60)
+    per_rank = [run_epoch(dl) for dl in ranks(tmp_path, world=world, workers=workers, batch_size=None,
+                                              max_tokens=100)]
+    assert len({len(r) for r in per_rank}) == 1
+    keys = [k for r in per_rank for b in r for k in b if k != FILLER_KEY]
+    assert sorted(keys) == [f"syn_{g:09d}" for g in range(7)]
+    assert all(len(b) == 1 for r in per_rank for b in r)

@@ -70,7 +70,7 @@ def test_vocab_file_built_from_other_inputs_is_refused_not_reused(tmp_path):
     _vocab_dataset(tmp_path)
     p = build_vocab(tmp_path, 4)[2]
     with pytest.raises(ValueError, match=r"built from other inputs: exclude_keys_sha256 .*num_excluded 0 \(now 1\);"
-                                         r" pass --rebuild"):
+                                         r" rebuild it .*--rebuild true` plus the same --exclude_keys"):
         build_vocab(tmp_path, 4, exclude_keys=["b"])
     _vocab_dataset(tmp_path, shards=[{"name": "00000-000000.tar", "sha256": "cd" * 32}], num_samples=3)
     with pytest.raises(ValueError, match=r"dataset_sha256 .*num_samples 2 \(now 3\)"):
@@ -455,8 +455,10 @@ def test_prompt_lookup_scored_on_the_same_positions_with_an_interval(tmp_path):
     dr = acceptance(tiny_module(tmp_path).drafter, target, s, steps=5, positions_per_sample=8)
     assert pl["num_chains"] == dr["num_chains"] == 8 and pl["chain_keys"] == ["loop"] * 8
     assert pl["tau"] > 2.0 and pl["tau"] > dr["tau"], (pl, dr)  # the loops are what prompt lookup predicts
-    lo, hi = pl["tau_ci95"]
-    assert lo <= pl["tau"] <= hi
+    assert pl["tau_ci95"] is None  # one conversation: no spread to estimate
+    two = acceptance(PromptLookupDrafter(), target, {"a": s["loop"], "b": s["loop"]}, steps=5, positions_per_sample=8)
+    lo, hi = two["tau_ci95"]
+    assert lo <= two["tau"] <= hi and two["tau"] == pl["tau"]
     assert tau_interval([0, 0, 6, 6], ["a", "a", "b", "b"]) == [1.0, 7.0]  # two clusters: all-a to all-b
 
 
@@ -477,3 +479,15 @@ def test_timed_checkpoints_save_once_per_mark(tmp_path):
     assert back.hparams.ttt_steps == 1
     with pytest.raises(ValueError, match="positive marks"):
         TimedCheckpoints(minutes=[0])
+
+
+@pytest.mark.parametrize("kw,message", [({"num_samples": 0}, "num_samples must be"),
+                                        ({"positions": 0}, "positions_per_sample must be"),
+                                        ({"steps": 0}, "steps must be"), ({"fraction": 1.5}, "heldout_fraction"),
+                                        ({"fraction": 0.0}, "heldout_fraction"), ({"device": "foo"}, "device must be")])
+def test_eval_arguments_are_checked_up_front(kw, message):
+    from eagle_train.evaluate import _check_eval_args
+
+    args = {"device": "cpu", "num_samples": 2, "positions": 2, "steps": 3, "fraction": 0.1, **kw}
+    with pytest.raises(ValueError, match=message):
+        _check_eval_args(args["device"], args["num_samples"], args["positions"], args["steps"], args["fraction"])

@@ -89,17 +89,15 @@ def token_plan(lengths: Sequence[int], bufsize: int, rng: random.Random, window:
 
 
 def split_to(plan: list[list[int]], target: int, lengths: Sequence[int]) -> list[list[int]]:
-    """Split the batch with the most padded tokens in two until ``len(plan) == target``.
-
-    Raises:
-        ValueError: no batch of 2+ samples is left to split.
-    """
+    """Split the batch with the most padded tokens in two until ``len(plan) == target``; when every
+    batch holds one sample, empty batches are added at the end (the dataset yields a filler row
+    for them, see :data:`eagle_data.stream.collate.FILLER_KEY`), so every slot keeps the step count."""
     plan = [list(b) for b in plan]
     while len(plan) < target:
         cands = [(len(b) * max(lengths[i] for i in b), -k) for k, b in enumerate(plan) if len(b) > 1]
         if not cands:
-            raise ValueError(f"cannot make {target} batches from {sum(map(len, plan))} samples; "
-                             "use fewer ranks/workers or a smaller max_tokens")
+            plan += [[] for _ in range(target - len(plan))]
+            break
         k = -max(cands)[1]
         b = plan[k]
         plan[k:k + 1] = [b[:len(b) // 2], b[len(b) // 2:]]
