@@ -197,14 +197,9 @@ def _check_eval_args(device: Optional[str], num_samples: int, positions: int, st
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     if not 0 < fraction <= 1:
         raise ValueError(f"heldout_fraction must be in (0, 1], got {fraction!r}")
-    dev = device or default_device()
-    try:
-        d = torch.device(dev)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {dev!r}") from None
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {dev!r}: no CUDA GPU is visible to torch on this machine")
-    return dev
+    from eagle_data.devices import check_device
+
+    return check_device(device or default_device())
 
 
 def default_device() -> str:

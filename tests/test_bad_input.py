@@ -150,7 +150,7 @@ def test_bad_settings_name_the_field(kw, message):
         ExtractConfig(**kw)
 
 
-def test_folder_sources_read_every_data_file_and_refuse_other_files(tmp_path):
+def test_folder_sources_read_every_data_file_and_refuse_other_files(tmp_path, caplog):
     """A data folder: files in subfolders and upper-case extensions are read (sorted by path),
     hidden entries ignored; a file that is not data is an error, not silently left out."""
     from eagle_data.extract.sources import iter_records, resolve
@@ -164,6 +164,7 @@ def test_folder_sources_read_every_data_file_and_refuse_other_files(tmp_path):
     (d / "sub" / "c.jsonl").write_text(rec(2) + "\n")
     (d / ".hidden.txt").write_text("ignored")
     assert [r["id"] for _, r in iter_records(str(d))] == ["1", "0", "2"]  # B.JSONL, a.jsonl, sub/c.jsonl
+    assert "1 hidden file(s) not read" in caplog.text and ".hidden.txt" in caplog.text  # said, not silent
     (d / "notes.txt").write_text("not data")
     with pytest.raises(ValueError, match=r"not \.json/\.jsonl/\.parquet: \['notes.txt'\]"):
         resolve(str(d))

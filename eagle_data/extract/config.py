@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from eagle_data.devices import check_device
 from eagle_data.format.schema import HIDDEN_DTYPES
 
 #: rows of the embedded ShareGPT demo taken when ``num_samples`` is not given
@@ -104,7 +105,7 @@ class ExtractConfig:
         if self.dataset_tag is not None and not self.dataset_tag.strip():
             raise ValueError("dataset_tag must be non-empty (or null: derived from the data name)")
         _check_date(self.template_date)
-        _check_device(self.device)
+        _check_device_name(self.device)
         for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window", "writers", "write_queue",
                      "shard_max_bytes", "max_length"):
             v, lo = getattr(self, name), (2 if name == "max_length" else 1)
@@ -148,11 +149,7 @@ def check_paths(cfg: ExtractConfig) -> None:
     if kw.get("data_files") and cfg.split != "train":
         raise ValueError(f"split {cfg.split!r}: local files (and the embedded demo) have one split, 'train'; "
                          "split selects a split of a datasets hub name")
-    if cfg.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {cfg.device!r}: no CUDA GPU is visible to torch on this machine")
+    check_device(cfg.device)
     if (cfg.model != DEFAULT_MODEL and cfg.model.startswith(("/", ".", "~"))
             and not Path(cfg.model).expanduser().is_dir()):
         raise ValueError(f"model {cfg.model!r} is not a model folder (a local HF folder with config.json)")
@@ -173,7 +170,9 @@ def _check_date(value: str) -> None:
         raise ValueError(f"template_date must be a date YYYY-MM-DD, got {value!r}") from None
 
 
-def _check_device(value: str) -> None:
+def _check_device_name(value: str) -> None:
+    """The name only (a config may be written on a machine without the GPU it names);
+    :func:`check_paths` checks that the device is usable here."""
     import torch
 
     try:

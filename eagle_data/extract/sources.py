@@ -25,11 +25,14 @@ from __future__ import annotations
 import glob as _glob
 import hashlib
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from eagle_data.extract.fault import Skip
+
+log = logging.getLogger(__name__)
 
 _FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -65,8 +68,13 @@ def _folder_files(folder: Path) -> list[Path]:
     Raises:
         ValueError: the folder also holds files that are not data (they would be left out unsaid).
     """
-    found = sorted(f for f in folder.rglob("*")
-                   if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    hidden = sorted(str(f.relative_to(folder)) for f in files
+                    if any(part.startswith(".") for part in f.relative_to(folder).parts))
+    if hidden:
+        log.warning("data: %s: %d hidden file(s) not read (names starting with '.'): %s", folder, len(hidden),
+                    hidden[:5])
+    found = sorted(f for f in files if str(f.relative_to(folder)) not in hidden)
     other = [str(f.relative_to(folder)) for f in found if f.suffix.lower() not in _FORMATS]
     if other:
         raise ValueError(f"data: {folder} holds files that are not .json/.jsonl/.parquet: {other[:5]}"

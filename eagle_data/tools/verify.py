@@ -35,6 +35,7 @@ import torch
 
 from eagle_data.format.records import read_manifest
 from eagle_data.format.schema import (HIDDEN_DTYPES, META_EXT, TENSOR_EXT, check_manifest_compat, decode_tensors, sample_key)
+from eagle_data.devices import check_device
 from eagle_data.format.layout import INDEX_NAME, MANIFEST_NAME, parse_shard_name
 from eagle_data.format.layout import INDEX_DIR
 from eagle_data.format.tar import CorruptTar, TarWalk
@@ -208,14 +209,7 @@ def check_args(recompute: int, device: str, rtol: float | None) -> None:
         raise ValueError(f"rtol must be >= 0 (a max relative error), got {rtol}")
     if not recompute:
         return
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1'): {e}") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: CUDA is not available on this machine (use --device cpu)")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    check_device(device)
 
 
 def verify_dataset(path: str | Path, recompute: int = 0, seed: int = 0, device: str = "cpu",
