@@ -192,13 +192,11 @@ def _check_eval_args(device: Optional[str], num_samples: int, positions: int, st
     Raises:
         ValueError: naming the argument.
     """
-    for name, v in (("num_samples", num_samples), ("positions_per_sample", positions), ("steps", steps)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    from eagle_data.checks import check_device, check_positive
+
+    check_positive(num_samples=num_samples, positions_per_sample=positions, steps=steps)
     if not 0 < fraction <= 1:
         raise ValueError(f"heldout_fraction must be in (0, 1], got {fraction!r}")
-    from eagle_data.devices import check_device
-
     return check_device(device or default_device())
 
 

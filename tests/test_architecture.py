@@ -21,7 +21,7 @@ ALLOWED = {
     "tools": {"format", "extract", "stream"},
     "cli": {"format", "extract", "stream", "tools"},
 }
-LEAVES = {"eagle_data", "eagle_data.packing", "eagle_data.assets", "eagle_data.devices"}  # imported from anywhere
+LEAVES = {"eagle_data", "eagle_data.packing", "eagle_data.assets", "eagle_data.checks"}  # imported from anywhere
 CLI_PARSERS = ("argparse", "jsonargparse")
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from eagle_data.devices import check_device
+from eagle_data.checks import check_device
 from eagle_data.format.schema import HIDDEN_DTYPES
 
 #: rows of the embedded ShareGPT demo taken when ``num_samples`` is not given
@@ -105,7 +105,7 @@ class ExtractConfig:
         if self.dataset_tag is not None and not self.dataset_tag.strip():
             raise ValueError("dataset_tag must be non-empty (or null: derived from the data name)")
         _check_date(self.template_date)
-        _check_device_name(self.device)
+        check_device(self.device, usable=False)
         for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window", "writers", "write_queue",
                      "shard_max_bytes", "max_length"):
             v, lo = getattr(self, name), (2 if name == "max_length" else 1)
@@ -145,7 +145,7 @@ def check_paths(cfg: ExtractConfig) -> None:
     """
     from eagle_data.extract.sources import resolve
 
-    builder, kw, _ = resolve(cfg.data)
+    _, kw, _ = resolve(cfg.data)
     if kw.get("data_files") and cfg.split != "train":
         raise ValueError(f"split {cfg.split!r}: local files (and the embedded demo) have one split, 'train'; "
                          "split selects a split of a datasets hub name")
@@ -168,17 +168,6 @@ def _check_date(value: str) -> None:
         datetime.date.fromisoformat(value)
     except (TypeError, ValueError):
         raise ValueError(f"template_date must be a date YYYY-MM-DD, got {value!r}") from None
-
-
-def _check_device_name(value: str) -> None:
-    """The name only (a config may be written on a machine without the GPU it names);
-    :func:`check_paths` checks that the device is usable here."""
-    import torch
-
-    try:
-        torch.device(value)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}") from None
 
 
 def _is_int(v: Any) -> bool:

@@ -21,11 +21,10 @@ from typing import Any, Iterator
 from eagle_data.extract.config import ExtractConfig, rows_to_read
 from eagle_data.extract.fault import Skip
 from eagle_data.extract.manifest import check_resume, config_hash, load_progress, repair_rank
-from eagle_data.format.layout import progress_path
 from eagle_data.extract.sink import atomic_write_bytes, atomic_write_json
 from eagle_data.extract.sources import check_unchanged, combine, iter_records, record_fingerprint
 from eagle_data.format.layout import (MANIFEST_NAME, PROGRESS_GLOB, parse_progress_name, parse_shard_name,
-                                      rank_shard_prefix, skip_log_name)
+                                      progress_path, rank_shard_prefix, skip_log_name)
 from eagle_data.format.schema import sample_key
 
 

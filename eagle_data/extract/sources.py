@@ -68,13 +68,14 @@ def _folder_files(folder: Path) -> list[Path]:
     Raises:
         ValueError: the folder also holds files that are not data (they would be left out unsaid).
     """
-    files = [f for f in folder.rglob("*") if f.is_file()]
-    hidden = sorted(str(f.relative_to(folder)) for f in files
-                    if any(part.startswith(".") for part in f.relative_to(folder).parts))
+    found, hidden = [], []
+    for f in sorted(folder.rglob("*")):
+        if f.is_file():
+            rel = f.relative_to(folder)
+            (hidden if any(part.startswith(".") for part in rel.parts) else found).append(f)
     if hidden:
         log.warning("data: %s: %d hidden file(s) not read (names starting with '.'): %s", folder, len(hidden),
-                    hidden[:5])
-    found = sorted(f for f in files if str(f.relative_to(folder)) not in hidden)
+                    [str(f.relative_to(folder)) for f in hidden[:5]])
     other = [str(f.relative_to(folder)) for f in found if f.suffix.lower() not in _FORMATS]
     if other:
         raise ValueError(f"data: {folder} holds files that are not .json/.jsonl/.parquet: {other[:5]}"

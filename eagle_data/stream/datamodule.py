@@ -25,7 +25,8 @@ from typing import Any, Optional, Union
 
 from lightning.pytorch import LightningDataModule
 
-from eagle_data.stream.dataset import EagleShardDataset, check_positive
+from eagle_data.checks import check_positive
+from eagle_data.stream.dataset import EagleShardDataset
 from eagle_data.stream.loader import EagleDataLoader
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import numbers
 import random
 from collections import Counter
 from typing import Any, Iterator, Sequence
@@ -30,6 +29,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from eagle_data.stream import plan as B
 from eagle_data.stream import collate as C
+from eagle_data.checks import check_positive
 from eagle_data.format.schema import HIDDEN_DTYPES, SampleError, decode_tensors
 from eagle_data.format.layout import INDEX_NAME
 from eagle_data.stream.shards import check_compat, epoch_shard_order, resolve_sources, slot_sizes, slot_spans
@@ -37,17 +37,6 @@ from eagle_data.format.payload import view_tensors
 from eagle_data.stream.reader import read_span
 
 log = logging.getLogger(__name__)
-
-
-def check_positive(**args: int | None) -> None:
-    """Refuse a batching argument below 1 (``None`` means "not given" and passes).
-
-    Raises:
-        ValueError: naming the first argument that is not an integer >= 1.
-    """
-    for name, v in args.items():
-        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
 
 
 class EagleShardDataset(IterableDataset):

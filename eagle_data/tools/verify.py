@@ -35,7 +35,7 @@ import torch
 
 from eagle_data.format.records import read_manifest
 from eagle_data.format.schema import (HIDDEN_DTYPES, META_EXT, TENSOR_EXT, check_manifest_compat, decode_tensors, sample_key)
-from eagle_data.devices import check_device
+from eagle_data.checks import check_device
 from eagle_data.format.layout import INDEX_NAME, MANIFEST_NAME, parse_shard_name
 from eagle_data.format.layout import INDEX_DIR
 from eagle_data.format.tar import CorruptTar, TarWalk
