@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from benchmarks.extract import LLAMA31_8B, TINY
+from benchmarks.extract import LLAMA31_8B, SMOLLM2_135M, TINY
 
 
 def step_flops(cfg: dict[str, Any], t: int, steps: int, n_draft: int, exclude_oov: bool = True) -> float:
@@ -41,30 +41,52 @@ def step_flops(cfg: dict[str, Any], t: int, steps: int, n_draft: int, exclude_oo
     return 3 * fwd + frozen
 
 
-def bench_train_step(shape: Literal["llama3.1-8b", "tiny"] = "llama3.1-8b", seq_lens: list[int] = [2048, 8192], steps: int = 7,
-                     draft_vocab_size: int = 32000, iters: int = 6, warmup: int = 2, device: str = "cuda",
-                     peak_tflops: float = 989.0, json_out: str | None = None) -> dict[str, Any]:
+SHAPES = {"llama3.1-8b": LLAMA31_8B, "smollm2-135m": SMOLLM2_135M, "tiny": TINY}
+
+
+def _batch(b: int, t: int, v: int, h: int, g: torch.Generator, dev: torch.device) -> dict[str, torch.Tensor]:
+    """A random batch of ``b`` full sequences of ``t`` tokens (all valid, all supervised)."""
+    return {"input_ids": torch.randint(0, v, (b, t), generator=g).to(dev),
+            "attention_mask": torch.ones(b, t, dtype=torch.bool, device=dev),
+            "loss_mask": torch.ones(b, t, dtype=torch.bool, device=dev),
+            "aux_hidden_states": torch.randn(b, t, 3 * h, generator=g).to(dev, torch.bfloat16),
+            "hidden_states": torch.randn(b, t, h, generator=g).to(dev, torch.bfloat16)}
+
+
+def bench_train_step(shape: Literal["llama3.1-8b", "smollm2-135m", "tiny"] = "llama3.1-8b",
+                     seq_lens: list[int] = [2048, 8192], batch_size: int = 1, vary_lengths: bool = False,
+                     steps: int = 7, draft_vocab_size: int = 32000, iters: int = 6, warmup: int = 2,
+                     device: str = "cuda", attn_impl: str = "auto", exclude_oov: bool = True,
+                     peak_tflops: float = 989.0, profile: bool = False,
+                     json_out: str | None = None) -> dict[str, Any]:
     """Step time, tokens/s, MFU and peak memory of drafter training at each sequence length.
 
     Args:
-        shape: "llama3.1-8b" or "tiny" (target shape the drafter copies).
-        seq_lens: one sequence of each length per step (B=1).
+        shape: target shape the drafter copies.
+        seq_lens: sequence lengths to measure, one row each.
+        batch_size: B sequences per step.
+        vary_lengths: each step draws its length uniformly from [T/2, T] (real batches vary; a
+            compiled attention must not recompile per length); the row reports the mean length.
         steps: K, TTT steps.
         draft_vocab_size: N.
         iters: timed steps per length (median reported).
         warmup: untimed steps first.
         device: "cuda" or "cpu".
+        attn_impl: TTT attention ("auto", "flex", "chunked", see :func:`eagle_train.attention.ttt_attention`).
+        exclude_oov: also run the full-vocabulary out-of-vocabulary check (as training does by default).
         peak_tflops: peak dense bf16 TFLOP/s of the device for MFU (H200: 989).
+        profile: after timing each length, print the top kernels of two profiled steps.
         json_out: also write the figures to this JSON file.
     """
     from eagle_train.loss import ttt_loss
     from eagle_train.model import DraftConfig, Eagle3Drafter
 
-    cfg = dict(LLAMA31_8B if shape == "llama3.1-8b" else TINY)
+    cfg = dict(SHAPES[shape])
     if not 1 <= draft_vocab_size <= cfg["vocab_size"]:
         raise ValueError(f"draft_vocab_size must be in [1, {cfg['vocab_size']}] for shape {shape!r}, got {draft_vocab_size}")
-    if iters < 1 or warmup < 0 or not seq_lens or min(seq_lens) < 2:
-        raise ValueError(f"need iters >= 1, warmup >= 0 and seq_lens of >= 2 tokens, got {iters}, {warmup}, {seq_lens}")
+    if iters < 1 or warmup < 0 or batch_size < 1 or not seq_lens or min(seq_lens) < 4:
+        raise ValueError(f"need iters >= 1, warmup >= 0, batch_size >= 1 and seq_lens of >= 4 tokens, got "
+                         f"{iters}, {warmup}, {batch_size}, {seq_lens}")
     dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
     n, v, h = draft_vocab_size, cfg["vocab_size"], cfg["hidden_size"]
@@ -78,39 +100,62 @@ def bench_train_step(shape: Literal["llama3.1-8b", "tiny"] = "llama3.1-8b", seq_
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=dev.type == "cuda")
     amp = torch.autocast(dev.type, dtype=torch.bfloat16)
     res: dict[str, Any] = {"shape": shape, "steps": steps, "draft_vocab_size": n, "device": str(dev),
+                           "batch_size": batch_size, "vary_lengths": vary_lengths, "attn_impl": attn_impl,
                            "params_M": round(sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6, 1),
                            "by_seq_len": {}}
+
+    def one_step(batch):
+        with amp:
+            out = ttt_loss(drafter, lm_head, batch, steps, exclude_oov=exclude_oov, attn_impl=attn_impl)
+        opt.zero_grad(set_to_none=True)
+        out["loss"].backward()
+        opt.step()
+        return out
+
     for t in seq_lens:
-        batch = {"input_ids": torch.randint(0, v, (1, t), generator=g).to(dev),
-                 "attention_mask": torch.ones(1, t, dtype=torch.bool, device=dev),
-                 "loss_mask": torch.ones(1, t, dtype=torch.bool, device=dev),
-                 "aux_hidden_states": torch.randn(1, t, 3 * h, generator=g).to(dev, torch.bfloat16),
-                 "hidden_states": torch.randn(1, t, h, generator=g).to(dev, torch.bfloat16)}
+        lens = [int(torch.randint(t // 2, t + 1, (1,), generator=g)) if vary_lengths else t
+                for _ in range(warmup + iters)]
+        batches = [_batch(batch_size, tl, v, h, g, dev) for tl in sorted(set(lens))]
+        by_len = {b["input_ids"].shape[1]: b for b in batches}
         if dev.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        times = []
-        for i in range(warmup + iters):
+        times, flops = [], []
+        for i, tl in enumerate(lens):
             t0 = time.perf_counter()
-            with amp:
-                out = ttt_loss(drafter, lm_head, batch, steps)
-            opt.zero_grad(set_to_none=True)
-            out["loss"].backward()
-            opt.step()
+            out = one_step(by_len[tl])
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+                flops.append(batch_size * step_flops(cfg, tl, steps, n, exclude_oov))
         s = statistics.median(times)
-        fl = step_flops(cfg, t, steps, n)
-        row = {"step_s": round(s, 4), "tokens_per_s": round(t / s), "TFLOPs": round(fl / s / 1e12, 1),
-               "MFU": round(fl / s / 1e12 / peak_tflops, 3),
+        tokens = batch_size * statistics.fmean(lens[warmup:])
+        fl = statistics.fmean(flops)
+        row = {"step_s": round(s, 4), "tokens_per_step": round(tokens), "tokens_per_s": round(tokens / s),
+               "TFLOPs": round(fl / s / 1e12, 1), "MFU": round(fl / s / 1e12 / peak_tflops, 3),
                "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
                "loss": round(float(out["loss"].detach()), 4)}
         res["by_seq_len"][t] = row
-        print(f"T={t:6d}  step {row['step_s'] * 1e3:8.1f} ms  {row['tokens_per_s']:8d} tok/s  "
+        print(f"T={t:6d} B={batch_size}  step {row['step_s'] * 1e3:8.1f} ms  {row['tokens_per_s']:8d} tok/s  "
               f"{row['TFLOPs']:6.1f} TFLOP/s  MFU {row['MFU']:.3f}  peak {row['peak_GiB']} GiB", flush=True)
-        del batch, out
+        if profile:
+            _profile(one_step, [by_len[tl] for tl in lens[-2:]], dev)
+        del batches, by_len, out
     if json_out:
         Path(json_out).write_text(json.dumps(res, indent=1))
     return res
+
+
+def _profile(one_step, batches: list[dict[str, torch.Tensor]], dev: torch.device, top: int = 25) -> None:
+    """Print the ``top`` operators of ``batches`` by device (else CPU) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for b in batches:
+            one_step(b)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60), flush=True)

@@ -18,13 +18,15 @@ class TimedCheckpoints(pl.Callback):
     Args:
         minutes: the marks, e.g. ``[2, 4, 8]``.
         dirpath: where to save (default: ``trainer.default_root_dir``).
+        stop_after_last: end training once the last mark is saved (a fixed-time budget).
     """
 
-    def __init__(self, minutes: list[float], dirpath: Optional[str] = None):
+    def __init__(self, minutes: list[float], dirpath: Optional[str] = None, stop_after_last: bool = False):
         if not minutes or any(m <= 0 for m in minutes):
             raise ValueError(f"minutes must be a non-empty list of positive marks, got {minutes!r}")
         self.marks = sorted(float(m) for m in minutes)
         self.dirpath = dirpath
+        self.stop_after_last = stop_after_last
         self._t0: Optional[float] = None
         self.saved: list[str] = []
 
@@ -40,3 +42,5 @@ class TimedCheckpoints(pl.Callback):
             path = Path(self.dirpath or trainer.default_root_dir) / f"at_{m:g}min.ckpt"
             trainer.save_checkpoint(str(path))
             self.saved.append(str(path))
+            if not self.marks and self.stop_after_last:
+                trainer.should_stop = True

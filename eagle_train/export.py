@@ -61,6 +61,9 @@ def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[i
 
     if not aux_layer_ids:
         raise ValueError("aux_layer_ids are required (the dataset manifest's ids)")
+    if getattr(drafter, "zero_features", False):
+        raise ValueError("this drafter was trained with zero_features (a control that ignores the target's "
+                         "states); a server would feed it real states, so it is not exported")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     from eagle_data.format.schema import hidden_dtype

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+from eagle_train.soft_ce import linear_soft_ce
 
 
 def shift_left(x: torch.Tensor, n: int, fill: Any = 0) -> torch.Tensor:
@@ -85,12 +86,13 @@ LOSS_CHUNK_ELEMS = 2 ** 25
 
 
 def ttt_loss(drafter, target_lm_head: torch.Tensor, batch: dict[str, Any], steps: int = 7,
-             step_weight: float = 0.8, exclude_oov: bool = True, chunk_rows: int | None = None) -> dict[str, Any]:
+             step_weight: float = 0.8, exclude_oov: bool = True, chunk_rows: int | None = None,
+             attn_impl: str = "auto") -> dict[str, Any]:
     """Unrolled TTT loss of one batch (definition: module docstring), memory linear in T.
 
     The teacher is computed once, only at the rows some step supervises (``[n_teacher, N]`` fp32);
-    each step's soft cross-entropy runs over row chunks of ``chunk_rows`` under activation
-    checkpointing, so no ``[rows, N]`` tensor of a step outlives its chunk.
+    each step's draft head and soft cross-entropy run fused over row chunks of ``chunk_rows``
+    (:mod:`eagle_train.soft_ce`), so no ``[rows, N]`` tensor of a step outlives its chunk.
 
     Args:
         drafter: :class:`eagle_train.model.Eagle3Drafter`.
@@ -99,6 +101,7 @@ def ttt_loss(drafter, target_lm_head: torch.Tensor, batch: dict[str, Any], steps
             ``aux_hidden_states`` [B, T, 3H], ``hidden_states`` [B, T, H], masks [B, T]).
         steps: K; step_weight: ``w`` of ``w^k``.
         chunk_rows: rows per loss chunk (default: :data:`LOSS_CHUNK_ELEMS` / N).
+        attn_impl: the TTT attention (:func:`eagle_train.attention.ttt_attention`'s ``impl``).
 
     Returns:
         ``{"loss": scalar, "loss_k": [K] tensors, "acc_k": [K], "n_k": [K] supervised rows}``.
@@ -109,7 +112,8 @@ def ttt_loss(drafter, target_lm_head: torch.Tensor, batch: dict[str, Any], steps
     sup = supervised_rows(drafter, target_lm_head, batch, steps, exclude_oov)   # [K, B, T-1]
     slot, teach = row_teacher(batch["hidden_states"][:, 1:], target_lm_head, drafter.t2d, sup)
     teach_arg = teach.argmax(-1)
-    hiddens = drafter.ttt_forward(ids[:, 1:], batch["aux_hidden_states"][:, :-1], valid[:, 1:], steps)
+    hiddens = drafter.ttt_forward(ids[:, 1:], batch["aux_hidden_states"][:, :-1], valid[:, 1:], steps,
+                                   attn_impl=attn_impl)
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     chunk = chunk_rows or max(1, LOSS_CHUNK_ELEMS // teach.shape[-1])
@@ -175,20 +179,8 @@ def _step_ce(drafter, h: torch.Tensor, teach: torch.Tensor, teach_arg: torch.Ten
 
     Returns:
         ``(ce, hits)``: scalar fp32 sum of ``-sum_v p_T log q``; int64 count of rows whose draft
-        argmax equals the teacher's. Each chunk is checkpointed: no [rows, N] tensor is kept for
-        backward (the chunk's logits are recomputed there).
+        argmax equals the teacher's. Fused head + loss (:func:`eagle_train.soft_ce.linear_soft_ce`):
+        no [rows, N] tensor outlives its chunk (the backward recomputes the chunk's logits).
     """
-    def chunk_ce(hc, tc):
-        logp = F.log_softmax(drafter.logits(hc).float(), -1)
-        return -(teach[tc] * logp).sum(-1).sum(), logp.detach().argmax(-1)
-
-    ce, hits = None, ts.new_zeros(())
-    for i in range(0, max(1, h.shape[0]), rows):  # an empty step still gives a loss with a graph
-        hc, tc = h[i:i + rows], ts[i:i + rows]
-        if torch.is_grad_enabled() and hc.requires_grad:
-            c, arg = checkpoint(chunk_ce, hc, tc, use_reentrant=False, preserve_rng_state=False)
-        else:
-            c, arg = chunk_ce(hc, tc)
-        ce = c if ce is None else ce + c
-        hits = hits + (arg == teach_arg[tc]).sum()
-    return ce, hits
+    ce, arg = linear_soft_ce(drafter.norm(h), drafter.lm_head.weight, teach, ts, rows)
+    return ce, (arg == teach_arg[ts]).sum()

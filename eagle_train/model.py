@@ -256,7 +256,12 @@ class Eagle3Drafter(nn.Module):
         d2t: int64 [N]; t2d: bool [V] (see :mod:`eagle_train.vocab`).
         lm_head_init: optional [N, H] initial draft head (e.g. target ``lm_head`` rows at the
             draft ids); default: ``nn.Linear`` init.
+
+    Attribute ``zero_features`` (default False): a control that replaces the target's aux states
+    by zeros in training and drafting alike (measures what the target's states contribute).
     """
+
+    zero_features: bool = False
 
     def __init__(self, cfg: DraftConfig, embed_tokens: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
                  lm_head_init: Optional[torch.Tensor] = None):
@@ -286,6 +291,11 @@ class Eagle3Drafter(nn.Module):
     def rope(self, positions: torch.Tensor, like: torch.Tensor):
         """positions [B, T] int64 -> (cos, sin) [B, T, hd]."""
         return self.rotary(like, positions)
+
+    def _features(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., 3*Ht] in the drafter's dtype; zeros for the ``zero_features`` control."""
+        aux = aux.to(self.fc.weight.dtype)
+        return torch.zeros_like(aux) if self.zero_features else aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """pre-norm hidden [B, T, H] -> draft logits [B, T, N]."""
@@ -318,7 +328,7 @@ class Eagle3Drafter(nn.Module):
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         key_valid, cache = key_valid.bool(), {}
-        hidden = self.fc(aux.to(self.fc.weight.dtype))
+        hidden = self.fc(self._features(aux))
         outs, k0 = [], None
         extra_k: list[torch.Tensor] = []
         extra_v: list[torch.Tensor] = []
@@ -358,7 +368,7 @@ class Eagle3Drafter(nn.Module):
         """
         t = input_ids.shape[0]
         pos = torch.arange(t, device=input_ids.device)[None]
-        hid0 = self.fc(aux[None].to(self.fc.weight.dtype))
+        hid0 = self.fc(self._features(aux[None]))
         cos, sin = self.rope(pos, hid0)
         _, kp, vp = self.midlayer.qkv(self.embed(input_ids[None]), hid0, cos, sin)
         tids = self.target_ids()

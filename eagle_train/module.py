@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -56,13 +57,20 @@ class EagleDrafterModule(pl.LightningModule):
         step_weight: loss weight ``w^k`` (0.8).
         exclude_oov: do not supervise rows whose target argmax is outside the draft vocab.
         lr, weight_decay, warmup_steps, min_lr_ratio, betas: AdamW + linear warmup + cosine decay
-            over ``trainer.max_steps`` (or the estimated stepping batches).
+            over ``trainer.max_steps`` (or the estimated stepping batches), or over
+            ``lr_schedule_minutes`` of training time when that is given.
+        lr_schedule_minutes: run the cosine over this much wall-clock training time (from the first
+            training batch) instead of steps: for fixed-time budgets (``TimedCheckpoints``). With
+            neither steps nor this known (``max_time`` only), the lr stays constant after warm-up.
         init_lm_head_from_target: initialise ``lm_head`` with the target head's draft-vocab rows and
             ``norm`` with the target's final norm (a warm start; off: ``nn.Linear`` init, norm = 1).
         exclude_keys: JSON file with a list of sample keys to drop from training batches
             (a held-out split living in the same shards); a vocabulary built here from
             ``dataset_dir`` does not count them either.
         seed: seed of the drafter's initialisation.
+        zero_features: control run: the target's aux states are replaced by zeros (in training
+            and when the checkpoint is evaluated), so the drafter sees only tokens; it measures
+            what the states contribute. Such a checkpoint is refused by ``export``.
     """
 
     def __init__(self, target_model_path: str, draft_vocab: Optional[str] = None, dataset_dir: Optional[str] = None,
@@ -70,7 +78,7 @@ class EagleDrafterModule(pl.LightningModule):
                  step_weight: float = 0.8, exclude_oov: bool = True, lr: float = 1e-4, weight_decay: float = 0.0,
                  warmup_steps: int = 0, min_lr_ratio: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                  init_lm_head_from_target: bool = True, exclude_keys: Optional[str] = None, seed: int = 0,
-                 _vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                 zero_features: bool = False, lr_schedule_minutes: Optional[float] = None, _vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         super().__init__()
         self.save_hyperparameters(ignore=["_vocab"])
         tcfg = read_target_config(target_model_path)
@@ -103,8 +111,12 @@ class EagleDrafterModule(pl.LightningModule):
             if init_lm_head_from_target:  # the head expects the target's final-norm scale
                 with torch.no_grad():
                     self.drafter.norm.weight.copy_(w["model.norm.weight"].float())
+        self.drafter.zero_features = bool(zero_features)
         self.register_buffer("target_lm_head", w["lm_head.weight"].float(), persistent=False)
         self._exclude = set(excluded)
+        if lr_schedule_minutes is not None and not lr_schedule_minutes > 0:
+            raise ValueError(f"lr_schedule_minutes must be > 0, got {lr_schedule_minutes!r}")
+        self._t0: Optional[float] = None  # wall clock of the first training batch
 
     # ------------------------------------------------------------------ steps
     def _filter(self, batch: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -145,18 +157,33 @@ class EagleDrafterModule(pl.LightningModule):
         hp = self.hparams
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
-        total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 \
-            else self.trainer.estimated_stepping_batches
-        total = max(int(total), 1) if math.isfinite(total) else 10 ** 9  # max_time only: no decay
+        progress = self._schedule_progress()
 
         def f(step: int) -> float:
             if step < hp.warmup_steps:
                 return (step + 1) / max(hp.warmup_steps, 1)
-            prog = min(1.0, (step - hp.warmup_steps) / max(total - hp.warmup_steps, 1))
+            prog = progress(step)
             return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+
+    def _schedule_progress(self):
+        """``step -> [0, 1]``: the share of the run done, by training time (``lr_schedule_minutes``)
+        or by steps (``max_steps`` or the estimated stepping batches); neither known: 0."""
+        hp, tr = self.hparams, self.trainer
+        if hp.lr_schedule_minutes:
+            span = 60.0 * float(hp.lr_schedule_minutes)
+            return lambda step: 0.0 if self._t0 is None else min(1.0, (time.perf_counter() - self._t0) / span)
+        total = tr.max_steps if tr.max_steps and tr.max_steps > 0 else tr.estimated_stepping_batches
+        if not math.isfinite(total):  # max_time only
+            return lambda step: 0.0
+        total = max(int(total), 1)
+        return lambda step: min(1.0, (step - hp.warmup_steps) / max(total - hp.warmup_steps, 1))
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str | Path, map_location: Any = None, **kwargs: Any):

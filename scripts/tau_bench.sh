@@ -1,19 +1,32 @@
 #!/usr/bin/env bash
 # tau on real data after fixed training time (issue 14), end to end on one machine:
-#   1. ShareGPT rows [0, N) -> OUT/train.jsonl, rows [17000, 17200) -> OUT/heldout.jsonl (the held-out set);
-#   2. extract both with SmolLM2 (bf16 on the GPU), build the draft vocabulary from the training set;
-#   3. train with configs/train/tau_bench_gpu.yaml, checkpoints after 2, 4 and 8 minutes of training;
-#   4. tau of each checkpoint on the first 40 held-out keys (sorted), 16 positions each, K=7,
-#      max_length 2048, beside the untrained drafter and prompt-lookup speculation on the same
-#      positions (eagle-data eval), with 95 % intervals.
-# Usage: OUT=out/tau N=6000 bash scripts/tau_bench.sh          (GPU)
-#        OUT=/tmp/tau N=12 HELD=4 MINUTES="0.05 0.1" DEVICE=cpu ACCEL=cpu PRECISION=32-true bash scripts/tau_bench.sh  (smoke test)
+#   prep     ShareGPT rows [0, N) -> OUT/train.jsonl, rows [17000, 17000+HELD) -> OUT/heldout.jsonl
+#            (kept when both files exist already, e.g. carried to a machine without network);
+#   extract  both with SmolLM2 (bf16 on the GPU); the draft vocabulary from the training set;
+#   tune     (optional) a short run per lr in LRS, side by side, cosine over SWEEP_SECONDS; the lr
+#            with the lowest training loss (last fifth of the logged steps) -> OUT/lr.txt.
+#            Training data only: the held-out set is not read;
+#   train    configs/train/tau_bench_gpu.yaml, checkpoints after each of MINUTES of training time
+#            (the lr cosine spans the last mark; training stops there);
+#   control  the same training with the target's features zeroed (zero_features) for the first mark;
+#   eval     tau of each checkpoint on the first EVAL_N held-out keys (sorted), 16 positions each,
+#            K=7, max_length 2048, beside the untrained drafter and prompt-lookup speculation on the
+#            same positions (eagle-data eval, 95 % intervals), all checkpoints at once; then a table.
+# Usage: OUT=out/tau N=6000 bash scripts/tau_bench.sh          (GPU; PHASES="extract train" etc. for parts)
+#        OUT=/tmp/tau N=12 HELD=4 MINUTES="0.05 0.1" DEVICE=cpu ACCEL=cpu PRECISION=32-true EVAL_N=2 \
+#          bash scripts/tau_bench.sh                           (smoke test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/tau}; N=${N:-6000}; HELD=${HELD:-200}; DEVICE=${DEVICE:-cuda}; VOCAB=${VOCAB:-16384}
 MINUTES=${MINUTES:-"2 4 8"}; ACCEL=${ACCEL:-gpu}; PRECISION=${PRECISION:-bf16-mixed}; EVAL_N=${EVAL_N:-40}
+PHASES=${PHASES:-"prep extract train control eval"}; LRS=${LRS:-""}; SWEEP_SECONDS=${SWEEP_SECONDS:-60}
+CONFIG=${CONFIG:-configs/train/tau_bench_gpu.yaml}
 ed() { python -m eagle_data.cli.main "$@"; }
+has() { [[ " $PHASES " == *" $1 "* ]]; }
+first=$(echo "$MINUTES" | awk '{print $1}'); last=$(echo "$MINUTES" | awk '{print $NF}')
 mkdir -p "$OUT"
+
+if has prep && ! [ -s "$OUT/train.jsonl" -a -s "$OUT/heldout.jsonl" ]; then
 python - "$OUT" "$N" "$HELD" <<'PY'
 import json, sys
 from eagle_data.extract.sources import iter_records
@@ -23,21 +36,90 @@ with open(f"{out}/train.jsonl", "w") as tr, open(f"{out}/heldout.jsonl", "w") as
         if row < n or row >= 17000:
             (tr if row < n else ho).write(json.dumps(rec, ensure_ascii=False) + "\n")
 PY
-for part in train heldout; do
-  ed extract --out "$OUT/$part" --data "$OUT/$part.jsonl" --dataset_tag "$part" --device "$DEVICE" \
-    --dtype bfloat16 --max_length 2048 --batch_tokens 65536 --progress false | tail -n 1
-done
-ed vocab "$OUT/train" --size "$VOCAB" --out "$OUT/train/draft_vocab_$VOCAB.safetensors"
-last=$(echo "$MINUTES" | awk '{print $NF}')
-marks="[$(echo "$MINUTES" | tr ' ' ',')]"
-secs=$(python -c "print(int($last * 60 + 30))")
-ed train --config configs/train/tau_bench_gpu.yaml --model.dataset_dir "$OUT/train" \
-  --model.draft_vocab "$OUT/train/draft_vocab_$VOCAB.safetensors" --model.draft_vocab_size "$VOCAB" \
-  --data.train "$OUT/train" --trainer.accelerator "$ACCEL" --trainer.precision "$PRECISION" \
-  --trainer.max_time "{\"seconds\": $secs}" --trainer.default_root_dir "$OUT/run" \
-  --trainer.callbacks "[{\"class_path\": \"eagle_train.callbacks.TimedCheckpoints\", \"init_args\": {\"minutes\": $marks}}]"
-for m in $MINUTES; do
-  ed eval "$OUT/heldout" "$OUT/run/at_${m}min.ckpt" --out "$OUT/eval_${m}min" --heldout_fraction 1.0 \
-    --num_samples "$EVAL_N" --positions_per_sample 16 --steps 7 --max_length 2048 --device "$DEVICE" \
-    --compare_untrained "$([ "$m" = "$(echo $MINUTES | awk '{print $1}')" ] && echo true || echo false)"
-done
+fi
+
+if has extract; then
+  for part in train heldout; do
+    ed extract --out "$OUT/$part" --data "$OUT/$part.jsonl" --dataset_tag "$part" --device "$DEVICE" \
+      --dtype bfloat16 --max_length 2048 --batch_tokens 65536 --progress false | tail -n 1
+  done
+  ed vocab "$OUT/train" --size "$VOCAB" --out "$OUT/train/draft_vocab_$VOCAB.safetensors"
+fi
+
+# train DIR MINUTES_LIST LR ZERO [extra args...]: one run, checkpoints DIR/at_{m}min.ckpt
+train() {
+  local dir=$1 marks=$2 lr=$3 zero=$4; shift 4
+  local end; end=$(echo "$marks" | awk '{print $NF}')
+  local lrarg=(); [ -n "$lr" ] && lrarg=(--model.lr "$lr")
+  ed train --config "$CONFIG" --model.dataset_dir "$OUT/train" \
+    --model.draft_vocab "$OUT/train/draft_vocab_$VOCAB.safetensors" --model.draft_vocab_size "$VOCAB" \
+    --model.zero_features "$zero" --model.lr_schedule_minutes "$end" "${lrarg[@]}" \
+    --data.train "$OUT/train" --trainer.accelerator "$ACCEL" --trainer.precision "$PRECISION" \
+    --trainer.max_time "{\"seconds\": $(python -c "print(int($end * 60 + 120))")}" --trainer.default_root_dir "$dir" \
+    --trainer.callbacks "[{\"class_path\": \"eagle_train.callbacks.TimedCheckpoints\", \"init_args\": {\"minutes\": [$(echo "$marks" | tr ' ' ',')], \"stop_after_last\": true}}]" \
+    "$@"
+}
+
+if has tune && [ -n "$LRS" ]; then
+  mins=$(python -c "print($SWEEP_SECONDS / 60)"); mkdir -p "$OUT/tune"
+  for lr in $LRS; do
+    train "$OUT/tune/lr_$lr" "$mins" "$lr" false --trainer.logger \
+      "{\"class_path\": \"lightning.pytorch.loggers.CSVLogger\", \"init_args\": {\"save_dir\": \"$OUT/tune/lr_$lr\"}}" \
+      --trainer.log_every_n_steps 10 > "$OUT/tune/lr_$lr.log" 2>&1 &
+  done
+  wait
+  python - "$OUT" <<'PY'
+import csv, glob, json, statistics, sys
+out = sys.argv[1]
+res = {}
+for path in sorted(glob.glob(f"{out}/tune/lr_*/**/metrics.csv", recursive=True)):
+    lr = path.split("/tune/lr_")[1].split("/")[0]
+    rows = [r for r in csv.DictReader(open(path)) if r.get("train/loss_step")]
+    tail = rows[-max(1, len(rows) // 5):]
+    res[lr] = {"loss": statistics.fmean(float(r["train/loss_step"]) for r in tail),
+               "steps": int(rows[-1]["step"]) if rows else 0}
+if not res:
+    sys.exit("tune: no run logged a training loss (see OUT/tune/*.log)")
+best = min(res, key=lambda k: res[k]["loss"])
+json.dump({"runs": res, "best_lr": best}, open(f"{out}/tune.json", "w"), indent=1)
+open(f"{out}/lr.txt", "w").write(best)
+print("tune (training loss, last fifth of logged steps):",
+      ", ".join(f"lr {k}: {v['loss']:.4f} ({v['steps']} steps)" for k, v in res.items()), "-> lr", best)
+PY
+fi
+LR=${LR:-$(cat "$OUT/lr.txt" 2>/dev/null || true)}
+
+if has train; then train "$OUT/run" "$MINUTES" "$LR" false; fi
+if has control; then train "$OUT/run_zero" "$first" "$LR" true; fi
+
+if has eval; then
+  evals=()
+  for m in $MINUTES; do evals+=("run/at_${m}min.ckpt eval_${m}min $([ "$m" = "$first" ] && echo true || echo false)"); done
+  [ -f "$OUT/run_zero/at_${first}min.ckpt" ] && evals+=("run_zero/at_${first}min.ckpt eval_zero_${first}min false")
+  for e in "${evals[@]}"; do
+    set -- $e
+    ed eval "$OUT/heldout" "$OUT/$1" --out "$OUT/$2" --heldout_fraction 1.0 --num_samples "$EVAL_N" \
+      --positions_per_sample 16 --steps 7 --max_length 2048 --device "$DEVICE" --compare_untrained "$3" \
+      > "$OUT/$2.log" 2>&1 &
+  done
+  wait
+  python - "$OUT" <<'PY'
+import glob, json, sys, torch
+out = sys.argv[1]
+print("| drafter | train steps | tau | 95 % interval | chains | P(accept >= 1) |")
+print("|---|---|---|---|---|---|")
+seen = set()
+for path in sorted(glob.glob(f"{out}/eval_*/acceptance.json")):
+    name = path.split("/eval_")[1].split("/")[0]
+    ckpt = f"{out}/run_zero/at_{name[5:]}.ckpt" if name.startswith("zero_") else f"{out}/run/at_{name}.ckpt"
+    steps = torch.load(ckpt, map_location="cpu", weights_only=True).get("global_step", "?")
+    for who, r in json.load(open(path)).items():
+        if not isinstance(r, dict) or "tau" not in r or (who != "trained" and who in seen):
+            continue  # the untrained drafter and prompt lookup: same positions in every eval, shown once
+        seen.add(who)
+        label = {"trained": f"trained {name}", "untrained": "untrained", "prompt_lookup": "prompt lookup"}[who]
+        lo, hi = r["tau_ci95"] or ("-", "-")
+        print(f"| {label} | {steps if who == 'trained' else '-'} | {r['tau']:.3f} | [{lo}, {hi}] | "
+              f"{r['num_chains']} | {r['accept_at_least'][0]:.3f} |")
+PY
+fi

@@ -340,9 +340,10 @@ def _synthetic_batch(t, b=1, seed=0):
 def test_ttt_loss_memory(tmp_path):
     """Bytes saved for backward by the whole loss (drafter forward + loss), T -> 4T: 4x for the new
     loss, more for the reference (its T x T attention). And no per-step [rows, N] tensor is kept:
-    draft vocab 48 -> 192 adds nothing to the new loss's saved bytes (its teacher [rows, N] is
-    computed once, without grad), and K times [rows, N] fp32 (probabilities and log-probabilities)
-    to the reference's."""
+    draft vocab 48 -> 192 adds at most one [T, 144] fp32 tensor to the new loss's saved bytes (the
+    teacher, computed once without grad and shared by the K steps' fused loss) and the head's 144
+    more rows of weights [144, H=64], and K times
+    [rows, N] fp32 (probabilities and log-probabilities) to the reference's."""
     from eagle_train.loss import ttt_loss
 
     steps = 4
@@ -357,7 +358,7 @@ def test_ttt_loss_memory(tmp_path):
     r1, r4 = saved(small, 128, False), saved(small, 512, False)
     assert n4 / n1 <= 4.2 and r4 / r1 >= 6, (n1, n4, r1, r4)  # measured 3.85 and 6.8
     rows = sum(512 - 2 - k for k in range(steps))  # supervised rows over the steps
-    assert saved(big, 512, True) == n4
+    assert 0 <= saved(big, 512, True) - n4 <= (512 + 64) * (192 - 48) * 4
     assert saved(big, 512, False) - r4 >= 2 * rows * (192 - 48) * 4
 
 
