@@ -491,3 +491,64 @@ def test_eval_arguments_are_checked_up_front(kw, message):
     args = {"device": "cpu", "num_samples": 2, "positions": 2, "steps": 3, "fraction": 0.1, **kw}
     with pytest.raises(ValueError, match=message):
         _check_eval_args(args["device"], args["num_samples"], args["positions"], args["steps"], args["fraction"])
+
+
+def test_timed_checkpoints_can_end_the_run_at_the_last_mark(tmp_path):
+    import lightning.pytorch as pl
+
+    from eagle_train.callbacks import TimedCheckpoints
+
+    mod = tiny_module(tmp_path, ttt_steps=1)
+    cb = TimedCheckpoints(minutes=[1e-6, 2e-6], dirpath=str(tmp_path / "ck"), stop_after_last=True)
+    tr = pl.Trainer(accelerator="cpu", max_steps=10, logger=False, enable_progress_bar=False, callbacks=[cb],
+                    enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    tr.fit(mod, train_dataloaders=_Loader([tiny_batch(tiny_target(), n=1, t=12, seed=s) for s in range(10)]))
+    assert len(cb.saved) == 2 and tr.global_step < 10
+
+
+@pytest.mark.parametrize("minutes,ratio", [(1e-7, 0.1), (1e7, 1.0)])
+def test_lr_cosine_over_training_time(tmp_path, minutes, ratio):
+    """lr_schedule_minutes: the cosine runs over wall-clock training time: a span already over
+    leaves min_lr_ratio * lr after a step, a span far away leaves the full lr."""
+    import lightning.pytorch as pl
+
+    mod = tiny_module(tmp_path, ttt_steps=1, lr=1e-3, warmup_steps=0, min_lr_ratio=0.1,
+                      lr_schedule_minutes=minutes)
+    tr = pl.Trainer(accelerator="cpu", max_time={"seconds": 600}, max_steps=-1, max_epochs=1, logger=False,
+                    enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                    enable_checkpointing=False)
+    tr.fit(mod, train_dataloaders=_Loader([tiny_batch(tiny_target(), n=1, t=12, seed=s) for s in range(2)]))
+    assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * ratio, rel=1e-6)
+    with pytest.raises(ValueError, match="lr_schedule_minutes"):
+        tiny_module(tmp_path, lr_schedule_minutes=0)
+
+
+def test_zero_features_control_ignores_the_target_states(tmp_path):
+    """zero_features: drafting and training see no aux state (any aux gives the same output), the
+    flag survives the checkpoint, and export refuses such a drafter."""
+    import lightning.pytorch as pl
+
+    from eagle_train.export import export_checkpoint
+    from eagle_train.module import EagleDrafterModule
+
+    mod = tiny_module(tmp_path, ttt_steps=2, zero_features=True)
+    b = tiny_batch(tiny_target(), n=1, t=16)
+    ids, aux = b["input_ids"][0], b["aux_hidden_states"][0].float()
+    rows, valid = torch.cat([ids[1:], ids.new_zeros(1)]), torch.ones(1, 16, dtype=torch.bool)
+    d = mod.drafter
+    with torch.no_grad():
+        a = d.ttt_forward(rows[None], aux[None], valid, steps=2)
+        z = d.ttt_forward(rows[None], torch.randn_like(aux)[None] * 5, valid, steps=2)
+        d.zero_features = False
+        real = d.ttt_forward(rows[None], aux[None], valid, steps=2)
+        d.zero_features = True
+    assert all(torch.equal(x, y) for x, y in zip(a, z)) and not torch.equal(a[0], real[0])
+    assert torch.equal(d.propose_chain(rows, aux, [5, 9], [1, 2], steps=3),
+                       d.propose_chain(rows, -aux, [5, 9], [1, 2], steps=3))
+    tr = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    tr.fit(mod, train_dataloaders=_Loader([b]))
+    tr.save_checkpoint(str(tmp_path / "z.ckpt"))
+    assert EagleDrafterModule.load_from_checkpoint(str(tmp_path / "z.ckpt")).drafter.zero_features
+    with pytest.raises(ValueError, match="zero_features"):
+        export_checkpoint(str(tmp_path / "z.ckpt"), str(tmp_path / "out"))
