@@ -90,8 +90,8 @@ def disk_write_rate(directory: Path, total_bytes: int, file_bytes: int, writers:
 
 def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str = "bfloat16",
                   seq_len: int = 2048, batch_size: int = 4, num_batches: int = 12, repeats: int = 3,
-                  writers: int = 2, out_dir: str | None = None, peak_tflops: float = 989.0,
-                  queue: int | None = None, json_out: str | None = None) -> dict[str, Any]:
+                  writers: int = 2, out: str | None = None, peak_tflops: float = 989.0,
+                  write_queue: int | None = None, json_out: str | None = None) -> dict[str, Any]:
     """Extraction tokens/s: (a) plain forward, (b) capture to host, (c) capture + shard writing, (d) raw disk rate.
 
     Prints a table; returns the figures (medians over ``repeats``).
@@ -105,9 +105,10 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         num_batches: forwards per repeat.
         repeats: repeats; medians are reported.
         writers: shard-writer threads in (c) and in the parallel disk-rate test.
-        out_dir: directory on the disk to measure (default: a temp dir).
+        out: directory on the disk to measure (default: a temp dir; same name as ``extract --out``).
         peak_tflops: peak dense bf16 TFLOP/s for the MFU figure.
-        queue: samples waiting for the writers at most in (c) (default 2 x batch_size).
+        write_queue: samples waiting for the writers at most in (c) (default 2 x batch_size; as
+            ``extract --write_queue``).
         json_out: also write the figures to this JSON file.
     """
     from eagle_data.extract.async_sink import AsyncShardWriter
@@ -128,7 +129,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
                for b in range(num_batches)]
     tokens = num_batches * batch_size * seq_len
     out_bytes_tok = 4 * H * 2 if dtype == "bfloat16" else 4 * H * 4
-    root = Path(out_dir or tempfile.mkdtemp(prefix="eagle-bench-"))
+    root = Path(out or tempfile.mkdtemp(prefix="eagle-bench-"))
     root.mkdir(parents=True, exist_ok=True)
 
     def plain():
@@ -156,7 +157,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         d = root / "shards"
         shutil.rmtree(d, ignore_errors=True)
         sinks = [ShardSink(d, 0, w, max_samples=64, max_bytes=2e9, shard_step=writers) for w in range(writers)]
-        w = AsyncShardWriter(sinks, max_queue=queue or 2 * batch_size)
+        w = AsyncShardWriter(sinks, max_queue=write_queue or 2 * batch_size)
         capture(w)
         w.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -176,7 +177,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
     out = {
         "shape": shape, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "dtype": dtype, "seq_len": seq_len, "batch_size": batch_size, "tokens_per_repeat": tokens,
-        "writers": writers, "queue": queue or 2 * batch_size, **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
+        "writers": writers, "write_queue": write_queue or 2 * batch_size, **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
         "mfu_a": round(med["a_plain"] * flops_tok / (peak_tflops * 1e12), 4),
         "output_GB_s_at_a": round(med["a_plain"] * out_bytes_tok / 1e9, 3),
         "disk_GB_s_1writer": round(disk1, 3), f"disk_GB_s_{writers}writers": round(diskw, 3),
@@ -185,7 +186,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         "bound_c_over_a": round(min(1.0, max(disk1, diskw) / (med["a_plain"] * out_bytes_tok / 1e9)), 4),
         "repeats": {k: [round(x, 1) for x in v] for k, v in res.items()},
     }
-    if out_dir is None:
+    if out is None:
         shutil.rmtree(root, ignore_errors=True)
     for k, v in out.items():
         print(f"{k:>24}: {v}")

@@ -202,7 +202,7 @@ def _startup_sets(tmp: Path, batch_size: int, per_sample: bool) -> dict[str, dic
 
 
 def bench_loader(path: str, batch_size: int = 8, workers: list[int] = [0, 1, 2], rounds: int = 3,
-                 per_sample_baseline: bool = True, startup: bool = True, cold: bool = True,
+                 per_sample_baseline: bool = True, startup: bool = True, cold: bool = False,
                  synth_samples: int = 512, synth_hidden: int = 1024, synth_tokens: tuple[int, int] = (256, 768),
                  touch: bool = True, pin_memory: bool = False, json_out: Optional[str] = None) -> dict[str, Any]:
     """Loader throughput vs raw reads of the same shards and vs one torch.save file per sample (higher ratios = faster).
@@ -226,8 +226,10 @@ def bench_loader(path: str, batch_size: int = 8, workers: list[int] = [0, 1, 2],
             DataLoader, shuffled, the same collate).
         startup: measure construction + first batch for 1k vs 100k samples, both layouts
             (writes ~101k small files to a temp dir, removed afterwards).
-        cold: drop the page cache before each pass: as root this drops the WHOLE machine's
-            page cache (``/proc/sys/vm/drop_caches``); without root reads are warm.
+        cold: drop the page cache before each pass (opt-in: as root this drops the WHOLE
+            machine's page cache, ``/proc/sys/vm/drop_caches``; without root reads stay warm).
+            Off (default): passes read what the page cache holds (warm after the first read), which
+            measures the loader's CPU path more than the disk.
         synth_samples: samples of the synthetic dataset (4 shards).
         synth_hidden: H of the synthetic dataset (aux is 3H, bf16).
         synth_tokens: ``[min, max)`` tokens per synthetic sample (spread evenly).

@@ -56,8 +56,9 @@ def draft_hf_config(drafter, target_config: dict[str, Any], aux_layer_ids: list[
 
 def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[int], out_dir: str | Path,
                    dtype: str = "bfloat16") -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (float weights in ``dtype``; d2t int64, t2d bool)."""
-    from safetensors.torch import save_file
+    """Write ``config.json`` + ``model.safetensors`` (float weights in ``dtype``; d2t int64, t2d bool),
+    both readable by others as the umask allows (a server may run as another user)."""
+    from safetensors.torch import save
 
     if not aux_layer_ids:
         raise ValueError("aux_layer_ids are required (the dataset manifest's ids)")
@@ -65,13 +66,16 @@ def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[i
         raise ValueError("this drafter was trained with zero_features (a control that ignores the target's "
                          "states); a server would feed it real states, so it is not exported")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export: {out} exists and is not a directory (give a directory to write "
+                         f"config.json + model.safetensors into)")
     out.mkdir(parents=True, exist_ok=True)
     from eagle_data.format.schema import hidden_dtype
 
     dt = hidden_dtype(dtype)
     sd = {k: (v.to(dt) if v.is_floating_point() else v).detach().cpu().contiguous()
           for k, v in drafter.export_state_dict().items()}
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").write_bytes(save(sd, metadata={"format": "pt"}))  # save_file: always 0600
     cfg = draft_hf_config(drafter, target_config, aux_layer_ids, dtype)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out

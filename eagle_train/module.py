@@ -49,7 +49,8 @@ class EagleDrafterModule(pl.LightningModule):
     Args:
         target_model_path: HF folder of the target (config.json + safetensors).
         draft_vocab: safetensors file with ``d2t``/``t2d``; if it does not exist it is built
-            from ``dataset_dir`` (see :mod:`eagle_train.vocab`).
+            from ``dataset_dir`` and written there (see :mod:`eagle_train.vocab`); None: built in
+            memory (the checkpoint keeps it; nothing is written into the dataset directory).
         dataset_dir: dataset directory (index histogram for the vocabulary, manifest facts).
         draft_vocab_size: N.
         aux_layer_ids: the target aux layer ids (default: from ``dataset_dir``'s manifest).

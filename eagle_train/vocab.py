@@ -29,7 +29,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 import torch
 
@@ -38,9 +38,10 @@ log = logging.getLogger(__name__)
 VOCAB_RULE = "count desc, then token id asc; fill with lowest unused ids; draft ids in target-id order"
 
 
-def vocab_file(dataset_dir: str | Path, size: int) -> Path:
-    """Default location of the mapping: ``DIR/draft_vocab_{size}.safetensors``."""
-    return Path(dataset_dir) / f"draft_vocab_{size}.safetensors"
+def vocab_file_name(size: int) -> str:
+    """Default file name of the mapping (``eagle-data vocab`` writes it into the current directory,
+    never into the dataset directory, which may be read-only or shared)."""
+    return f"draft_vocab_{size}.safetensors"
 
 
 def read_key_list(path: str | Path, what: str = "exclude_keys") -> list[str]:
@@ -149,14 +150,15 @@ def select_vocab(counts: torch.Tensor | Mapping[int, int], vocab_size: int, size
 
 
 def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, meta: dict | None = None) -> Path:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     md = {"rule": VOCAB_RULE, "draft_vocab_size": str(d2t.numel()), "vocab_size": str(t2d.numel())}
     md.update({k: json.dumps(v) for k, v in (meta or {}).items()})
-    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp), metadata=md)
+    # written with open() (mode 0666 & ~umask, like the shards), not save_file (always 0600)
+    tmp.write_bytes(save({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, metadata=md))
     tmp.replace(path)
     return path
 
@@ -241,7 +243,7 @@ def _check_reuse(path: Path, want: dict, dataset_dir: str | Path) -> None:
 
 def build_vocab(dataset_dir: str | Path, size: int, out: str | Path | None = None, rebuild: bool = False,
                 vocab_size: int | None = None, exclude_keys: Iterable[str] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, Path]:
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[Path]]:
     """Build (or reuse) the draft vocabulary of a dataset.
 
     The file's metadata records what it was built from (``built_from``: the dataset's shard
@@ -253,24 +255,25 @@ def build_vocab(dataset_dir: str | Path, size: int, out: str | Path | None = Non
     Args:
         dataset_dir: dataset directory (manifest.json gives ``vocab_size`` and the identity).
         size: ``N``.
-        out: output file (default :func:`vocab_file`).
+        out: output file; None: built in memory only (nothing is written; the dataset directory
+            is only read).
         rebuild: recompute and overwrite even if ``out`` exists.
         vocab_size: override ``V`` (default from the manifest).
         exclude_keys: sample keys not to count (held-out split); each must be in the index.
 
     Returns:
-        ``(d2t, t2d, path)``.
+        ``(d2t, t2d, path)`` (``path`` None when ``out`` is None).
 
     Raises:
         ValueError: bad manifest, unknown/non-string exclude keys, no supervised token left to
             count, or ``out`` exists and was built from other inputs (pass ``rebuild``).
     """
-    path = Path(out) if out else vocab_file(dataset_dir, size)
+    path = Path(out) if out else None
     V, ident = dataset_facts(dataset_dir, vocab_size)
     excluded = sorted(key_set(exclude_keys or (), "exclude_keys"))
     want = {**ident, "draft_vocab_size": size, "vocab_size": V, "rule": VOCAB_RULE, "num_excluded": len(excluded),
             "exclude_keys_sha256": hashlib.sha256("\n".join(excluded).encode()).hexdigest()}
-    if path.exists() and not rebuild:
+    if path is not None and path.exists() and not rebuild:
         _check_reuse(path, want, dataset_dir)
         log.info("reusing draft vocab %s", path)
         d2t, t2d = load_vocab(path)
@@ -284,7 +287,8 @@ def build_vocab(dataset_dir: str | Path, size: int, out: str | Path | None = Non
     covered = int(counts[t2d].sum())
     meta = {"loss_tokens": total, "covered_loss_tokens": covered, "distinct_tokens": int((counts > 0).sum()),
             "built_from": want}
-    save_vocab(path, d2t, t2d, meta)
+    if path is not None:
+        save_vocab(path, d2t, t2d, meta)
     log.info("draft vocab N=%d covers %.2f%% of %d supervised tokens -> %s",
-             size, 100.0 * covered / max(total, 1), total, path)
+             size, 100.0 * covered / max(total, 1), total, path or "memory (not saved)")
     return d2t, t2d, path

@@ -45,7 +45,7 @@ def test_bench_extract_runs_from_its_command_line(tmp_path):
     """The extract benchmark's options come from its signature; the figures land in --json_out."""
     out = tmp_path / "x.json"
     main(["extract", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--seq_len", "16",
-          "--batch_size", "2", "--num_batches", "2", "--repeats", "1", "--out_dir", str(tmp_path / "d"),
+          "--batch_size", "2", "--num_batches", "2", "--repeats", "1", "--out", str(tmp_path / "d"),
           "--json_out", str(out)])
     res = json.loads(out.read_text())
     assert res["repeats"]["a_plain"][0] > 0 and res["c_capture_write_tok_s"] > 0 and res["seq_len"] == 16
@@ -90,3 +90,12 @@ def test_bench_pipeline_runs_extraction_end_to_end(tmp_path, tiny):
           "--device", "cpu", "--dtype", "float32", "--max_length", "1024", "--repeats", "1", "--json_out", str(out)])
     (run,) = json.loads(out.read_text())["runs"]
     assert run["samples"] == 3 and run["tok_s"] > 0
+
+
+def test_loader_benchmark_leaves_the_page_cache_alone_by_default():
+    """Dropping the page cache drops the whole machine's as root: opt-in only."""
+    import inspect
+
+    from benchmarks.loader import bench_loader
+
+    assert inspect.signature(bench_loader).parameters["cold"].default is False

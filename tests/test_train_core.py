@@ -52,14 +52,14 @@ def test_vocab_from_index_and_reuse(tmp_path):
     from eagle_train.vocab import build_vocab, vocab_provenance
 
     _vocab_dataset(tmp_path)
-    d2t, t2d, p = build_vocab(tmp_path, 4)
+    d2t, t2d, p = build_vocab(tmp_path, 4, out=tmp_path / "draft_vocab_4.safetensors")
     assert (torch.arange(4) + d2t).tolist() == [0, 2, 7, 9]
     assert vocab_provenance(p)["num_excluded"] == 0 and vocab_provenance(p)["vocab_size"] == 12
-    d2t2, _, p2 = build_vocab(tmp_path, 4)  # same inputs: reused
+    d2t2, _, p2 = build_vocab(tmp_path, 4, out=tmp_path / "draft_vocab_4.safetensors")  # same inputs: reused
     assert p2 == p and torch.equal(d2t, d2t2)
-    d2t3, _, _ = build_vocab(tmp_path, 4, exclude_keys=["b"], rebuild=True)
+    d2t3, _, _ = build_vocab(tmp_path, 4, out=tmp_path / "draft_vocab_4.safetensors", exclude_keys=["b"], rebuild=True)
     assert (torch.arange(4) + d2t3).tolist() == [0, 1, 2, 7]
-    assert torch.equal(build_vocab(tmp_path, 4, exclude_keys=["b"])[0], d2t3)  # reused with the same keys
+    assert torch.equal(build_vocab(tmp_path, 4, out=tmp_path / "draft_vocab_4.safetensors", exclude_keys=["b"])[0], d2t3)  # reused with the same keys
 
 
 def test_vocab_file_built_from_other_inputs_is_refused_not_reused(tmp_path):
@@ -68,20 +68,20 @@ def test_vocab_file_built_from_other_inputs_is_refused_not_reused(tmp_path):
     from eagle_train.vocab import build_vocab, save_vocab, select_vocab
 
     _vocab_dataset(tmp_path)
-    p = build_vocab(tmp_path, 4)[2]
+    p = build_vocab(tmp_path, 4, out=tmp_path / "draft_vocab_4.safetensors")[2]
     with pytest.raises(ValueError, match=r"built from other inputs: exclude_keys_sha256 .*num_excluded 0 \(now 1\);"
                                          r" rebuild it .*--rebuild true` plus the same --exclude_keys"):
-        build_vocab(tmp_path, 4, exclude_keys=["b"])
+        build_vocab(tmp_path, 4, out=tmp_path / "draft_vocab_4.safetensors", exclude_keys=["b"])
     _vocab_dataset(tmp_path, shards=[{"name": "00000-000000.tar", "sha256": "cd" * 32}], num_samples=3)
     with pytest.raises(ValueError, match=r"dataset_sha256 .*num_samples 2 \(now 3\)"):
-        build_vocab(tmp_path, 4)
+        build_vocab(tmp_path, 4, out=tmp_path / "draft_vocab_4.safetensors")
     save_vocab(p, *select_vocab({1: 1}, 12, 4))  # no built_from record
     with pytest.raises(ValueError, match="does not record what it was built from"):
-        build_vocab(tmp_path, 4)
-    assert (torch.arange(4) + build_vocab(tmp_path, 4, rebuild=True)[0]).tolist() == [0, 2, 7, 9]
+        build_vocab(tmp_path, 4, out=tmp_path / "draft_vocab_4.safetensors")
+    assert (torch.arange(4) + build_vocab(tmp_path, 4, out=tmp_path / "draft_vocab_4.safetensors", rebuild=True)[0]).tolist() == [0, 2, 7, 9]
     p.write_bytes(b"not safetensors")
     with pytest.raises(ValueError, match="draft_vocab_4.safetensors: not a draft vocabulary file"):
-        build_vocab(tmp_path, 4)
+        build_vocab(tmp_path, 4, out=tmp_path / "draft_vocab_4.safetensors")
 
 
 @pytest.mark.parametrize("exclude,msg", [(["b", "bb", "zz"], r"exclude_keys: 2 of 3 key\(s\) are not in the index "
@@ -126,10 +126,12 @@ def test_vocab_checks_the_manifest(tmp_path, manifest, msg):
                                          ('["a", null]', r"sample keys must be strings, got \[None\]"),
                                          ("a\nb", r"is not a JSON file holding a list of sample keys"),
                                          ('["a", "typo"]', r"1 of 2 key\(s\) are not in the index .*\['typo'\]")])
-def test_cli_vocab_exclude_keys_file_errors(tmp_path, capsys, content, msg):
+def test_cli_vocab_exclude_keys_file_errors(tmp_path, capsys, monkeypatch, content, msg):
     from eagle_data.cli import main as cli
 
     _vocab_dataset(tmp_path)
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")  # the default output lands in the current directory
     f = tmp_path / ("missing.json" if content is None else "keys.json")
     if content is not None:
         f.write_text(content)
@@ -143,7 +145,9 @@ def test_cli_vocab_exclude_keys_file_errors(tmp_path, capsys, content, msg):
     cli.main(["vocab", str(tmp_path), "--size", "4", "--exclude_keys", str(f)])
     from eagle_train.vocab import load_vocab
 
-    assert (torch.arange(4) + load_vocab(capsys.readouterr().out.strip())[0]).tolist() == [0, 1, 2, 7]
+    out = capsys.readouterr().out.strip()
+    assert out == "draft_vocab_4.safetensors" and (tmp_path / "run" / out).is_file()
+    assert (torch.arange(4) + load_vocab(out)[0]).tolist() == [0, 1, 2, 7]
 
 
 def test_module_vocab_built_from_the_dataset_leaves_its_held_out_keys_out(tmp_path):
@@ -552,3 +556,34 @@ def test_zero_features_control_ignores_the_target_states(tmp_path):
     assert EagleDrafterModule.load_from_checkpoint(str(tmp_path / "z.ckpt")).drafter.zero_features
     with pytest.raises(ValueError, match="zero_features"):
         export_checkpoint(str(tmp_path / "z.ckpt"), str(tmp_path / "out"))
+
+
+def test_dataset_directory_is_only_read_and_outputs_are_world_readable(tmp_path, monkeypatch):
+    """Datasets may be shared or read-only: building the vocabulary in training (draft_vocab None)
+    and `eagle-data vocab` write nothing into the dataset directory; the vocabulary file and the
+    export are 0644 under umask 022 (safetensors' save_file would make them 0600)."""
+    import os
+
+    from eagle_data.cli import main as cli
+    from eagle_train.export import export_drafter
+    from eagle_train.module import EagleDrafterModule
+    from train_tiny import tiny_target_dir
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _vocab_dataset(data, vocab_size=256)
+    before = sorted(p.name for p in data.iterdir())
+    target = str(tiny_target_dir(tmp_path))
+    mod = EagleDrafterModule(target_model_path=target, dataset_dir=str(data), draft_vocab_size=4, aux_layer_ids=TINY_AUX)
+    assert (torch.arange(4) + mod.drafter.d2t).tolist() == [0, 2, 7, 9]
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    old = os.umask(0o022)
+    try:
+        cli.main(["vocab", str(data), "--size", "4"])
+        export_drafter(mod.drafter, mod.target_config, TINY_AUX, tmp_path / "export")
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in data.iterdir()) == before
+    assert (tmp_path / "run" / "draft_vocab_4.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "export" / "model.safetensors").stat().st_mode & 0o777 == 0o644

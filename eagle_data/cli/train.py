@@ -18,16 +18,17 @@ def vocab(path: str, size: int = 32000, out: Optional[str] = None, rebuild: bool
     Args:
         path: dataset directory (index.parquet + manifest.json).
         size: draft vocabulary size N.
-        out: output safetensors file (default: PATH/draft_vocab_{size}.safetensors).
+        out: output safetensors file (default: draft_vocab_{size}.safetensors in the current
+            directory; the dataset directory is only read).
         rebuild: recompute and overwrite the output if it exists (otherwise it is reused when
             built from the same dataset, size and excluded keys, and refused when not).
         exclude_keys: JSON file holding a list of sample keys not to count (a held-out split);
             every key must be in the dataset's index.
     """
-    from eagle_train.vocab import build_vocab, read_key_list
+    from eagle_train.vocab import build_vocab, read_key_list, vocab_file_name
 
     ex = read_key_list(exclude_keys, "--exclude_keys") if exclude_keys else None
-    d2t, t2d, p = build_vocab(path, size, out=out, rebuild=rebuild, exclude_keys=ex)
+    d2t, t2d, p = build_vocab(path, size, out=out or vocab_file_name(size), rebuild=rebuild, exclude_keys=ex)
     print(p)
 
 
