@@ -1,4 +1,5 @@
-"""Export a trained drafter as an SGLang ``LlamaForCausalLMEagle3`` checkpoint folder.
+"""Export a trained drafter: an SGLang ``LlamaForCausalLMEagle3`` folder (default) or a vLLM
+``speculators``-format folder (:func:`speculators_hf_config`).
 
 ``config.json``: ``architectures: ["LlamaForCausalLMEagle3"]``, ``num_hidden_layers: 1``, the
 drafter sizes, ``vocab_size`` = target V, ``draft_vocab_size`` = N, ``tie_word_embeddings:
@@ -12,6 +13,10 @@ post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight``
 ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``,
 ``t2d`` (SGLang maps ``midlayer`` -> ``model.layers.0`` and stacks q/k/v, gate/up itself); no
 ``embed_tokens`` (SGLang shares the target's).
+
+``format="speculators"`` (what vLLM serves, and the ``speculators`` package's
+``SpeculatorModel.from_pretrained`` loads): the same tensors with ``midlayer.`` renamed
+``layers.0.`` and the config of :func:`speculators_hf_config`.
 """
 
 from __future__ import annotations
@@ -54,12 +59,59 @@ def draft_hf_config(drafter, target_config: dict[str, Any], aux_layer_ids: list[
     return cfg
 
 
+#: the speculators release whose format :func:`speculators_hf_config` writes (tested with its loader)
+SPECULATORS_VERSION = "0.9.0"
+
+
+def speculators_hf_config(drafter, target_config: dict[str, Any], aux_layer_ids: list[int], dtype: str,
+                          verifier: Optional[str], speculative_tokens: int = 7) -> dict[str, Any]:
+    """``config.json`` of the speculators format (``speculators_model_type: eagle3``).
+
+    * No top-level ``model_type``: vLLM takes the speculators path only without one.
+    * ``norm_before_residual: false``: the residual is taken before ``hidden_norm`` (as trained
+      here and in SGLang); vLLM's default when the key is missing is ``true``.
+    * ``eagle_aux_hidden_state_layer_ids``: vLLM's id ``k`` captures the stream entering layer
+      ``k`` (HF ``hidden_states[k]``); the ids stored here mean HF ``hidden_states[k + 1]``
+      (:data:`eagle_data.format.schema.LAYER_ID_CONVENTION`), so ``k + 1`` is written.
+    * ``verifier.name_or_path``: the target (``vllm serve DIR`` serves it with this drafter).
+    """
+    c = drafter.cfg
+    layer: dict[str, Any] = {k: target_config[k] for k in _COPY if target_config.get(k) is not None}
+    layer.update({"model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+                  "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+                  "head_dim": c.head_dim, "num_hidden_layers": 1, "vocab_size": c.vocab_size,
+                  "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False})
+    return {
+        "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION, "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "target_hidden_size": c.target_hidden_size if c.target_hidden_size != c.hidden_size else None,
+        "eagle_aux_hidden_state_layer_ids": [int(i) + 1 for i in aux_layer_ids],
+        "tie_word_embeddings": False, "torch_dtype": dtype, "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier, "architectures": list(target_config.get("architectures") or [])}},
+    }
+
+
 def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[int], out_dir: str | Path,
-                   dtype: str = "bfloat16") -> Path:
+                   dtype: str = "bfloat16", format: str = "sglang", verifier: Optional[str] = None,
+                   speculative_tokens: int = 7) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (float weights in ``dtype``; d2t int64, t2d bool),
-    both readable by others as the umask allows (a server may run as another user)."""
+    both readable by others as the umask allows (a server may run as another user).
+
+    Args:
+        format: "sglang" or "speculators" (vLLM); verifier and speculative_tokens: the
+            speculators config's target name or path and draft length.
+    """
     from safetensors.torch import save
 
+    if format not in ("sglang", "speculators"):
+        raise ValueError(f"export format must be 'sglang' or 'speculators' (vLLM), got {format!r}")
+    if speculative_tokens < 1:
+        raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
     if not aux_layer_ids:
         raise ValueError("aux_layer_ids are required (the dataset manifest's ids)")
     if getattr(drafter, "zero_features", False):
@@ -73,19 +125,26 @@ def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[i
     from eagle_data.format.schema import hidden_dtype
 
     dt = hidden_dtype(dtype)
-    sd = {k: (v.to(dt) if v.is_floating_point() else v).detach().cpu().contiguous()
+    rename = (lambda k: k.replace("midlayer.", "layers.0.", 1)) if format == "speculators" else (lambda k: k)
+    sd = {rename(k): (v.to(dt) if v.is_floating_point() else v).detach().cpu().contiguous()
           for k, v in drafter.export_state_dict().items()}
     (out / "model.safetensors").write_bytes(save(sd, metadata={"format": "pt"}))  # save_file: always 0600
-    cfg = draft_hf_config(drafter, target_config, aux_layer_ids, dtype)
+    cfg = draft_hf_config(drafter, target_config, aux_layer_ids, dtype) if format == "sglang" else \
+        speculators_hf_config(drafter, target_config, aux_layer_ids, dtype, verifier, speculative_tokens)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
 
 def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16",
-                      aux_layer_ids: Optional[list[int]] = None) -> Path:
-    """Export a Lightning checkpoint of :class:`eagle_train.module.EagleDrafterModule`."""
+                      aux_layer_ids: Optional[list[int]] = None, format: str = "sglang",
+                      verifier: Optional[str] = None, speculative_tokens: int = 7) -> Path:
+    """Export a Lightning checkpoint of :class:`eagle_train.module.EagleDrafterModule`
+    (``verifier`` default: the checkpoint's target folder, as an absolute path)."""
+    from eagle_train.model import resolve_model_path
     from eagle_train.module import EagleDrafterModule
 
     mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu")
     ids = aux_layer_ids or mod.aux_layer_ids
-    return export_drafter(mod.drafter, mod.target_config, ids, out_dir, dtype)
+    if format == "speculators" and verifier is None:
+        verifier = str(resolve_model_path(mod.hparams.target_model_path).resolve())
+    return export_drafter(mod.drafter, mod.target_config, ids, out_dir, dtype, format, verifier, speculative_tokens)

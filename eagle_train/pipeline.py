@@ -47,7 +47,7 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
     Steps: (1) deterministic held-out index split (``heldout_keys.json``); (2) draft vocabulary
     from the training keys' histogram; (3) ``Trainer.fit`` with ``max_time`` (held-out keys are
     dropped from batches); (4) tau of the trained and of the untrained (same init) drafter on
-    the held-out samples against the fp32 HF target, plot; (5) SGLang export.
+    the held-out samples against the fp32 HF target, plot; (5) SGLang and vLLM (speculators format) exports.
 
     CPU-scale defaults (a 2-core machine does ~3-5 s per 384-token step): draft vocab 2048,
     4 unrolled TTT steps in training (the GPU configs use 7), chains of ``eval_steps`` = 7
@@ -69,6 +69,7 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
 
     from eagle_train.evaluate import acceptance, heldout_split, load_target, plot_acceptance
     from eagle_train.export import export_drafter
+    from eagle_train.model import resolve_model_path
     from eagle_train.module import EagleDrafterModule
     from eagle_train.ngram import PromptLookupDrafter
     from eagle_train.vocab import build_vocab
@@ -111,15 +112,19 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
                                        max_length, oracles)}
     plot = plot_acceptance(res, out / "acceptance.png")
     exp = export_drafter(module.drafter, module.target_config, module.aux_layer_ids, out / "sglang_drafter")
+    verifier = str(resolve_model_path(module.hparams.target_model_path).resolve())
+    exp_vllm = export_drafter(module.drafter, module.target_config, module.aux_layer_ids, out / "vllm_drafter",
+                              format="speculators", verifier=verifier)
     summary = {"tau_trained": res["trained"]["tau"], "tau_untrained": res["untrained"]["tau"],
                "tau_prompt_lookup": res["prompt_lookup"]["tau"], "tau_ci95_trained": res["trained"]["tau_ci95"],
                "accept_at_least_trained": res["trained"]["accept_at_least"],
                "accept_at_least_untrained": res["untrained"]["accept_at_least"],
                "num_chains": res["trained"]["num_chains"], "heldout_samples": len(keys),
-               "train_steps": trainer.global_step, "plot": str(plot), "checkpoint": str(ckpt), "export": str(exp)}
+               "train_steps": trainer.global_step, "plot": str(plot), "checkpoint": str(ckpt), "export": str(exp),
+               "export_vllm": str(exp_vllm)}
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=1))
     print(f"tau trained       = {summary['tau_trained']:.3f} (95 % {summary['tau_ci95_trained']})\n"
           f"tau untrained     = {summary['tau_untrained']:.3f}\n"
           f"tau prompt lookup = {summary['tau_prompt_lookup']:.3f} (the free n-gram baseline)\n"
-          f"plot: {plot}\nexport: {exp}")
+          f"plot: {plot}\nexport: {exp} (SGLang), {exp_vllm} (vLLM, speculators format)")
     return summary

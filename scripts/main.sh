@@ -16,5 +16,6 @@ echo "shards written to: $out"
 if [ -z "${SKIP_TRAIN:-}" ]; then
   eagle-data demo "$out" --out out/drafter-demo --minutes "${MINUTES:-8}"
   echo "drafter (SGLang LlamaForCausalLMEagle3 folder): out/drafter-demo/sglang_drafter"
+  echo "drafter (vLLM, speculators format): out/drafter-demo/vllm_drafter"
   echo "acceptance plot: out/drafter-demo/acceptance.png"
 fi

@@ -9,10 +9,16 @@ PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-stamp=".venv/.installed-$(echo "$extras" | tr ',' '-')-$(sha256sum pyproject.toml | cut -c1-12)"
+stamp=".venv/.installed-$(echo "$extras" | tr ',' '-')-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/python -m pip install --quiet -e ".[${extras}]" 2>&1 | grep -v "^WARNING: Location" || true
+  if [[ ",$extras," == *",dev,"* ]]; then
+    # The vLLM-format export is tested with the speculators package's own loader. --no-deps: its
+    # pins (torch<=2.13, transformers<5.16) would replace ours; its loader runs with ours.
+    .venv/bin/python -m pip install --quiet --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" loguru \
+      2>&1 | grep -v "^WARNING: Location" || true
+  fi
   .venv/bin/python -c "import eagle_data, torch, webdataset, datasets, lightning" 
   touch "$stamp"
 fi

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 
 def vocab(path: str, size: int = 32000, out: Optional[str] = None, rebuild: bool = False,
@@ -83,17 +83,27 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
                       for k, v in s.items() if k != "heldout_keys"}, indent=1))
 
 
-def export(checkpoint: str, out: str, dtype: str = "bfloat16") -> None:
-    """Export a drafter checkpoint as an SGLang LlamaForCausalLMEagle3 folder.
+def export(checkpoint: str, out: str, dtype: str = "bfloat16", format: Literal["sglang", "speculators"] = "sglang",
+           verifier: Optional[str] = None, speculative_tokens: int = 7) -> None:
+    """Export a drafter checkpoint for serving: SGLang or vLLM (speculators format).
+
+    sglang: a LlamaForCausalLMEagle3 folder (--speculative-draft-model-path DIR).
+    speculators: the format vLLM serves (vllm serve DIR, or --speculative-config
+    '{"model": DIR, "method": "eagle3", ...}' with the target) and the speculators package loads.
 
     Args:
         checkpoint: Lightning checkpoint of the drafter.
         out: output folder (config.json + model.safetensors).
         dtype: weight dtype: bfloat16, float16 or float32.
+        format: "sglang" or "speculators" (vLLM).
+        verifier: speculators only: the target's hub name or path written into the config (default:
+            the checkpoint's target folder).
+        speculative_tokens: speculators only: draft tokens per step vLLM proposes by default.
     """
     from eagle_train.export import export_checkpoint
 
-    print(export_checkpoint(checkpoint, out, dtype))
+    print(export_checkpoint(checkpoint, out, dtype, format=format, verifier=verifier,
+                            speculative_tokens=speculative_tokens))
 
 
 def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_vocab_size: int = 2048,
