@@ -119,3 +119,18 @@ def test_configs_parse(path, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "--config", train_cfg, "--data", str(path), "--print_config"])
     assert str(path) in capsys.readouterr().out
+
+
+def test_defaults_follow_the_machine(monkeypatch):
+    """No pinning without CUDA (it would warn on every batch), workers from the CPU count."""
+    import os
+
+    import torch
+
+    from eagle_data.stream.datamodule import EagleDataModule
+
+    for cpus, want in ((2, 1), (1, 0), (64, 4), (None, 0)):
+        monkeypatch.setattr(os, "cpu_count", lambda c=cpus: c)
+        dm = EagleDataModule(train="unused")
+        assert dm.num_workers == want and dm.pin_memory == torch.cuda.is_available()
+    assert EagleDataModule(train="unused", num_workers=3, pin_memory=True).num_workers == 3

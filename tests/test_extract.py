@@ -280,6 +280,22 @@ def test_missing_data_path_is_a_clear_error_before_any_work(tmp_path, model_dir,
     run_extract(cfg(tmp_path / "ok", model_dir, data_file))
     with pytest.raises(ValueError, match=r"--sample 99 is out of range: .* holds 10 samples"):
         inspect_dataset(str(tmp_path / "ok"), sample=99)
+    with pytest.raises(ValueError, match=r"--key 'nope': no such sample"):
+        inspect_dataset(str(tmp_path / "ok"), key="nope")
+    with pytest.raises(ValueError, match="not both"):
+        inspect_dataset(str(tmp_path / "ok"), sample=0, key="x")
+
+
+def test_inspect_shows_the_sample_of_a_key(tmp_path, model_dir, data_file, capsys):
+    from eagle_data.stream.index import load_index
+    from eagle_data.tools.inspect import inspect_dataset
+
+    run_extract(cfg(tmp_path / "ok", model_dir, data_file))
+    keys = sorted(load_index(tmp_path / "ok")["key"])
+    for k in (keys[-1], keys[0]):
+        capsys.readouterr()
+        inspect_dataset(str(tmp_path / "ok"), key=k)
+        assert f"sample {k} from" in capsys.readouterr().out
 
 
 def test_rerun_extracts_a_row_fixed_in_the_source(tmp_path, model_dir):

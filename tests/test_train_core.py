@@ -587,3 +587,29 @@ def test_dataset_directory_is_only_read_and_outputs_are_world_readable(tmp_path,
     assert sorted(p.name for p in data.iterdir()) == before
     assert (tmp_path / "run" / "draft_vocab_4.safetensors").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "export" / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+class _Evil:
+    """Unpickling this creates a file: what an untrusted checkpoint could do with weights_only=False."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_carrying_a_pickled_payload_is_refused_without_running_it(tmp_path):
+    from eagle_data.cli import main as cli
+    from eagle_train.module import EagleDrafterModule
+
+    mod = tiny_module(tmp_path, ttt_steps=1)
+    marker = tmp_path / "pwned"
+    ck = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": mod.state_dict(), "hyper_parameters": dict(mod.hparams), "payload": _Evil(str(marker))},
+               ck)
+    with pytest.raises(ValueError, match="not a checkpoint file torch can load with weights_only=True"):
+        EagleDrafterModule.load_from_checkpoint(str(ck))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", str(ck), str(tmp_path / "out")])
+    assert e.value.code == 2 and not marker.exists()

@@ -37,17 +37,18 @@ def extract(cfg: ExtractConfig) -> None:
 
 
 
-def inspect(path: str, sample: Optional[int] = None, max_chars: int = 3000) -> None:
+def inspect(path: str, sample: Optional[int] = None, max_chars: int = 3000, key: Optional[str] = None) -> None:
     """Print a dataset's manifest summary and one sample with its loss-masked text highlighted.
 
     Args:
         path: dataset directory (with manifest.json).
         sample: which sample (index order) to show (default: the first multi-turn one under 1,500 tokens).
         max_chars: cut the shown text after this many characters.
+        key: show the sample with this key instead (e.g. a key named in an error or the skip log).
     """
     from eagle_data.tools.inspect import inspect_dataset
 
-    inspect_dataset(path, sample, max_chars)
+    inspect_dataset(path, sample, max_chars, key=key)
 
 
 def merge(path: str) -> None:

@@ -21,7 +21,10 @@ Batches: :class:`eagle_data.stream.collate.Batch`.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Union
+
+import torch
 
 from lightning.pytorch import LightningDataModule
 
@@ -39,13 +42,14 @@ class EagleDataModule(LightningDataModule):
         batch_size: samples per batch; set None to batch by ``max_tokens`` instead.
         max_tokens: token budget per batch (``B * max(T)``), length-bucketed (needs index.parquet).
         max_length: truncate samples to this many tokens (None: as stored).
-        num_workers: DataLoader workers per rank.
+        num_workers: DataLoader workers per rank (None: ``min(4, CPUs - 1)``, so 1 on a 2-core machine;
+            resuming needs the same count, so give it explicitly when machines differ).
         seed: shuffling seed (order = f(seed, epoch)).
         shuffle_buffer: raw samples buffered per worker for shuffling.
         shuffle_initial: samples buffered before the first is drawn (the buffer then grows).
         bucket_window: token-budget mode: samples sorted by length within windows of this many.
         max_batch_size: token-budget mode: samples per batch at most.
-        pin_memory: pin batch tensors for faster host-to-GPU copies.
+        pin_memory: pin batch tensors for faster host-to-GPU copies (None: when CUDA is available).
         hidden_size: expected H of the target model (checked against the manifests; None: any).
         aux_layer_ids: expected aux layer ids (checked; None: any).
         dtype: expected stored dtype, e.g. "bfloat16" (checked; None: any).
@@ -60,18 +64,22 @@ class EagleDataModule(LightningDataModule):
 
     def __init__(self, train: Union[str, list[str]], val: Optional[Union[str, list[str]]] = None,
                  batch_size: Optional[int] = 8, max_tokens: Optional[int] = None,
-                 max_length: Optional[int] = None, num_workers: int = 2, seed: int = 0, shuffle_buffer: int = 64,
+                 max_length: Optional[int] = None, num_workers: Optional[int] = None, seed: int = 0, shuffle_buffer: int = 64,
                  shuffle_initial: int = 16, bucket_window: int = 256, max_batch_size: int = 256,
-                 pin_memory: bool = True,
+                 pin_memory: Optional[bool] = None,
                  hidden_size: Optional[int] = None, aux_layer_ids: Optional[list[int]] = None,
                  dtype: Optional[str] = None, on_error: str = "raise", val_batch_size: Optional[int] = None,
                  read_threads: Optional[int] = None):
         super().__init__()
         check_positive(batch_size=batch_size, max_tokens=max_tokens, bucket_window=bucket_window,
                        max_batch_size=max_batch_size, val_batch_size=val_batch_size)
-        if num_workers < 0:
+        if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         self.save_hyperparameters()
+        if num_workers is None:
+            num_workers = min(4, max(0, (os.cpu_count() or 1) - 1))
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
         if max_tokens is not None:
             batch_size = None
         self.cfg = dict(batch_size=batch_size, max_tokens=max_tokens, max_length=max_length, seed=seed,

@@ -59,7 +59,7 @@ def pick_sample(idx) -> int:
     return 0
 
 
-def inspect_dataset(path: str, sample: int | None = None, max_chars: int = 3000) -> None:
+def inspect_dataset(path: str, sample: int | None = None, max_chars: int = 3000, key: str | None = None) -> None:
     from transformers import AutoTokenizer
 
     from eagle_data.stream.index import load_index
@@ -80,8 +80,15 @@ def inspect_dataset(path: str, sample: int | None = None, max_chars: int = 3000)
     if len(idx) == 0:
         con.print("[red]no samples[/]")
         return
+    if sample is not None and key is not None:
+        raise ValueError("give --sample or --key, not both")
     if sample is not None and not 0 <= sample < len(idx):
         raise ValueError(f"--sample {sample} is out of range: {path} holds {len(idx)} samples (0..{len(idx) - 1})")
+    if key is not None:
+        pos = {k: i for i, k in enumerate(idx["key"])}
+        if key not in pos:
+            raise ValueError(f"--key {key!r}: no such sample in {path} ({len(idx)} samples, e.g. {idx['key'][0]!r})")
+        sample = pos[key]
     row = idx[pick_sample(idx) if sample is None else sample]
     tensors, meta = read_sample(Path(path) / row["shard"], row["key"])
     con.print(f"[bold]sample[/] {row['key']} from {row['shard']}: {escape(json.dumps(meta))}")
