@@ -104,6 +104,28 @@ def test_hf_datasets_loads_shards(tmp_path, model_dir, data_file):
     assert t["hidden_states"].shape[1] == 64
 
 
+def test_hf_datasets_loads_the_folder_one_row_per_sample(tmp_path, model_dir, data_file):
+    """datasets.load_dataset(DIR) reads index.parquet only (the card's default config), not the
+    index parts as well; the card's snippet for the shards gives one row per sample too."""
+    import datasets
+
+    from eagle_data.stream.dataset import decode_hf_example
+
+    out = tmp_path / "ds"
+    m = run_extract(cfg(out, model_dir, data_file, num_samples=6, shard_max_samples=2))
+    assert len(list((out / "index").glob("*.parquet"))) >= 2
+    idx = datasets.load_dataset(str(out), split="train", cache_dir=str(tmp_path / "hf"))
+    assert len(idx) == m["num_samples"] and len(set(idx["key"])) == m["num_samples"]
+    from eagle_data.format.layout import SHARD_GLOB
+
+    assert f'data_files="DIR/{SHARD_GLOB}"' in (out / "README.md").read_text()
+    rows = datasets.load_dataset("webdataset", data_files=str(out / SHARD_GLOB), split="train",
+                                 cache_dir=str(tmp_path / "hf"))
+    assert sorted(rows["__key__"]) == sorted(idx["key"])
+    t = decode_hf_example(rows[0])
+    assert t["hidden_states"].shape[1] == 64 and t["key"] in set(idx["key"])
+
+
 def test_rerun_resumes_and_config_change_refused(tmp_path, model_dir, data_file):
     out = tmp_path / "ds"
     first = run_extract(cfg(out, model_dir, data_file))

@@ -32,11 +32,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_data.format.layout import (INDEX_DIR, INDEX_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_GLOB, PROGRESS_NAME,
-                                      index_part, progress_path, rank_shard_prefix, shard_of_index_part)
+from eagle_data.format.layout import (CARD_NAME, INDEX_DIR, INDEX_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_GLOB,
+                                      PROGRESS_NAME, index_part, progress_path, rank_shard_prefix, shard_of_index_part)
+from eagle_data.format.card import dataset_card
 from eagle_data.format.records import Manifest, RankProgress
 from eagle_data.format.schema import FINAL_STATE_NORM, INDEX_SCHEMA, LAYER_ID_CONVENTION, SCHEMA_VERSION
-from eagle_data.extract.sink import atomic_write_json, write_parquet_atomic
+from eagle_data.extract.sink import atomic_write_bytes, atomic_write_json, write_parquet_atomic
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
             or shard names, a listed index part missing.
     """
     out = Path(out_dir)
-    _remove_stale_tmps(out, (MANIFEST_NAME, INDEX_NAME))
+    _remove_stale_tmps(out, (MANIFEST_NAME, INDEX_NAME, CARD_NAME))
     paths = sorted(out.glob(PROGRESS_GLOB))
     if not paths:
         raise ValueError(f"{out}: no progress-*.json files; is this an eagle-data output directory?")
@@ -293,4 +294,5 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
         "complete": not unfinished,
     }
     atomic_write_json(out / MANIFEST_NAME, manifest)
+    atomic_write_bytes(out / CARD_NAME, dataset_card(manifest).encode("utf-8"))
     return manifest

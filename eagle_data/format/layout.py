@@ -9,6 +9,7 @@
       skips-{rank:05d}.jsonl          every skipped or noted source row of rank ``r``, one JSON object a line
       index.parquet                   one row per sample (:data:`eagle_data.format.schema.INDEX_SCHEMA`)
       manifest.json                   run config, model facts, shards, counts (written by the merge)
+      README.md                       dataset card: ``datasets.load_dataset(OUT)`` reads one row per sample
       .eagle-data.lock                one byte-range lock per rank (no two processes run one rank)
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 MANIFEST_NAME = "manifest.json"
 INDEX_NAME = "index.parquet"
+CARD_NAME = "README.md"
 INDEX_DIR = "index"
 LOCK_NAME = ".eagle-data.lock"
 SHARD_NAME = "{rank:05d}-{shard:06d}.tar"
