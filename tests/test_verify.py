@@ -120,6 +120,9 @@ def test_recompute_matches_reference_and_catches_wrong_model(ds, tmp_path, kr):
     assert rep.ok, rep.problems
     assert set(rep.recompute) == {"aux layer 1", "aux layer 3", "aux layer 5", "final (post-norm)"}
     assert max(rep.recompute.values()) <= 1e-4 and len(rep.recompute_keys) == 3
+    for name, tok in rep.recompute_tokens.items():  # fp32 data, fp32 recompute: per token too
+        assert tok["token_rel_p50"] <= tok["token_rel_p99"] <= tok["token_rel_max"] <= 1e-4, name
+        assert tok["min_cosine"] > 1 - 1e-6, name
     from tiny import tiny_llama
 
     other = tmp_path / "other"
@@ -130,6 +133,8 @@ def test_recompute_matches_reference_and_catches_wrong_model(ds, tmp_path, kr):
     rep = verify_dataset(ds, recompute=2)
     assert not rep.ok and {c for c, _, _ in rep.problems} == {"recompute"}
     assert max(rep.recompute.values()) > 0.1
+    assert min(t["min_cosine"] for t in rep.recompute_tokens.values()) < 0.9  # another model's states
+    assert max(t["token_rel_p50"] for t in rep.recompute_tokens.values()) > 0.1
 
 
 def test_dataset_without_samples_fails(tmp_path, capsys):

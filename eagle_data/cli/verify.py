@@ -8,7 +8,7 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
-from eagle_data.tools.verify import CATEGORIES, VerifyReport, verify_dataset
+from eagle_data.tools.verify import CATEGORIES, EXPECTED_TOKEN_REL, VerifyReport, verify_dataset
 
 _WHAT = {
     "manifest": "manifest readable, schema + conventions, totals",
@@ -36,12 +36,21 @@ def print_report(rep: VerifyReport, max_problems: int = 30, console: Console | N
         t.add_row(c, f"[red]FAIL ({counts[c]})[/]" if counts[c] else "[green]ok[/]", _WHAT[c])
     con.print(t)
     if rep.recompute:
-        r = Table(title=f"recompute: {len(rep.recompute_keys)} sample(s), rtol {rep.rtol:.3g}")
+        r = Table(title=f"recompute: {len(rep.recompute_keys)} sample(s), rtol {rep.rtol:.3g} (on max|Δ| / max|ref|)")
         r.add_column("layer")
-        r.add_column("max relative error", justify="right")
+        r.add_column("max|Δ| / max|ref|", justify="right")
+        for col in ("per-token rel. p50", "p99", "max", "min cosine"):
+            r.add_column(col, justify="right")
         for name, err in rep.recompute.items():
-            r.add_row(name, f"[{'red' if rep.rtol is not None and err > rep.rtol else 'green'}]{err:.3e}[/]")
+            tok = rep.recompute_tokens.get(name, {})
+            r.add_row(name, f"[{'red' if rep.rtol is not None and err > rep.rtol else 'green'}]{err:.3e}[/]",
+                      *(f"{tok[k]:.2e}" for k in ("token_rel_p50", "token_rel_p99", "token_rel_max")),
+                      f"{tok['min_cosine']:.6f}")
         con.print(r)
+        if rep.dtype in EXPECTED_TOKEN_REL:
+            con.print(f"storing in {rep.dtype} alone gives a per-token relative error of about "
+                      f"{EXPECTED_TOKEN_REL[rep.dtype]:.1e}; a low-precision compute dtype adds more "
+                      f"(bf16: 1-8 % per token is normal, cosine > 0.99)")
     for c, where, what in rep.problems[:max_problems]:
         con.print(f"[red]{c}[/] {where}: {what}", markup=True, highlight=False)
     if len(rep.problems) > max_problems:
