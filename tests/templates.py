@@ -8,8 +8,9 @@ from functools import lru_cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Real chat templates of the major families, byte-exact copies with their sources (SOURCES.md).
-TEMPLATES_DIR = Path(os.environ.get("EAGLE_DATA_TEMPLATES", REPO / "tests" / "chat_templates"))
+# Real chat templates of the major families, byte-exact copies with their sources (SOURCES.md),
+# shipped as package data (eagle_data/templates; `--chat_template NAME`).
+TEMPLATES_DIR = Path(os.environ.get("EAGLE_DATA_TEMPLATES", REPO / "eagle_data" / "templates"))
 
 # bos/eos per family as listed in shared/chat_templates/SOURCES.md
 BOS_EOS = {

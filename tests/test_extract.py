@@ -2,6 +2,7 @@
 
 import json
 import tarfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -449,3 +450,43 @@ def test_note_of_a_skipped_row_is_dropped_and_fewer_rows_do_not_shrink_the_confi
     assert m["skip_counts"] == {"special_token_in_text": 1} and m["note_counts"] == {}
     m2 = run_extract(cfg(out, model_dir, data, num_samples=2))
     assert m2["num_samples"] == 4 and m2["config"]["num_samples"] is None
+
+
+def test_chat_template_by_name_is_the_shipped_file(tmp_path, model_dir, data_file, capsys):
+    """--chat_template qwen3 (a name) renders exactly as the file's path does; an alias too; an
+    unknown name is refused before any work, listing the names."""
+    import hashlib
+
+    from eagle_data.cli import main as cli
+    from eagle_data.stream.index import load_index
+    from eagle_data.templates import ALIASES, names, resolve
+
+    assert len(names()) == 31 and all(resolve(a).stem == s for a, s in ALIASES.items())
+    assert resolve("Qwen2.5").stem == "qwen2_5_instruct" and resolve("llama3").stem == "llama3_1_instruct"
+    by_name = run_extract(cfg(tmp_path / "a", model_dir, data_file, chat_template="qwen3"))
+    by_path = run_extract(cfg(tmp_path / "b", model_dir, data_file, chat_template=str(TEMPLATES_DIR / "qwen3.jinja")))
+    default = run_extract(cfg(tmp_path / "c", model_dir, data_file))
+    sha = hashlib.sha256((TEMPLATES_DIR / "qwen3.jinja").read_bytes()).hexdigest()
+    assert by_name["config"]["template"]["template_sha256"] == sha == by_path["config"]["template"]["template_sha256"]
+    cols = lambda d: sorted(zip(load_index(d)["key"], load_index(d)["num_tokens"], load_index(d)["loss_token_ids"]))
+    assert cols(tmp_path / "a") == cols(tmp_path / "b") != cols(tmp_path / "c")
+    assert default["config"]["template"]["template_sha256"] != sha
+    with pytest.raises(ValueError, match=r"'qwen9' is neither a file nor a shipped template name; names .*qwen3"):
+        run_extract(cfg(tmp_path / "d", model_dir, data_file, chat_template="qwen9"))
+    with pytest.raises(ValueError, match=r"'nope/x.jinja' is not a file"):
+        run_extract(cfg(tmp_path / "d", model_dir, data_file, chat_template="nope/x.jinja"))
+    assert not (tmp_path / "d").exists()
+    cli.main(["templates"])
+    out = capsys.readouterr().out
+    assert all(n in out for n in names()) and "llama3" in out
+
+
+def test_templates_are_package_data():
+    import tomllib
+
+    from eagle_data.templates import DIR
+
+    cfg = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "eagle_data.templates" in cfg["packages"]
+    assert set(cfg["package-data"]["eagle_data.templates"]) == {"*.jinja", "SOURCES.md"}
+    assert DIR.name == "templates" and (DIR / "SOURCES.md").is_file()

@@ -61,3 +61,28 @@ def merge(path: str) -> None:
 
     m = _merge(path)
     print(json.dumps({k: m[k] for k in ("num_samples", "num_tokens", "total_bytes", "skip_counts")}, indent=1))
+
+
+def templates(show: Optional[str] = None) -> None:
+    """List the chat templates shipped with eagle-data (use one with `extract --chat_template NAME`).
+
+    Each is a byte-exact copy of a model family's template; sources, commits and licenses are in
+    eagle_data/templates/SOURCES.md.
+
+    Args:
+        show: print this template's text (a name or alias) instead of the list.
+    """
+    from eagle_data.templates import ALIASES, DIR, names, resolve
+
+    if show is not None:
+        print(resolve(show).read_text(encoding="utf-8"), end="")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"chat templates ({DIR})")
+    t.add_column("name")
+    t.add_column("also accepted as")
+    for n in names():
+        t.add_row(n, ", ".join(sorted(a for a, s in ALIASES.items() if s == n and a != n)))
+    Console().print(t)

@@ -13,14 +13,15 @@ import os
 import sys
 from typing import Any, Callable
 
-from eagle_data.cli.data import extract, inspect, merge
+from eagle_data.cli.data import extract, inspect, merge, templates
 from eagle_data.cli.train import demo, evaluate, export, train, vocab
 from eagle_data.cli.verify import verify
 from eagle_data.extract.config import ExtractConfig
 
 #: command name -> function, or a dataclass whose instance a runner in :data:`RUNNERS` takes
 COMMANDS: dict[str, Any] = {"extract": ExtractConfig, "inspect": inspect, "merge": merge, "verify": verify,
-                            "vocab": vocab, "train": train, "eval": evaluate, "export": export, "demo": demo}
+                            "vocab": vocab, "train": train, "eval": evaluate, "export": export, "demo": demo,
+                            "templates": templates}
 #: what to do with a parsed dataclass command
 RUNNERS: dict[type, Callable[[Any], None]] = {ExtractConfig: extract}
 

@@ -136,9 +136,14 @@ class ChatRenderer:
 
     @classmethod
     def from_path(cls, tokenizer: Any, template_path: str | Path | None, **kw) -> "ChatRenderer":
+        """A renderer of the template in a file, or of a shipped one by name
+        (:func:`eagle_data.templates.resolve`); None: the tokenizer's own."""
+        from eagle_data.templates import resolve
+
         if not template_path:
             return cls(tokenizer, None, **kw)
-        return cls(tokenizer, Path(template_path).read_text(encoding="utf-8"), name=str(template_path), **kw)
+        path = resolve(str(template_path))
+        return cls(tokenizer, path.read_text(encoding="utf-8"), name=str(template_path), **kw)
 
     @property
     def template_sha256(self) -> str:

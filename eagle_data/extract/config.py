@@ -42,7 +42,8 @@ class ExtractConfig:
     max_length: int = 2048
     """truncate the rendered conversation to this many tokens"""
     chat_template: Optional[str] = None
-    """path to a Jinja chat template (default: the tokenizer's)"""
+    """a shipped chat template by name (e.g. qwen3, llama3; `eagle-data templates` lists them) or the
+    path to a Jinja file (default: the tokenizer's own)"""
     template_date: str = "2026-01-01"
     """date (YYYY-MM-DD) given to templates that print today's date, for reproducible ids"""
     template_vars: dict[str, Any] = field(default_factory=dict)
@@ -155,10 +156,11 @@ def check_paths(cfg: ExtractConfig) -> None:
         raise ValueError(f"model {cfg.model!r} is not a model folder (a local HF folder with config.json)")
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"out {cfg.out!r} exists and is not a directory")
-    if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
-        raise ValueError(f"chat_template {cfg.chat_template!r} is not a file")
-    if cfg.chat_template is not None and not Path(cfg.chat_template).read_text(encoding="utf-8").strip():
-        raise ValueError(f"chat_template {cfg.chat_template!r} is empty")
+    if cfg.chat_template is not None:
+        from eagle_data.templates import resolve
+
+        if not resolve(cfg.chat_template).read_text(encoding="utf-8").strip():
+            raise ValueError(f"chat_template {cfg.chat_template!r} is empty")
 
 
 def _check_date(value: str) -> None:

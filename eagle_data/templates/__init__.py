@@ -1,0 +1,52 @@
+"""Chat templates shipped with eagle-data: ``--chat_template NAME`` (``eagle-data templates`` lists them).
+
+Each ``NAME.jinja`` is a byte-exact copy of a model family's template (sources, commits and
+licenses: ``SOURCES.md`` beside it); every one is covered by the loss-mask property test.
+:data:`ALIASES` maps the family names other tools use (SpecForge's ``--chat-template llama3``,
+``qwen``, ``deepseek-v3``, ...) to a file; names compare with ``-``/``.`` read as ``_``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DIR = Path(__file__).resolve().parent
+
+#: family names used by other tools -> the file stem they mean
+ALIASES = {
+    "llama3": "llama3_1_instruct", "llama3_1": "llama3_1_instruct", "llama3_3": "llama3_1_instruct",
+    "llama3_2": "llama3_2_instruct", "qwen": "qwen2_5_instruct", "qwen2_5": "qwen2_5_instruct",
+    "qwen3_2507": "qwen3_instruct_2507", "deepseek_v3": "deepseek_v3", "deepseek_r1": "deepseek_r1",
+    "gemma": "gemma2_it", "gemma2": "gemma2_it", "gemma3": "gemma3_it", "glm4": "glm4_5", "glm4_5": "glm4_5",
+    "gpt_oss": "gpt_oss", "gptoss": "gpt_oss", "kimi_k2": "kimi_k2_instruct", "phi3": "phi3_mini",
+    "phi3_5": "phi3_5_mini", "phi4": "phi4", "mistral": "mistral_v3_instruct",
+    "mistral_small": "mistral_small_3_1_instruct_2503", "smollm2": "smollm2", "smollm3": "smollm3", "lfm2": "lfm2_5",
+}
+
+
+def names() -> list[str]:
+    """The shipped template names (file stems), sorted."""
+    return sorted(p.stem for p in DIR.glob("*.jinja"))
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower().replace("-", "_").replace(".", "_")
+
+
+def resolve(name_or_path: str) -> Path:
+    """The template file for a shipped name or alias (see module doc), or an existing file path.
+
+    Raises:
+        ValueError: neither a file nor a known name; lists the names.
+    """
+    p = Path(name_or_path).expanduser()
+    if p.is_file():
+        return p
+    key = _norm(name_or_path)
+    stem = key if (DIR / f"{key}.jinja").is_file() else ALIASES.get(key)
+    if stem is not None and (DIR / f"{stem}.jinja").is_file():
+        return DIR / f"{stem}.jinja"
+    looks_like_path = any(c in name_or_path for c in "/\\") or name_or_path.endswith(".jinja")
+    raise ValueError(f"chat_template {name_or_path!r} is " + ("not a file" if looks_like_path else
+                     "neither a file nor a shipped template name") +
+                     f"; names (eagle-data templates): {', '.join(names())}")
