@@ -57,3 +57,17 @@ def test_cli_reports_bad_settings_without_traceback(capsys, tmp_path):
         cli.main(["extract", "--out", str(tmp_path / "o"), "--max_length", "1"])
     assert e.value.code == 2
     assert "error: max_length must be >= 2" in capsys.readouterr().err
+
+
+def test_core_dependencies_keep_the_machines_torch():
+    """The base package has lower bounds only for torch/transformers (pip keeps an installed
+    CUDA build that satisfies them); the exact pins live in the sglang extra that needs them."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    proj = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    base = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0]: d for d in proj["dependencies"]}
+    assert not any("==" in d for d in proj["dependencies"]), proj["dependencies"]
+    assert base["torch"].startswith("torch>=") and base["transformers"].startswith("transformers>=")
+    assert "torch==2.14.1" in proj["optional-dependencies"]["sglang"]
