@@ -40,7 +40,7 @@ class TimedCheckpoints(pl.Callback):
         while self.marks and elapsed >= self.marks[0]:
             m = self.marks.pop(0)
             path = Path(self.dirpath or trainer.default_root_dir) / f"at_{m:g}min.ckpt"
-            trainer.save_checkpoint(str(path))
+            trainer.save_checkpoint(str(path), weights_only=False)  # full (resumable); says so
             self.saved.append(str(path))
             if not self.marks and self.stop_after_last:
                 trainer.should_stop = True

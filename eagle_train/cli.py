@@ -26,6 +26,9 @@ class _ParseOnlyCLI(LightningCLI):
 
 
 def make_cli(args: Any = None, run: bool = True, parse_only: bool = False) -> LightningCLI:
+    from eagle_train.quiet import quiet_lightning
+
+    quiet_lightning()
     model, data = _classes()
     cls = _ParseOnlyCLI if parse_only else LightningCLI
     return cls(model, data, args=args, run=run, save_config_kwargs={"overwrite": True})
@@ -35,7 +38,13 @@ def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
     """Train from LightningCLI-style sections (``model``, ``data``, ``trainer``, ``seed_everything``);
     resumes from ``ckpt_path`` ("last" = the newest checkpoint of the run). Returns the best/last
     checkpoint path."""
-    cli = make_cli(args={k: v for k, v in config.items() if v is not None}, run=False)
+    import sys
+
+    argv, sys.argv = sys.argv, sys.argv[:1]  # the sections are the arguments (LightningCLI warns on both)
+    try:
+        cli = make_cli(args={k: v for k, v in config.items() if v is not None}, run=False)
+    finally:
+        sys.argv = argv
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
     cb = cli.trainer.checkpoint_callback
     return (cb.last_model_path or cb.best_model_path) if cb is not None else ""

@@ -169,6 +169,11 @@ class EagleDrafterModule(pl.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def on_train_start(self) -> None:
+        pb = self.trainer.progress_bar_callback  # "Epoch 0/-2" when only time or steps bound the run
+        if (self.trainer.max_epochs or 0) < 0 and hasattr(pb, "_get_train_description"):
+            pb._get_train_description = lambda current_epoch: f"Epoch {current_epoch}"
+
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self._t0 is None:
             self._t0 = time.perf_counter()

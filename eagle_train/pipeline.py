@@ -64,6 +64,10 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
                     eval_steps, max_length, lr, threads)
     import lightning.pytorch as pl
 
+    from eagle_train.quiet import quiet_lightning
+
+    quiet_lightning()
+
     from eagle_data.stream.datamodule import EagleDataModule
     from eagle_data.tools.read_samples import read_samples
 

@@ -613,3 +613,27 @@ def test_a_checkpoint_carrying_a_pickled_payload_is_refused_without_running_it(t
     with pytest.raises(SystemExit) as e:
         cli.main(["export", str(ck), str(tmp_path / "out")])
     assert e.value.code == 2 and not marker.exists()
+
+
+def test_known_lightning_noise_is_silenced_narrowly(tmp_path):
+    """One line per Lightning log record (not two), the known-harmless warnings dropped, any other
+    warning from the same module still shown."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import logging, warnings\n"
+        "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')\n"
+        "from eagle_train.quiet import quiet_lightning\n"
+        "quiet_lightning()\n"
+        "import lightning.pytorch as pl\n"
+        "pl.seed_everything(3)\n"
+        "for msg in ('Your `IterableDataset` has `__len__` defined. In combination', 'something new'):\n"
+        "    warnings.warn_explicit(msg, UserWarning, 'data.py', 1, module='lightning.pytorch.utilities.data')\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    err = r.stdout + r.stderr
+    assert r.returncode == 0, err
+    assert err.count("Seed set to 3") == 1, err
+    assert "IterableDataset" not in err and "something new" in err

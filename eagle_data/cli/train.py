@@ -108,14 +108,15 @@ def export(checkpoint: str, out: str, dtype: str = "bfloat16", format: Literal["
 
 def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_vocab_size: int = 2048,
          eval_samples: int = 12, target_model: str = "smollm2") -> None:
-    """CPU demo of drafter training: draft vocab, train for MINUTES, tau, SGLang export.
+    """CPU demo of drafter training: draft vocab, train for MINUTES, tau, SGLang and vLLM exports.
 
     The main job's second half: draft vocab -> train a drafter for MINUTES -> tau of the
     trained and the untrained drafter on held-out conversations (+ PNG plot) -> SGLang export.
 
     Args:
         path: dataset directory written by `eagle-data extract`.
-        out: output directory (checkpoint, demo_summary.json, acceptance.png, sglang_drafter/).
+        out: output directory (checkpoint, demo_summary.json, acceptance.png, sglang_drafter/,
+            vllm_drafter/).
         minutes: training wall time (> 0).
         draft_vocab_size: N (>= 1).
         eval_samples: held-out samples evaluated at most (>= 1).
