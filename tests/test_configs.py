@@ -71,3 +71,33 @@ def test_core_dependencies_keep_the_machines_torch():
     assert not any("==" in d for d in proj["dependencies"]), proj["dependencies"]
     assert base["torch"].startswith("torch>=") and base["transformers"].startswith("transformers>=")
     assert "torch==2.14.1" in proj["optional-dependencies"]["sglang"]
+
+
+def test_sglang_backend_without_the_extra_says_how_to_install(monkeypatch):
+    import sys
+
+    from eagle_data.extract.backends import make_backend
+
+    monkeypatch.setitem(sys.modules, "sglang", None)  # `import sglang` fails as if not installed
+    with pytest.raises(ValueError, match=r"backend 'sglang' needs the sglang extra: pip install -e '\.\[sglang\]'"):
+        make_backend("sglang", model_path="unused", aux_layer_ids=[1, 2, 3])
+
+
+def test_sglang_start_up_noise_is_silenced_in_child_processes_narrowly(monkeypatch):
+    """The PYTHONWARNINGS entries quiet_sglang sets parse (no 'Invalid -W option') and silence the
+    named module's warning in a child process, not the same text from another module."""
+    import os
+    import subprocess
+    import sys
+
+    from eagle_data.extract.backends.sglang_engine import quiet_sglang
+
+    monkeypatch.setenv("PYTHONWARNINGS", "default::DeprecationWarning")
+    quiet_sglang()
+    code = ("import warnings\n"
+            "warnings.warn_explicit('Only CUDA, HIP and XPU support AWQ currently.', UserWarning, 'awq.py', 53,"
+            " module='sglang.srt.layers.quantization.awq.awq')\n"
+            "warnings.warn_explicit('Only CUDA here', UserWarning, 'x.py', 1, module='mine')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ), timeout=60)
+    assert "Invalid -W option" not in r.stderr and "AWQ" not in r.stderr and "Only CUDA here" in r.stderr, r.stderr
+    assert os.environ["PYTHONWARNINGS"].startswith("default::DeprecationWarning,")

@@ -4,6 +4,7 @@ Heavy imports (transformers, sglang) live only inside their backend module.
 """
 
 import inspect
+import sys
 
 from eagle_data.extract.backends.base import Backend, BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
 
@@ -21,11 +22,19 @@ def make_backend(name: str, **kwargs) -> Backend:
     if name == "hf":
         from eagle_data.extract.backends.hf import HFBackend as cls
     elif name == "sglang":
-        try:
-            import sglang  # noqa: F401
-        except ModuleNotFoundError as e:
+        import importlib.util
+
+        # found, not imported: the CPU engine's environment must be set before sglang loads
+        if "sglang" in sys.modules:
+            found = sys.modules["sglang"] is not None
+        else:
+            try:
+                found = importlib.util.find_spec("sglang") is not None
+            except (ImportError, ValueError):
+                found = False
+        if not found:
             raise ValueError("backend 'sglang' needs the sglang extra: pip install -e '.[sglang]' "
-                             f"(import failed: {e})") from e
+                             "(no module named 'sglang')")
         from eagle_data.extract.backends.sglang import SGLangBackend as cls
     else:
         raise ValueError(f"unknown backend {name!r}; choose 'hf' or 'sglang'")

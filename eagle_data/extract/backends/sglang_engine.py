@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,32 @@ def prepare_cpu_environment(use_standin: bool = True) -> None:
                            "backend (device='cpu') before anything imports sglang or sgl_kernel")
 
 
+#: warnings sglang emits on every start that do not apply here (CPU: no AWQ/GGUF kernels, no Triton:
+#: neither is used): (message prefix without commas or colons, module), also for the spawned scheduler
+SGLANG_HARMLESS = (("Only CUDA", "sglang.srt.layers.quantization.awq.awq"),
+                   ("Only CUDA", "sglang.srt.layers.quantization.gguf"),
+                   ("Triton is not supported on current platform", "sglang.kernels.ops.attention.fla.utils"),
+                   # the engine's processes leave one semaphore to the tracker, which cleans it up
+                   ("resource_tracker", "multiprocessing.resource_tracker"))
+#: sglang loggers whose INFO lines describe its own start-up (plugins, the full server_args)
+SGLANG_CHATTY = ("sglang.srt.plugins", "sglang.srt.entrypoints.engine")
+
+
+def quiet_sglang() -> None:
+    """Silence :data:`SGLANG_HARMLESS` (here, and in the scheduler processes through
+    ``PYTHONWARNINGS``, whose entries match a message prefix in one named module) and keep
+    :data:`SGLANG_CHATTY` to warnings and errors."""
+    import warnings
+
+    entries = [f"ignore:{m}:UserWarning:{mod}" for m, mod in SGLANG_HARMLESS]
+    have = [e for e in os.environ.get("PYTHONWARNINGS", "").split(",") if e]
+    os.environ["PYTHONWARNINGS"] = ",".join(have + [e for e in entries if e not in have])
+    for m, mod in SGLANG_HARMLESS:
+        warnings.filterwarnings("ignore", message=re.escape(m), category=UserWarning, module=re.escape(mod) + "$")
+    for name in SGLANG_CHATTY:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def base_engine_kwargs(model_path: str, dtype: str, device: str, *, tp_size: int = 1,
                        chunked_prefill_size: int | None = None, mem_fraction_static: float | None = None,
                        max_total_tokens: int | None = None, attention_backend: str | None = None,
@@ -59,6 +86,7 @@ def base_engine_kwargs(model_path: str, dtype: str, device: str, *, tp_size: int
     """
     kw: dict[str, Any] = dict(model_path=model_path, dtype=dtype, device=device, tp_size=int(tp_size),
                               skip_tokenizer_init=True, disable_radix_cache=True, log_level=log_level)
+    quiet_sglang()
     if device == "cpu":
         prepare_cpu_environment(cpu_kernel == "standin")
         if int(tp_size) > 1:
