@@ -12,7 +12,9 @@ fi
 stamp=".venv/.installed-$(echo "$extras" | tr ',' '-')-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -m pip install --quiet -e ".[${extras}]" 2>&1 | grep -v "^WARNING: Location" || true
+  # setuptools' "Editable installation" banner (a note about editable installs, not a problem) is dropped
+  .venv/bin/python -m pip install --quiet -e ".[${extras}]" 2>&1 | grep -v "^WARNING: Location" \
+    | awk '/BuildBackendWarning: Editable installation/ {skip=1} !skip {print} /with strategy, WheelFile/ {skip=0}' || true
   if [[ ",$extras," == *",dev,"* ]]; then
     # The vLLM-format export is tested with the speculators package's own loader. --no-deps: its
     # pins (torch<=2.13, transformers<5.16) would replace ours; its loader runs with ours.
