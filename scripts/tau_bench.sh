@@ -12,14 +12,14 @@
 #   eval     tau of each checkpoint on the first EVAL_N held-out keys (sorted), 16 positions each,
 #            K=7, max_length 2048, beside the untrained drafter and prompt-lookup speculation on the
 #            same positions (eagle-data eval, 95 % intervals), all checkpoints at once; then a table.
-# Usage: OUT=out/tau N=6000 bash scripts/tau_bench.sh          (GPU; PHASES="extract train" etc. for parts)
+# Usage: OUT=out/tau N=8769 LRS="3e-4 6e-4 1.2e-3" bash scripts/tau_bench.sh   (GPU; PHASES="extract tune" etc. for parts)
 #        OUT=/tmp/tau N=12 HELD=4 MINUTES="0.05 0.1" DEVICE=cpu ACCEL=cpu PRECISION=32-true EVAL_N=2 \
 #          bash scripts/tau_bench.sh                           (smoke test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/tau}; N=${N:-6000}; HELD=${HELD:-200}; DEVICE=${DEVICE:-cuda}; VOCAB=${VOCAB:-16384}
 MINUTES=${MINUTES:-"2 4 8"}; ACCEL=${ACCEL:-gpu}; PRECISION=${PRECISION:-bf16-mixed}; EVAL_N=${EVAL_N:-40}
-PHASES=${PHASES:-"prep extract train control eval"}; LRS=${LRS:-""}; SWEEP_SECONDS=${SWEEP_SECONDS:-60}
+PHASES=${PHASES:-"prep extract tune train control eval"}; LRS=${LRS:-""}; SWEEP_SECONDS=${SWEEP_SECONDS:-60}
 CONFIG=${CONFIG:-configs/train/tau_bench_gpu.yaml}
 ed() { python -m eagle_data.cli.main "$@"; }
 has() { [[ " $PHASES " == *" $1 "* ]]; }
