@@ -21,7 +21,8 @@ ALLOWED = {
     "tools": {"format", "extract", "stream"},
     "cli": {"format", "extract", "stream", "tools"},
 }
-LEAVES = {"eagle_data", "eagle_data.packing", "eagle_data.assets", "eagle_data.checks"}  # imported from anywhere
+LEAVES = {"eagle_data", "eagle_data.packing", "eagle_data.assets", "eagle_data.checks",
+          "eagle_data.templates"}  # imported from anywhere
 CLI_PARSERS = ("argparse", "jsonargparse")
 
 
@@ -47,6 +48,14 @@ def _files(folder: str) -> list[Path]:
 def test_every_module_lives_in_a_part_or_is_a_leaf():
     top = {p.stem for p in (ROOT / "eagle_data").glob("*.py")} - {"__init__"}
     assert {f"eagle_data.{m}" for m in top} <= LEAVES, top
+
+
+def test_leaves_import_no_part():
+    """The leaf modules (and the templates package) sit below every part: they import none."""
+    files = [ROOT / "eagle_data" / f"{m.split('.')[1]}.py" for m in LEAVES if m.count(".") == 1]
+    files = [f for f in files if f.exists()] + _files("eagle_data/templates")
+    bad = [f"{f.relative_to(ROOT)} imports {mod}" for f in files for mod in _imports(f) if _part(mod) is not None]
+    assert len(files) >= 4 and bad == []
 
 
 @pytest.mark.parametrize("part", PARTS)
