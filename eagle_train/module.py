@@ -61,7 +61,8 @@ class EagleDrafterModule(pl.LightningModule):
             over ``trainer.max_steps`` (or the estimated stepping batches), or over
             ``lr_schedule_minutes`` of training time when that is given.
         lr_schedule_minutes: run the cosine over this much wall-clock training time (from the first
-            training batch) instead of steps: for fixed-time budgets (``TimedCheckpoints``). With
+            training batch; a resumed run continues the clock of its checkpoint) instead of steps:
+            for fixed-time budgets (``TimedCheckpoints``). With
             neither steps nor this known (``max_time`` only), the lr stays constant after warm-up.
         init_lm_head_from_target: initialise ``lm_head`` with the target head's draft-vocab rows and
             ``norm`` with the target's final norm (a warm start; off: ``nn.Linear`` init, norm = 1).
@@ -79,7 +80,8 @@ class EagleDrafterModule(pl.LightningModule):
                  step_weight: float = 0.8, exclude_oov: bool = True, lr: float = 1e-4, weight_decay: float = 0.0,
                  warmup_steps: int = 0, min_lr_ratio: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                  init_lm_head_from_target: bool = True, exclude_keys: Optional[str] = None, seed: int = 0,
-                 zero_features: bool = False, lr_schedule_minutes: Optional[float] = None, _vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                 zero_features: bool = False, lr_schedule_minutes: Optional[float] = None,
+                 _vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         super().__init__()
         self.save_hyperparameters(ignore=["_vocab"])
         tcfg = read_target_config(target_model_path)
@@ -117,7 +119,8 @@ class EagleDrafterModule(pl.LightningModule):
         self._exclude = set(excluded)
         if lr_schedule_minutes is not None and not lr_schedule_minutes > 0:
             raise ValueError(f"lr_schedule_minutes must be > 0, got {lr_schedule_minutes!r}")
-        self._t0: Optional[float] = None  # wall clock of the first training batch
+        self._t0: Optional[float] = None  # wall clock of the first training batch of this process
+        self._trained_s = 0.0  # training seconds before it (a resumed run's, from the checkpoint)
 
     # ------------------------------------------------------------------ steps
     def _filter(self, batch: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -178,13 +181,17 @@ class EagleDrafterModule(pl.LightningModule):
         if self._t0 is None:
             self._t0 = time.perf_counter()
 
+    def training_seconds(self) -> float:
+        """Wall-clock training time so far, across resumes (saved in checkpoints)."""
+        return self._trained_s + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
+
     def _schedule_progress(self):
         """``step -> [0, 1]``: the share of the run done, by training time (``lr_schedule_minutes``)
         or by steps (``max_steps`` or the estimated stepping batches); neither known: 0."""
         hp, tr = self.hparams, self.trainer
         if hp.lr_schedule_minutes:
             span = 60.0 * float(hp.lr_schedule_minutes)
-            return lambda step: 0.0 if self._t0 is None else min(1.0, (time.perf_counter() - self._t0) / span)
+            return lambda step: min(1.0, self.training_seconds() / span)
         total = tr.max_steps if tr.max_steps and tr.max_steps > 0 else tr.estimated_stepping_batches
         if not math.isfinite(total):  # max_time only
             return lambda step: 0.0
@@ -222,4 +229,8 @@ class EagleDrafterModule(pl.LightningModule):
         return mod.eval()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["eagle"] = {"draft_config": self.drafter.cfg.to_dict(), "aux_layer_ids": self.aux_layer_ids}
+        checkpoint["eagle"] = {"draft_config": self.drafter.cfg.to_dict(), "aux_layer_ids": self.aux_layer_ids,
+                               "training_seconds": self.training_seconds()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._trained_s = float((checkpoint.get("eagle") or {}).get("training_seconds", 0.0))

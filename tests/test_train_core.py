@@ -637,3 +637,30 @@ def test_known_lightning_noise_is_silenced_narrowly(tmp_path):
     assert r.returncode == 0, err
     assert err.count("Seed set to 3") == 1, err
     assert "IterableDataset" not in err and "something new" in err
+
+
+def test_lr_time_cosine_continues_after_a_resume(tmp_path):
+    """The training clock is saved in checkpoints: a run resumed from a checkpoint saved at the end
+    of its lr_schedule_minutes stays at min_lr_ratio * lr instead of restarting the cosine."""
+    import lightning.pytorch as pl
+
+    kw = dict(ttt_steps=1, lr=1e-3, warmup_steps=0, min_lr_ratio=0.1, lr_schedule_minutes=1.0)
+    batches = [tiny_batch(tiny_target(), n=1, t=12, seed=s) for s in range(4)]
+
+    def trainer(steps):
+        return pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+
+    tr = trainer(1)
+    mod = tiny_module(tmp_path, **kw)
+    tr.fit(mod, train_dataloaders=_Loader(batches))
+    assert tr.optimizers[0].param_groups[0]["lr"] > 0.99e-3  # a fraction of a second into a minute
+    ck = tmp_path / "a.ckpt"
+    tr.save_checkpoint(str(ck))
+    state = torch.load(ck, weights_only=True)
+    assert 0 < state["eagle"]["training_seconds"] < 60
+    state["eagle"]["training_seconds"] = 60.0  # as if the minute had been trained
+    torch.save(state, ck)
+    tr2 = trainer(2)
+    tr2.fit(tiny_module(tmp_path, **kw), train_dataloaders=_Loader(batches), ckpt_path=str(ck))
+    assert tr2.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4, rel=1e-6)
