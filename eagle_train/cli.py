@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.cli import LightningCLI
@@ -34,10 +35,32 @@ def make_cli(args: Any = None, run: bool = True, parse_only: bool = False) -> Li
     return cls(model, data, args=args, run=run, save_config_kwargs={"overwrite": True})
 
 
+def last_checkpoint(root: str) -> Optional[str]:
+    """The newest ``last*.ckpt`` below ``root`` (each run writes its own ``lightning_logs/version_N``),
+    or None."""
+    found = sorted(Path(root).glob("**/last*.ckpt"), key=lambda p: p.stat().st_mtime)
+    return str(found[-1]) if found else None
+
+
 def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
     """Train from LightningCLI-style sections (``model``, ``data``, ``trainer``, ``seed_everything``);
-    resumes from ``ckpt_path`` ("last" = the newest checkpoint of the run). Returns the best/last
-    checkpoint path."""
+    resumes from ``ckpt_path``: a file, or "last" = the newest ``last*.ckpt`` below the trainer's
+    ``default_root_dir`` (none yet: a fresh start, logged). Returns the best/last checkpoint path.
+
+    Raises:
+        ValueError: ``ckpt_path`` is not a checkpoint this module can load safely (no unpickling).
+    """
+    import logging
+
+    from eagle_train.module import _load_checkpoint_file
+
+    if ckpt_path == "last":
+        root = (config.get("trainer") or {}).get("default_root_dir") or "."
+        ckpt_path = last_checkpoint(root)
+        logging.getLogger(__name__).info("--ckpt_path last: %s", ckpt_path or f"no last*.ckpt below {root}; "
+                                                                             "starting from scratch")
+    if ckpt_path is not None:
+        _load_checkpoint_file(ckpt_path)  # refused here, with our message, before Lightning unpickles it
     import sys
 
     argv, sys.argv = sys.argv, sys.argv[:1]  # the sections are the arguments (LightningCLI warns on both)

@@ -43,7 +43,7 @@ if has extract; then
     ed extract --out "$OUT/$part" --data "$OUT/$part.jsonl" --dataset_tag "$part" --device "$DEVICE" \
       --dtype bfloat16 --max_length 2048 --batch_tokens 65536 --progress false | tail -n 1
   done
-  ed vocab "$OUT/train" --size "$VOCAB" --out "$OUT/train/draft_vocab_$VOCAB.safetensors"
+  ed vocab "$OUT/train" --size "$VOCAB" --out "$OUT/draft_vocab_$VOCAB.safetensors"
 fi
 
 # train DIR MINUTES_LIST LR ZERO [extra args...]: one run, checkpoints DIR/at_{m}min.ckpt
@@ -52,7 +52,7 @@ train() {
   local end; end=$(echo "$marks" | awk '{print $NF}')
   local lrarg=(); [ -n "$lr" ] && lrarg=(--model.lr "$lr")
   ed train --config "$CONFIG" --model.dataset_dir "$OUT/train" \
-    --model.draft_vocab "$OUT/train/draft_vocab_$VOCAB.safetensors" --model.draft_vocab_size "$VOCAB" \
+    --model.draft_vocab "$OUT/draft_vocab_$VOCAB.safetensors" --model.draft_vocab_size "$VOCAB" \
     --model.zero_features "$zero" --model.lr_schedule_minutes "$end" "${lrarg[@]}" \
     --data.train "$OUT/train" --trainer.accelerator "$ACCEL" --trainer.precision "$PRECISION" \
     --trainer.max_time "{\"seconds\": $(python -c "print(int($end * 60 + 120))")}" --trainer.default_root_dir "$dir" \

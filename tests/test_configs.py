@@ -101,3 +101,18 @@ def test_sglang_start_up_noise_is_silenced_in_child_processes_narrowly(monkeypat
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ), timeout=60)
     assert "Invalid -W option" not in r.stderr and "AWQ" not in r.stderr and "Only CUDA here" in r.stderr, r.stderr
     assert os.environ["PYTHONWARNINGS"].startswith("default::DeprecationWarning,")
+
+
+def test_shipped_train_configs_write_nothing_into_the_dataset():
+    """A config's draft vocabulary file lives outside its dataset folder (shared or read-only)."""
+    import glob
+    from pathlib import Path
+
+    import yaml
+
+    files = glob.glob(str(Path(__file__).resolve().parents[1] / "configs" / "train" / "*.yaml"))
+    assert len(files) >= 4
+    for f in files:
+        m = yaml.safe_load(Path(f).read_text())["model"]
+        if m.get("draft_vocab") and m.get("dataset_dir"):
+            assert Path(m["dataset_dir"]) not in Path(m["draft_vocab"]).parents, f

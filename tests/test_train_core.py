@@ -664,3 +664,29 @@ def test_lr_time_cosine_continues_after_a_resume(tmp_path):
     tr2 = trainer(2)
     tr2.fit(tiny_module(tmp_path, **kw), train_dataloaders=_Loader(batches), ckpt_path=str(ck))
     assert tr2.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4, rel=1e-6)
+
+
+def test_ckpt_path_last_finds_the_newest_run_and_unsafe_resumes_are_refused(tmp_path):
+    """Every run writes its own lightning_logs/version_N: "last" means the newest last*.ckpt below
+    default_root_dir (Lightning's own "last" looks only in the new run's folder and starts over);
+    a resume checkpoint carrying a pickled payload is refused before Lightning touches it."""
+    import os
+
+    from eagle_train.cli import fit, last_checkpoint
+
+    assert last_checkpoint(str(tmp_path)) is None
+    paths = []
+    for v in (0, 1):
+        d = tmp_path / "lightning_logs" / f"version_{v}" / "checkpoints"
+        d.mkdir(parents=True)
+        paths.append(d / "last.ckpt")
+        paths[-1].write_bytes(b"x")
+        os.utime(paths[-1], (1000 + v, 1000 + v))
+    assert last_checkpoint(str(tmp_path)) == str(paths[1])
+    os.utime(paths[0], (5000, 5000))
+    assert last_checkpoint(str(tmp_path)) == str(paths[0])
+    marker = tmp_path / "pwned"
+    torch.save({"state_dict": {}, "payload": _Evil(str(marker))}, tmp_path / "evil.ckpt")
+    with pytest.raises(ValueError, match="weights_only=True"):
+        fit({"trainer": {"default_root_dir": str(tmp_path)}}, ckpt_path=str(tmp_path / "evil.ckpt"))
+    assert not marker.exists()

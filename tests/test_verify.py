@@ -157,7 +157,8 @@ def test_dataset_without_samples_fails(tmp_path, capsys):
                                       (["--recompute", "1", "--device", "foo"], "device must be a torch device .* got 'foo'"),
                                       (["--recompute", "1", "--device", "cuda:99"],
                                        r"device 'cuda:99': (no CUDA GPU is visible|only \d+ CUDA device)"),
-                                      (["--recompute", "-1"], "recompute must be >= 0, got -1")])
+                                      (["--recompute", "-1"], "recompute must be >= 0, got -1"),
+                                      (["--max_problems", "-1"], "max_problems must be >= 0, got -1")])
 def test_bad_arguments_are_usage_errors_not_a_failed_dataset(reference, capsys, args, msg):
     """Exit 2 with the message before reading the (good) data; ``--device foo`` used to report
     the dataset FAILED (exit 1), ``--rtol -1`` was accepted."""

@@ -75,8 +75,10 @@ def verify(path: str, recompute: int = 0, seed: int = 0, device: str = "cpu", rt
         device: device for the recompute ("cpu", "cuda", "cuda:1", ...; checked when recompute > 0).
         rtol: max relative error allowed in the recompute, >= 0 (default: 1e-4 for float32 data,
             5e-2 if the compute or storage dtype is bfloat16).
-        max_problems: print at most this many problems.
+        max_problems: print at most this many problems (>= 0).
     """
+    if max_problems < 0:
+        raise ValueError(f"max_problems must be >= 0, got {max_problems}")
     rep = verify_dataset(path, recompute=recompute, seed=seed, device=device, rtol=rtol)
     print_report(rep, max_problems)
     if not rep.ok:
