@@ -87,7 +87,11 @@ def bench_train_step(shape: Literal["llama3.1-8b", "smollm2-135m", "tiny"] = "ll
     if iters < 1 or warmup < 0 or batch_size < 1 or not seq_lens or min(seq_lens) < 4:
         raise ValueError(f"need iters >= 1, warmup >= 0, batch_size >= 1 and seq_lens of >= 4 tokens, got "
                          f"{iters}, {warmup}, {batch_size}, {seq_lens}")
-    dev = torch.device(device)
+    from eagle_data.checks import check_device
+
+    if not peak_tflops > 0:
+        raise ValueError(f"peak_tflops must be > 0, got {peak_tflops}")
+    dev = torch.device(check_device(device))
     g = torch.Generator().manual_seed(0)
     n, v, h = draft_vocab_size, cfg["vocab_size"], cfg["hidden_size"]
     t2d = torch.zeros(v, dtype=torch.bool)

@@ -186,6 +186,10 @@ def plot_acceptance(results: dict[str, dict[str, Any]], path: str | Path) -> Pat
     return path
 
 
+#: the longest draft chain eval scores (each further token costs a target forward per chain)
+MAX_STEPS = 64
+
+
 def _check_eval_args(device: Optional[str], num_samples: int, positions: int, steps: int, fraction: float) -> str:
     """The device to run on, after refusing arguments that would give no or meaningless chains.
 
@@ -195,6 +199,8 @@ def _check_eval_args(device: Optional[str], num_samples: int, positions: int, st
     from eagle_data.checks import check_device, check_positive
 
     check_positive(num_samples=num_samples, positions_per_sample=positions, steps=steps)
+    if steps > MAX_STEPS:
+        raise ValueError(f"steps must be <= {MAX_STEPS} (draft tokens per chain; EAGLE-3 uses 7), got {steps}")
     if not 0 < fraction <= 1:
         raise ValueError(f"heldout_fraction must be in (0, 1], got {fraction!r}")
     return check_device(device or default_device())

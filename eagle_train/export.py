@@ -98,33 +98,39 @@ def speculators_hf_config(drafter, target_config: dict[str, Any], aux_layer_ids:
 
 def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[int], out_dir: str | Path,
                    dtype: str = "bfloat16", format: str = "sglang", verifier: Optional[str] = None,
-                   speculative_tokens: int = 7) -> Path:
+                   speculative_tokens: Optional[int] = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (float weights in ``dtype``; d2t int64, t2d bool),
     both readable by others as the umask allows (a server may run as another user).
 
     Args:
-        format: "sglang" or "speculators" (vLLM); verifier and speculative_tokens: the
-            speculators config's target name or path and draft length.
+        format: "sglang" or "speculators" (vLLM); verifier and speculative_tokens (default 7):
+            the speculators config's target name or path and draft length (speculators only).
     """
     from safetensors.torch import save
 
     if format not in ("sglang", "speculators"):
         raise ValueError(f"export format must be 'sglang' or 'speculators' (vLLM), got {format!r}")
+    if format == "sglang" and (verifier is not None or speculative_tokens is not None):
+        raise ValueError("verifier and speculative_tokens belong to the speculators (vLLM) format; SGLang takes "
+                         "the draft length at launch (--speculative-num-steps)")
+    speculative_tokens = 7 if speculative_tokens is None else speculative_tokens
     if speculative_tokens < 1:
         raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+    if verifier is not None and not verifier.strip():
+        raise ValueError("verifier must name the target (a hub name or a path), got an empty string")
     if not aux_layer_ids:
         raise ValueError("aux_layer_ids are required (the dataset manifest's ids)")
     if getattr(drafter, "zero_features", False):
         raise ValueError("this drafter was trained with zero_features (a control that ignores the target's "
                          "states); a server would feed it real states, so it is not exported")
+    from eagle_data.format.schema import hidden_dtype
+
+    dt = hidden_dtype(dtype)  # checked before anything is written
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: {out} exists and is not a directory (give a directory to write "
                          f"config.json + model.safetensors into)")
     out.mkdir(parents=True, exist_ok=True)
-    from eagle_data.format.schema import hidden_dtype
-
-    dt = hidden_dtype(dtype)
     rename = (lambda k: k.replace("midlayer.", "layers.0.", 1)) if format == "speculators" else (lambda k: k)
     sd = {rename(k): (v.to(dt) if v.is_floating_point() else v).detach().cpu().contiguous()
           for k, v in drafter.export_state_dict().items()}
@@ -137,7 +143,7 @@ def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[i
 
 def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16",
                       aux_layer_ids: Optional[list[int]] = None, format: str = "sglang",
-                      verifier: Optional[str] = None, speculative_tokens: int = 7) -> Path:
+                      verifier: Optional[str] = None, speculative_tokens: Optional[int] = None) -> Path:
     """Export a Lightning checkpoint of :class:`eagle_train.module.EagleDrafterModule`
     (``verifier`` default: the checkpoint's target folder, as an absolute path)."""
     from eagle_train.model import resolve_model_path

@@ -101,7 +101,7 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
                          logger=pl.loggers.CSVLogger(str(out), name="logs"), enable_progress_bar=False)
     trainer.fit(module, datamodule=dm)
     ckpt = out / "last.ckpt"
-    trainer.save_checkpoint(str(ckpt))
+    trainer.save_checkpoint(str(ckpt), weights_only=False)  # a full checkpoint (resumable); says so
     log.info("trained %d steps -> %s", trainer.global_step, ckpt)
 
     keys = held[:eval_samples]

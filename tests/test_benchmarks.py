@@ -2,6 +2,7 @@
 for BENCHMARKS.md, not asserted): the loader over the same samples, extract and train_step via the CLI."""
 
 import json
+import re
 
 import pytest
 
@@ -64,6 +65,18 @@ def test_bench_train_step_counts_flops_and_runs(tmp_path):
     assert set(rows) == {"16", "32"} and all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in rows.values())
     f1, f2 = step_flops(TINY, 1024, 7, 100), step_flops(TINY, 2048, 7, 100)
     assert 2 < f2 / f1 < 4
+    main(["train_step", "--shape", "tiny", "--seq_lens", "[16]", "--device", "cpu", "--draft_vocab_size", "100",
+          "--iters", "2", "--warmup", "0", "--batch_size", "2", "--vary_lengths", "true", "--json_out", str(out)])
+    row = json.loads(out.read_text())["by_seq_len"]["16"]
+    assert 2 * 8 <= row["tokens_per_step"] <= 2 * 16  # two sequences of 8..16 tokens
+
+
+@pytest.mark.parametrize("args,msg", [(["--device", "tpu"], "device must be a torch device"),
+                                      (["--device", "cpu", "--peak_tflops", "-1"], "peak_tflops must be > 0")])
+def test_bench_train_step_refuses_bad_arguments(args, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train_step", "--shape", "tiny", "--seq_lens", "[16]", "--draft_vocab_size", "100", *args])
+    assert e.value.code == 2 and re.search(msg, capsys.readouterr().err)
 
 
 def test_bench_tar_walk_times_both_walks_over_the_same_members(tmp_path, capsys):

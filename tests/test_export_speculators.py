@@ -104,3 +104,18 @@ def test_speculators_loader_takes_every_tensor_and_drafts_our_tokens(tmp_path):
         hs = d.ttt_forward(ids, aux, torch.ones(1, t, dtype=torch.bool), steps=3)
     for k in range(3):  # rows past T - k read padding tokens in both, compared too
         assert torch.equal(toks[k], d.logits(hs[k]).argmax(-1)), k
+
+
+def test_export_arguments_are_checked_before_anything_is_written(tmp_path):
+    from eagle_train.export import export_drafter
+
+    mod = tiny_module(tmp_path)
+    args = (mod.drafter, mod.target_config, TINY_AUX)
+    for kw, msg in (({"format": "sglang", "speculative_tokens": 3}, "belong to the speculators"),
+                    ({"format": "speculators", "verifier": " "}, "verifier must name the target"),
+                    ({"format": "speculators", "speculative_tokens": 0}, "speculative_tokens must be >= 1"),
+                    ({"format": "speculators", "dtype": "int8"}, "dtype must be one of"),
+                    ({"format": "vllm"}, "export format must be")):
+        with pytest.raises(ValueError, match=msg):
+            export_drafter(*args, tmp_path / "out", **kw)
+        assert not (tmp_path / "out").exists()

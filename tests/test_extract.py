@@ -462,7 +462,21 @@ def test_chat_template_by_name_is_the_shipped_file(tmp_path, model_dir, data_fil
     from eagle_data.templates import ALIASES, names, resolve
 
     assert len(names()) == 31 and all(resolve(a).stem == s for a, s in ALIASES.items())
-    assert resolve("Qwen2.5").stem == "qwen2_5_instruct" and resolve("llama3").stem == "llama3_1_instruct"
+    assert resolve("Qwen2.5").stem == "qwen2_5_instruct" and resolve("llama-3").stem == "llama3_1_instruct"
+    from eagle_data.templates import _norm
+
+    norm = {_norm(n): n for n in names()}
+    assert len(norm) == len(names())  # no two shipped names collide
+    assert all(norm.get(_norm(a), s) == s for a, s in ALIASES.items())  # no alias shadows another name
+    (tmp_path / "qwen3").write_text("{{ not the shipped one }}")
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:  # a bare name is the shipped template; ./qwen3 is the file
+        assert resolve("qwen3").parent.name == "templates" and resolve("./qwen3").read_text().startswith("{{ not")
+    finally:
+        os.chdir(cwd)
     by_name = run_extract(cfg(tmp_path / "a", model_dir, data_file, chat_template="qwen3"))
     by_path = run_extract(cfg(tmp_path / "b", model_dir, data_file, chat_template=str(TEMPLATES_DIR / "qwen3.jinja")))
     default = run_extract(cfg(tmp_path / "c", model_dir, data_file))

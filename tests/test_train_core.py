@@ -488,7 +488,8 @@ def test_timed_checkpoints_save_once_per_mark(tmp_path):
 @pytest.mark.parametrize("kw,message", [({"num_samples": 0}, "num_samples must be"),
                                         ({"positions": 0}, "positions_per_sample must be"),
                                         ({"steps": 0}, "steps must be"), ({"fraction": 1.5}, "heldout_fraction"),
-                                        ({"fraction": 0.0}, "heldout_fraction"), ({"device": "foo"}, "device must be")])
+                                        ({"fraction": 0.0}, "heldout_fraction"), ({"device": "foo"}, "device must be"),
+                                        ({"steps": 65}, "steps must be <= 64")])
 def test_eval_arguments_are_checked_up_front(kw, message):
     from eagle_train.evaluate import _check_eval_args
 

@@ -84,7 +84,7 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
 
 
 def export(checkpoint: str, out: str, dtype: str = "bfloat16", format: Literal["sglang", "speculators"] = "sglang",
-           verifier: Optional[str] = None, speculative_tokens: int = 7) -> None:
+           verifier: Optional[str] = None, speculative_tokens: Optional[int] = None) -> None:
     """Export a drafter checkpoint for serving: SGLang or vLLM (speculators format).
 
     sglang: a LlamaForCausalLMEagle3 folder (--speculative-draft-model-path DIR).
@@ -97,8 +97,8 @@ def export(checkpoint: str, out: str, dtype: str = "bfloat16", format: Literal["
         dtype: weight dtype: bfloat16, float16 or float32.
         format: "sglang" or "speculators" (vLLM).
         verifier: speculators only: the target's hub name or path written into the config (default:
-            the checkpoint's target folder).
-        speculative_tokens: speculators only: draft tokens per step vLLM proposes by default.
+            the checkpoint's target folder, a path on this machine: give what vLLM will find).
+        speculative_tokens: speculators only: draft tokens per step vLLM proposes by default (7).
     """
     from eagle_train.export import export_checkpoint
 

@@ -48,9 +48,9 @@ def print_report(rep: VerifyReport, max_problems: int = 30, console: Console | N
                       f"{tok['min_cosine']:.6f}")
         con.print(r)
         if rep.dtype in EXPECTED_TOKEN_REL:
-            con.print(f"storing in {rep.dtype} alone gives a per-token relative error of about "
-                      f"{EXPECTED_TOKEN_REL[rep.dtype]:.1e}; a low-precision compute dtype adds more "
-                      f"(bf16: 1-8 % per token is normal, cosine > 0.99)")
+            con.print(f"rounding to {rep.dtype} moves a token by about {EXPECTED_TOKEN_REL[rep.dtype]:.1e} "
+                      f"(relative): a recompute in the same dtype and batch reproduces the stored values "
+                      f"(0); another batch composition in bf16 differs by 1-8 % per token (cosine > 0.99)")
     for c, where, what in rep.problems[:max_problems]:
         con.print(f"[red]{c}[/] {where}: {what}", markup=True, highlight=False)
     if len(rep.problems) > max_problems:

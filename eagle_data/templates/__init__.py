@@ -3,7 +3,10 @@
 Each ``NAME.jinja`` is a byte-exact copy of a model family's template (sources, commits and
 licenses: ``SOURCES.md`` beside it); every one is covered by the loss-mask property test.
 :data:`ALIASES` maps the family names other tools use (SpecForge's ``--chat-template llama3``,
-``qwen``, ``deepseek-v3``, ...) to a file; names compare with ``-``/``.`` read as ``_``.
+``qwen``, ``deepseek-v3``, ...) to a file; names compare case-blind and without ``-``, ``_``,
+``.`` or spaces (``llama-3`` = ``llama3``, ``Qwen2.5`` = ``qwen2_5``). A bare name (no path
+separator, no ``.jinja``) means a shipped template even if a file of that name is in the
+current folder; give ``./NAME`` for the file.
 """
 
 from __future__ import annotations
@@ -30,23 +33,24 @@ def names() -> list[str]:
 
 
 def _norm(name: str) -> str:
-    return name.strip().lower().replace("-", "_").replace(".", "_")
+    return "".join(c for c in name.lower() if c not in "-_. ")
 
 
 def resolve(name_or_path: str) -> Path:
-    """The template file for a shipped name or alias (see module doc), or an existing file path.
+    """The template file for a shipped name or alias (see module doc), or a file path.
 
     Raises:
-        ValueError: neither a file nor a known name; lists the names.
+        ValueError: neither a file nor a known name; lists the names and aliases.
     """
+    looks_like_path = any(c in name_or_path for c in "/\\") or name_or_path.endswith(".jinja")
+    if not looks_like_path:
+        by_norm = {_norm(n): n for n in names()} | {_norm(a): s for a, s in ALIASES.items()}
+        stem = by_norm.get(_norm(name_or_path))
+        if stem is not None and (DIR / f"{stem}.jinja").is_file():
+            return DIR / f"{stem}.jinja"
     p = Path(name_or_path).expanduser()
     if p.is_file():
         return p
-    key = _norm(name_or_path)
-    stem = key if (DIR / f"{key}.jinja").is_file() else ALIASES.get(key)
-    if stem is not None and (DIR / f"{stem}.jinja").is_file():
-        return DIR / f"{stem}.jinja"
-    looks_like_path = any(c in name_or_path for c in "/\\") or name_or_path.endswith(".jinja")
     raise ValueError(f"chat_template {name_or_path!r} is " + ("not a file" if looks_like_path else
                      "neither a file nor a shipped template name") +
-                     f"; names (eagle-data templates): {', '.join(names())}")
+                     f"; names (eagle-data templates): {', '.join(names())}; aliases: {', '.join(sorted(ALIASES))}")

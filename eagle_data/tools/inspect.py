@@ -67,6 +67,18 @@ def inspect_dataset(path: str, sample: int | None = None, max_chars: int = 3000,
     con = Console()
     m = read_manifest(path)
     check_manifest_compat(m, where=str(path))
+    if max_chars < 1:
+        raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+    idx = load_index(path)
+    if sample is not None and key is not None:
+        raise ValueError("give --sample or --key, not both")
+    if len(idx) and sample is not None and not 0 <= sample < len(idx):
+        raise ValueError(f"--sample {sample} is out of range: {path} holds {len(idx)} samples (0..{len(idx) - 1})")
+    if len(idx) and key is not None:
+        pos = {k: i for i, k in enumerate(idx["key"])}
+        if key not in pos:
+            raise ValueError(f"--key {key!r}: no such sample in {path} ({len(idx)} samples, e.g. {idx['key'][0]!r})")
+        sample = pos[key]
     t = Table(title=f"{path}", show_header=False)
     for k in ("schema_version", "model_path", "backend", "dtype", "compute_dtype", "hidden_size", "num_layers",
               "aux_layer_ids", "layer_id_convention", "final_state_norm", "num_samples", "num_tokens",
@@ -76,19 +88,9 @@ def inspect_dataset(path: str, sample: int | None = None, max_chars: int = 3000,
                         f"{', …' if len(m['shards']) > 4 else ''})")
     t.add_row("template", escape(str(m["config"]["template"])))
     con.print(t)
-    idx = load_index(path)
     if len(idx) == 0:
         con.print("[red]no samples[/]")
         return
-    if sample is not None and key is not None:
-        raise ValueError("give --sample or --key, not both")
-    if sample is not None and not 0 <= sample < len(idx):
-        raise ValueError(f"--sample {sample} is out of range: {path} holds {len(idx)} samples (0..{len(idx) - 1})")
-    if key is not None:
-        pos = {k: i for i, k in enumerate(idx["key"])}
-        if key not in pos:
-            raise ValueError(f"--key {key!r}: no such sample in {path} ({len(idx)} samples, e.g. {idx['key'][0]!r})")
-        sample = pos[key]
     row = idx[pick_sample(idx) if sample is None else sample]
     tensors, meta = read_sample(Path(path) / row["shard"], row["key"])
     con.print(f"[bold]sample[/] {row['key']} from {row['shard']}: {escape(json.dumps(meta))}")
