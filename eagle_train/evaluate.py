@@ -235,14 +235,17 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
 
     from eagle_train.vocab import read_key_list
 
+    from eagle_data.checks import check_positive
+
     dev = _check_eval_args(device, num_samples, positions_per_sample, steps, heldout_fraction)
+    check_positive(prompt_lookup_max=prompt_lookup_max)
     mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu") if checkpoint else None
     trained_out = mod.hparams.get("exclude_keys") if mod is not None else None
     if heldout_keys is None and trained_out and Path(trained_out).is_file():
         heldout_keys, source = trained_out, "the checkpoint's exclude_keys"
     else:
         source = "heldout_keys" if heldout_keys else "index split (not excluded from training!)"
-    keys = read_key_list(heldout_keys) if heldout_keys else heldout_split(dataset_dir, heldout_fraction)
+    keys = read_key_list(heldout_keys, "heldout_keys") if heldout_keys else heldout_split(dataset_dir, heldout_fraction)
     if mod is not None and not heldout_keys:
         log.warning("eval: the checkpoint records no held-out keys (train with --model.exclude_keys FILE); the "
                     "evaluated samples may be ones the drafter trained on, which overstates tau")

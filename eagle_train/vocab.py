@@ -269,6 +269,8 @@ def build_vocab(dataset_dir: str | Path, size: int, out: str | Path | None = Non
             count, or ``out`` exists and was built from other inputs (pass ``rebuild``).
     """
     path = Path(out) if out else None
+    if path is not None and path.is_dir():
+        raise ValueError(f"out {path} is a folder; give the vocabulary file's path (e.g. {path}/draft_vocab_{size}.safetensors)")
     V, ident = dataset_facts(dataset_dir, vocab_size)
     excluded = sorted(key_set(exclude_keys or (), "exclude_keys"))
     want = {**ident, "draft_vocab_size": size, "vocab_size": V, "rule": VOCAB_RULE, "num_excluded": len(excluded),

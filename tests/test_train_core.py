@@ -691,3 +691,18 @@ def test_ckpt_path_last_finds_the_newest_run_and_unsafe_resumes_are_refused(tmp_
     with pytest.raises(ValueError, match="weights_only=True"):
         fit({"trainer": {"default_root_dir": str(tmp_path)}}, ckpt_path=str(tmp_path / "evil.ckpt"))
     assert not marker.exists()
+
+
+def test_vocab_out_folder_and_eval_flags_name_themselves(tmp_path, capsys):
+    from eagle_data.cli import main as cli
+
+    _vocab_dataset(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["vocab", str(tmp_path), "--size", "4", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "is a folder; give the vocabulary file's path" in capsys.readouterr().err
+    from eagle_train.evaluate import evaluate
+
+    with pytest.raises(ValueError, match="prompt_lookup_max must be an integer >= 1"):
+        evaluate(str(tmp_path), None, str(tmp_path / "o"), device="cpu", prompt_lookup_max=0)
+    with pytest.raises(ValueError, match=r"^heldout_keys: .*missing.json does not exist"):
+        evaluate(str(tmp_path), None, str(tmp_path / "o"), device="cpu", heldout_keys=str(tmp_path / "missing.json"))
