@@ -55,7 +55,7 @@ def _batch(b: int, t: int, v: int, h: int, g: torch.Generator, dev: torch.device
 
 def bench_train_step(shape: Literal["llama3.1-8b", "smollm2-135m", "tiny"] = "llama3.1-8b",
                      seq_lens: list[int] = [2048, 8192], batch_size: int = 1, vary_lengths: bool = False,
-                     steps: int = 7, draft_vocab_size: int = 32000, iters: int = 6, warmup: int = 2,
+                     steps: int = 7, draft_vocab_size: int | None = None, iters: int = 6, warmup: int = 2,
                      device: str = "cuda", attn_impl: str = "auto", exclude_oov: bool = True,
                      peak_tflops: float = 989.0, profile: bool = False,
                      json_out: str | None = None) -> dict[str, Any]:
@@ -68,7 +68,7 @@ def bench_train_step(shape: Literal["llama3.1-8b", "smollm2-135m", "tiny"] = "ll
         vary_lengths: each step draws its length uniformly from [T/2, T] (real batches vary; a
             compiled attention must not recompile per length); the row reports the mean length.
         steps: K, TTT steps.
-        draft_vocab_size: N.
+        draft_vocab_size: N (default: 32,000, or the shape's vocabulary if smaller).
         iters: timed steps per length (median reported).
         warmup: untimed steps first.
         device: "cuda" or "cpu".
@@ -82,6 +82,7 @@ def bench_train_step(shape: Literal["llama3.1-8b", "smollm2-135m", "tiny"] = "ll
     from eagle_train.model import DraftConfig, Eagle3Drafter
 
     cfg = dict(SHAPES[shape])
+    draft_vocab_size = min(32000, cfg["vocab_size"]) if draft_vocab_size is None else draft_vocab_size
     if not 1 <= draft_vocab_size <= cfg["vocab_size"]:
         raise ValueError(f"draft_vocab_size must be in [1, {cfg['vocab_size']}] for shape {shape!r}, got {draft_vocab_size}")
     if iters < 1 or warmup < 0 or batch_size < 1 or not seq_lens or min(seq_lens) < 4:

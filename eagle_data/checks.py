@@ -36,4 +36,9 @@ def check_device(value: str, field: str = "device", usable: bool = True) -> str:
         raise ValueError(f"{field} {value!r}: no CUDA GPU is visible to torch on this machine")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"{field} {value!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    if dev.type not in ("cpu", "cuda"):  # mps, xla, meta, ...: usable only if torch can place a tensor there
+        try:
+            torch.empty(1, device=dev) + 0
+        except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/NotImplementedError/... per backend
+            raise ValueError(f"{field} {value!r} is not usable here ({type(e).__name__}: {str(e)[:120]})") from None
     return value

@@ -42,6 +42,22 @@ def last_checkpoint(root: str) -> Optional[str]:
     return str(found[-1]) if found else None
 
 
+def _check_resume(ckpt: Any, path: str, model: dict[str, Any]) -> None:
+    """A resume checkpoint is a Lightning checkpoint of this module with the configured drafter size.
+
+    Raises:
+        ValueError: naming the checkpoint and what differs.
+    """
+    sd = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if not isinstance(sd, dict) or "drafter.d2t" not in sd or "pytorch-lightning_version" not in ckpt:
+        raise ValueError(f"{path}: not a Lightning checkpoint of an EagleDrafterModule (give a .ckpt the training "
+                         f"wrote, e.g. --ckpt_path last)")
+    have, want = int(sd["drafter.d2t"].numel()), model.get("draft_vocab_size")
+    if want is not None and int(want) != have:
+        raise ValueError(f"{path}: its drafter has a draft vocabulary of {have}, the config says draft_vocab_size "
+                         f"{want}; resume with the run's own config")
+
+
 def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
     """Train from LightningCLI-style sections (``model``, ``data``, ``trainer``, ``seed_everything``);
     resumes from ``ckpt_path``: a file, or "last" = the newest ``last*.ckpt`` below the trainer's
@@ -59,8 +75,8 @@ def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
         ckpt_path = last_checkpoint(root)
         logging.getLogger(__name__).info("--ckpt_path last: %s", ckpt_path or f"no last*.ckpt below {root}; "
                                                                              "starting from scratch")
-    if ckpt_path is not None:
-        _load_checkpoint_file(ckpt_path)  # refused here, with our message, before Lightning unpickles it
+    if ckpt_path is not None:  # refused here, with our message, before Lightning unpickles it
+        _check_resume(_load_checkpoint_file(ckpt_path), ckpt_path, config.get("model") or {})
     import sys
 
     argv, sys.argv = sys.argv, sys.argv[:1]  # the sections are the arguments (LightningCLI warns on both)

@@ -98,13 +98,14 @@ def speculators_hf_config(drafter, target_config: dict[str, Any], aux_layer_ids:
 
 def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[int], out_dir: str | Path,
                    dtype: str = "bfloat16", format: str = "sglang", verifier: Optional[str] = None,
-                   speculative_tokens: Optional[int] = None) -> Path:
+                   speculative_tokens: Optional[int] = None, overwrite: bool = False) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (float weights in ``dtype``; d2t int64, t2d bool),
     both readable by others as the umask allows (a server may run as another user).
 
     Args:
         format: "sglang" or "speculators" (vLLM); verifier and speculative_tokens (default 7):
             the speculators config's target name or path and draft length (speculators only).
+        overwrite: replace an export already in ``out_dir`` (otherwise refused).
     """
     from safetensors.torch import save
 
@@ -130,6 +131,10 @@ def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[i
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: {out} exists and is not a directory (give a directory to write "
                          f"config.json + model.safetensors into)")
+    held = [n for n in ("config.json", "model.safetensors") if (out / n).exists()]
+    if held and not overwrite:
+        raise ValueError(f"export: {out} already holds {' and '.join(held)}; choose another folder or pass "
+                         f"--overwrite true")
     out.mkdir(parents=True, exist_ok=True)
     rename = (lambda k: k.replace("midlayer.", "layers.0.", 1)) if format == "speculators" else (lambda k: k)
     sd = {rename(k): (v.to(dt) if v.is_floating_point() else v).detach().cpu().contiguous()
@@ -143,7 +148,8 @@ def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[i
 
 def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16",
                       aux_layer_ids: Optional[list[int]] = None, format: str = "sglang",
-                      verifier: Optional[str] = None, speculative_tokens: Optional[int] = None) -> Path:
+                      verifier: Optional[str] = None, speculative_tokens: Optional[int] = None,
+                      overwrite: bool = False) -> Path:
     """Export a Lightning checkpoint of :class:`eagle_train.module.EagleDrafterModule`
     (``verifier`` default: the checkpoint's target folder, as an absolute path)."""
     from eagle_train.model import resolve_model_path
@@ -153,4 +159,5 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16",
     ids = aux_layer_ids or mod.aux_layer_ids
     if format == "speculators" and verifier is None:
         verifier = str(resolve_model_path(mod.hparams.target_model_path).resolve())
-    return export_drafter(mod.drafter, mod.target_config, ids, out_dir, dtype, format, verifier, speculative_tokens)
+    return export_drafter(mod.drafter, mod.target_config, ids, out_dir, dtype, format, verifier, speculative_tokens,
+                          overwrite)

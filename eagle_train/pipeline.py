@@ -115,10 +115,11 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
            "prompt_lookup": acceptance(PromptLookupDrafter(), target, samples, eval_steps, positions_per_sample,
                                        max_length, oracles)}
     plot = plot_acceptance(res, out / "acceptance.png")
-    exp = export_drafter(module.drafter, module.target_config, module.aux_layer_ids, out / "sglang_drafter")
+    exp = export_drafter(module.drafter, module.target_config, module.aux_layer_ids, out / "sglang_drafter",
+                         overwrite=True)  # a rerun of the demo replaces its own exports
     verifier = str(resolve_model_path(module.hparams.target_model_path).resolve())
     exp_vllm = export_drafter(module.drafter, module.target_config, module.aux_layer_ids, out / "vllm_drafter",
-                              format="speculators", verifier=verifier)
+                              format="speculators", verifier=verifier, overwrite=True)
     summary = {"tau_trained": res["trained"]["tau"], "tau_untrained": res["untrained"]["tau"],
                "tau_prompt_lookup": res["prompt_lookup"]["tau"], "tau_ci95_trained": res["trained"]["tau_ci95"],
                "accept_at_least_trained": res["trained"]["accept_at_least"],

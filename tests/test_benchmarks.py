@@ -71,6 +71,12 @@ def test_bench_train_step_counts_flops_and_runs(tmp_path):
     assert 2 * 8 <= row["tokens_per_step"] <= 2 * 16  # two sequences of 8..16 tokens
 
 
+def test_bench_train_step_default_vocab_fits_the_shape(tmp_path):
+    main(["train_step", "--shape", "tiny", "--seq_lens", "[16]", "--device", "cpu", "--iters", "1", "--warmup", "0",
+          "--json_out", str(tmp_path / "t.json")])
+    assert json.loads((tmp_path / "t.json").read_text())["draft_vocab_size"] == 600  # the tiny shape's V
+
+
 @pytest.mark.parametrize("args,msg", [(["--device", "tpu"], "device must be a torch device"),
                                       (["--device", "cpu", "--peak_tflops", "-1"], "peak_tflops must be > 0")])
 def test_bench_train_step_refuses_bad_arguments(args, msg, capsys):

@@ -463,6 +463,7 @@ def test_chat_template_by_name_is_the_shipped_file(tmp_path, model_dir, data_fil
 
     assert len(names()) == 31 and all(resolve(a).stem == s for a, s in ALIASES.items())
     assert resolve("Qwen2.5").stem == "qwen2_5_instruct" and resolve("llama-3").stem == "llama3_1_instruct"
+    assert resolve("qwen3.jinja") == resolve("qwen3")
     from eagle_data.templates import _norm
 
     norm = {_norm(n): n for n in names()}

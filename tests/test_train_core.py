@@ -706,3 +706,32 @@ def test_vocab_out_folder_and_eval_flags_name_themselves(tmp_path, capsys):
         evaluate(str(tmp_path), None, str(tmp_path / "o"), device="cpu", prompt_lookup_max=0)
     with pytest.raises(ValueError, match=r"^heldout_keys: .*missing.json does not exist"):
         evaluate(str(tmp_path), None, str(tmp_path / "o"), device="cpu", heldout_keys=str(tmp_path / "missing.json"))
+
+
+def test_resume_checkpoint_must_be_this_modules_with_the_configured_size(tmp_path):
+    import lightning.pytorch as pl
+
+    from eagle_train.cli import fit
+
+    torch.save({"a": 1}, tmp_path / "plain.ckpt")
+    with pytest.raises(ValueError, match="not a Lightning checkpoint of an EagleDrafterModule"):
+        fit({}, ckpt_path=str(tmp_path / "plain.ckpt"))
+    mod = tiny_module(tmp_path, ttt_steps=1)
+    tr = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    tr.fit(mod, train_dataloaders=_Loader([tiny_batch(tiny_target(), n=1, t=12)]))
+    tr.save_checkpoint(str(tmp_path / "a.ckpt"))
+    with pytest.raises(ValueError, match=r"draft vocabulary of 48, the config says draft_vocab_size 64"):
+        fit({"model": {"draft_vocab_size": 64}}, ckpt_path=str(tmp_path / "a.ckpt"))
+
+
+def test_export_refuses_to_overwrite_unless_asked(tmp_path):
+    from eagle_train.export import export_drafter
+
+    mod = tiny_module(tmp_path)
+    args = (mod.drafter, mod.target_config, TINY_AUX, tmp_path / "e")
+    export_drafter(*args)
+    with pytest.raises(ValueError, match="already holds config.json and model.safetensors"):
+        export_drafter(*args, format="speculators")
+    out = export_drafter(*args, format="speculators", overwrite=True)
+    assert "speculators_config" in (out / "config.json").read_text()

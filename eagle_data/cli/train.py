@@ -84,7 +84,7 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
 
 
 def export(checkpoint: str, out: str, dtype: str = "bfloat16", format: Literal["sglang", "speculators"] = "sglang",
-           verifier: Optional[str] = None, speculative_tokens: Optional[int] = None) -> None:
+           verifier: Optional[str] = None, speculative_tokens: Optional[int] = None, overwrite: bool = False) -> None:
     """Export a drafter checkpoint for serving: SGLang or vLLM (speculators format).
 
     sglang: a LlamaForCausalLMEagle3 folder (--speculative-draft-model-path DIR).
@@ -99,11 +99,12 @@ def export(checkpoint: str, out: str, dtype: str = "bfloat16", format: Literal["
         verifier: speculators only: the target's hub name or path written into the config (default:
             the checkpoint's target folder, a path on this machine: give what vLLM will find).
         speculative_tokens: speculators only: draft tokens per step vLLM proposes by default (7).
+        overwrite: replace an export already in OUT (otherwise refused).
     """
     from eagle_train.export import export_checkpoint
 
     print(export_checkpoint(checkpoint, out, dtype, format=format, verifier=verifier,
-                            speculative_tokens=speculative_tokens))
+                            speculative_tokens=speculative_tokens, overwrite=overwrite))
 
 
 def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_vocab_size: int = 2048,

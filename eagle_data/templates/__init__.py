@@ -42,10 +42,11 @@ def resolve(name_or_path: str) -> Path:
     Raises:
         ValueError: neither a file nor a known name; lists the names and aliases.
     """
-    looks_like_path = any(c in name_or_path for c in "/\\") or name_or_path.endswith(".jinja")
-    if not looks_like_path:
+    looks_like_path = any(c in name_or_path for c in "/\\")
+    if not looks_like_path:  # "qwen3" or "qwen3.jinja" (a shipped file name)
+        bare = name_or_path[:-len(".jinja")] if name_or_path.endswith(".jinja") else name_or_path
         by_norm = {_norm(n): n for n in names()} | {_norm(a): s for a, s in ALIASES.items()}
-        stem = by_norm.get(_norm(name_or_path))
+        stem = by_norm.get(_norm(bare))
         if stem is not None and (DIR / f"{stem}.jinja").is_file():
             return DIR / f"{stem}.jinja"
     p = Path(name_or_path).expanduser()
@@ -53,4 +54,5 @@ def resolve(name_or_path: str) -> Path:
         return p
     raise ValueError(f"chat_template {name_or_path!r} is " + ("not a file" if looks_like_path else
                      "neither a file nor a shipped template name") +
-                     f"; names (eagle-data templates): {', '.join(names())}; aliases: {', '.join(sorted(ALIASES))}")
+                     f"; names (eagle-data templates): {', '.join(names())}; also: "
+                     f"{', '.join(sorted(a for a in ALIASES if a not in names()))}")
