@@ -25,8 +25,6 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 #: target config keys copied verbatim when present
 _COPY = ("rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
          "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id")

@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from eagle_train.soft_ce import linear_soft_ce
 
