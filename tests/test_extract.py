@@ -452,7 +452,7 @@ def test_note_of_a_skipped_row_is_dropped_and_fewer_rows_do_not_shrink_the_confi
     assert m2["num_samples"] == 4 and m2["config"]["num_samples"] is None
 
 
-def test_chat_template_by_name_is_the_shipped_file(tmp_path, model_dir, data_file, capsys):
+def test_chat_template_by_name_is_the_shipped_file(tmp_path, model_dir, data_file, capsys, caplog):
     """--chat_template qwen3 (a name) renders exactly as the file's path does; an alias too; an
     unknown name is refused before any work, listing the names."""
     import hashlib
@@ -474,8 +474,11 @@ def test_chat_template_by_name_is_the_shipped_file(tmp_path, model_dir, data_fil
 
     cwd = os.getcwd()
     os.chdir(tmp_path)
-    try:  # a bare name is the shipped template; ./qwen3 is the file
-        assert resolve("qwen3").parent.name == "templates" and resolve("./qwen3").read_text().startswith("{{ not")
+    try:  # a bare name is the shipped template (said, since a file of that name is here); ./qwen3 is the file
+        with caplog.at_level("WARNING", logger="eagle_data.templates"):
+            assert resolve("qwen3").parent.name == "templates"
+        assert "a file of that name is in this folder too (give ./qwen3" in caplog.text
+        assert resolve("./qwen3").read_text().startswith("{{ not")
     finally:
         os.chdir(cwd)
     by_name = run_extract(cfg(tmp_path / "a", model_dir, data_file, chat_template="qwen3"))

@@ -11,8 +11,10 @@ current folder; give ``./NAME`` for the file.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 DIR = Path(__file__).resolve().parent
 
 #: family names used by other tools -> the file stem they mean
@@ -48,6 +50,9 @@ def resolve(name_or_path: str) -> Path:
         by_norm = {_norm(n): n for n in names()} | {_norm(a): s for a, s in ALIASES.items()}
         stem = by_norm.get(_norm(bare))
         if stem is not None and (DIR / f"{stem}.jinja").is_file():
+            if Path(name_or_path).is_file():
+                log.warning("chat_template %r: using the shipped template %s; a file of that name is in this "
+                            "folder too (give ./%s to use it)", name_or_path, stem, name_or_path)
             return DIR / f"{stem}.jinja"
     p = Path(name_or_path).expanduser()
     if p.is_file():
