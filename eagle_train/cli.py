@@ -8,10 +8,14 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.cli import LightningCLI
+
+log = logging.getLogger(__name__)
 
 
 def _classes():
@@ -66,19 +70,14 @@ def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
     Raises:
         ValueError: ``ckpt_path`` is not a checkpoint this module can load safely (no unpickling).
     """
-    import logging
-
     from eagle_train.module import _load_checkpoint_file
 
     if ckpt_path == "last":
         root = (config.get("trainer") or {}).get("default_root_dir") or "."
         ckpt_path = last_checkpoint(root)
-        logging.getLogger(__name__).info("--ckpt_path last: %s", ckpt_path or f"no last*.ckpt below {root}; "
-                                                                             "starting from scratch")
+        log.info("--ckpt_path last: %s", ckpt_path or f"no last*.ckpt below {root}; starting from scratch")
     if ckpt_path is not None:  # refused here, with our message, before Lightning unpickles it
         _check_resume(_load_checkpoint_file(ckpt_path), ckpt_path, config.get("model") or {})
-    import sys
-
     argv, sys.argv = sys.argv, sys.argv[:1]  # the sections are the arguments (LightningCLI warns on both)
     try:
         cli = make_cli(args={k: v for k, v in config.items() if v is not None}, run=False)

@@ -144,18 +144,25 @@ def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[i
     return out
 
 
+def default_verifier(target_model_path: str) -> str:
+    """The speculators config's ``verifier`` when none is given: the target folder the drafter was
+    trained against, as an absolute path on this machine (give a hub name or a path the server finds)."""
+    from eagle_train.model import resolve_model_path
+
+    return str(resolve_model_path(target_model_path).resolve())
+
+
 def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16",
                       aux_layer_ids: Optional[list[int]] = None, format: str = "sglang",
                       verifier: Optional[str] = None, speculative_tokens: Optional[int] = None,
                       overwrite: bool = False) -> Path:
     """Export a Lightning checkpoint of :class:`eagle_train.module.EagleDrafterModule`
     (``verifier`` default: the checkpoint's target folder, as an absolute path)."""
-    from eagle_train.model import resolve_model_path
     from eagle_train.module import EagleDrafterModule
 
     mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu")
     ids = aux_layer_ids or mod.aux_layer_ids
     if format == "speculators" and verifier is None:
-        verifier = str(resolve_model_path(mod.hparams.target_model_path).resolve())
+        verifier = default_verifier(mod.hparams.target_model_path)
     return export_drafter(mod.drafter, mod.target_config, ids, out_dir, dtype, format, verifier, speculative_tokens,
                           overwrite)

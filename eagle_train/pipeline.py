@@ -72,8 +72,7 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
     from eagle_data.tools.read_samples import read_samples
 
     from eagle_train.evaluate import acceptance, heldout_split, load_target, plot_acceptance
-    from eagle_train.export import export_drafter
-    from eagle_train.model import resolve_model_path
+    from eagle_train.export import default_verifier, export_drafter
     from eagle_train.module import EagleDrafterModule
     from eagle_train.ngram import PromptLookupDrafter
     from eagle_train.vocab import build_vocab
@@ -117,9 +116,9 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
     plot = plot_acceptance(res, out / "acceptance.png")
     exp = export_drafter(module.drafter, module.target_config, module.aux_layer_ids, out / "sglang_drafter",
                          overwrite=True)  # a rerun of the demo replaces its own exports
-    verifier = str(resolve_model_path(module.hparams.target_model_path).resolve())
     exp_vllm = export_drafter(module.drafter, module.target_config, module.aux_layer_ids, out / "vllm_drafter",
-                              format="speculators", verifier=verifier, overwrite=True)
+                              format="speculators", verifier=default_verifier(module.hparams.target_model_path),
+                              overwrite=True)
     summary = {"tau_trained": res["trained"]["tau"], "tau_untrained": res["untrained"]["tau"],
                "tau_prompt_lookup": res["prompt_lookup"]["tau"], "tau_ci95_trained": res["trained"]["tau_ci95"],
                "accept_at_least_trained": res["trained"]["accept_at_least"],

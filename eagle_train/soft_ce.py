@@ -102,9 +102,9 @@ def linear_soft_ce(x: torch.Tensor, w: torch.Tensor, teach: torch.Tensor, tc: to
     """
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")
-    if torch.is_autocast_enabled(x.device.type):
-        dt = torch.get_autocast_dtype(x.device.type)
-        x, w = x.to(dt), w.to(dt)
-    elif x.dtype != w.dtype:
+    from eagle_train.model import cast_for_autocast
+
+    x, w = cast_for_autocast(x), cast_for_autocast(w)
+    if x.dtype != w.dtype:
         x = x.to(w.dtype)
     return _LinearSoftCE.apply(x, w, teach, tc, rows)

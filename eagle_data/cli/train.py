@@ -112,7 +112,7 @@ def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_v
     """CPU demo of drafter training: draft vocab, train for MINUTES, tau, SGLang and vLLM exports.
 
     The main job's second half: draft vocab -> train a drafter for MINUTES -> tau of the
-    trained and the untrained drafter on held-out conversations (+ PNG plot) -> SGLang export.
+    trained and the untrained drafter on held-out conversations (+ PNG plot) -> SGLang and vLLM exports.
 
     Args:
         path: dataset directory written by `eagle-data extract`.
