@@ -2,6 +2,9 @@
 # tau on real data after fixed training time (issue 14), end to end on one machine:
 #   prep     ShareGPT rows [0, N) -> OUT/train.jsonl, rows [17000, 17000+HELD) -> OUT/heldout.jsonl
 #            (kept when both files exist already, e.g. carried to a machine without network);
+#   regen    (with REGEN=1) SmolLM2 writes every assistant turn of the training rows itself
+#            (eagle-data regenerate, greedy, HF generate on DEVICE) -> OUT/regen; extract then
+#            reads OUT/regen instead of OUT/train.jsonl (issue 19: original vs regenerated answers);
 #   extract  both with SmolLM2 (bf16 on the GPU); the draft vocabulary from the training set;
 #   tune     (optional) a short run per lr in LRS, side by side, cosine over SWEEP_SECONDS; the lr
 #            with the lowest training loss (last fifth of the logged steps) -> OUT/lr.txt.
@@ -19,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/tau}; N=${N:-6000}; HELD=${HELD:-200}; DEVICE=${DEVICE:-cuda}; VOCAB=${VOCAB:-16384}
 MINUTES=${MINUTES:-"2 4 8"}; ACCEL=${ACCEL:-gpu}; PRECISION=${PRECISION:-bf16-mixed}; EVAL_N=${EVAL_N:-40}
-PHASES=${PHASES:-"prep extract tune train control eval"}; LRS=${LRS:-""}; SWEEP_SECONDS=${SWEEP_SECONDS:-60}
+PHASES=${PHASES:-"prep regen extract tune train control eval"}; REGEN=${REGEN:-0}; LRS=${LRS:-""}; SWEEP_SECONDS=${SWEEP_SECONDS:-60}
 CONFIG=${CONFIG:-configs/train/tau_bench_gpu.yaml}
 ed() { python -m eagle_data.cli.main "$@"; }
 has() { [[ " $PHASES " == *" $1 "* ]]; }
@@ -38,9 +41,16 @@ with open(f"{out}/train.jsonl", "w") as tr, open(f"{out}/heldout.jsonl", "w") as
 PY
 fi
 
+if has regen && [ "$REGEN" = 1 ]; then
+  ed regenerate --out "$OUT/regen" --data "$OUT/train.jsonl" --device "$DEVICE" --dtype bfloat16 --mode all \
+    --max_new_tokens "${REGEN_MAX_NEW:-512}" --max_length 2048 --batch_size "${REGEN_BATCH:-256}" \
+    --rows_per_part "${REGEN_PART:-500}" --progress false ${REGEN_ARGS:-} | tail -n 1
+fi
+
 if has extract; then
   for part in train heldout; do
-    ed extract --out "$OUT/$part" --data "$OUT/$part.jsonl" --dataset_tag "$part" --device "$DEVICE" \
+    src="$OUT/$part.jsonl"; [ "$part" = train ] && [ "$REGEN" = 1 ] && src="$OUT/regen"
+    ed extract --out "$OUT/$part" --data "$src" --dataset_tag "$part" --device "$DEVICE" \
       --dtype bfloat16 --max_length 2048 --batch_tokens 65536 --progress false | tail -n 1
   done
   ed vocab "$OUT/train" --size "$VOCAB" --out "$OUT/draft_vocab_$VOCAB.safetensors"

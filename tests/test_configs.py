@@ -22,6 +22,21 @@ def test_extract_config_parses(path):
     assert ns.extract.dtype in ("bfloat16", "float32")
 
 
+REGEN_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("regenerate_*.yaml"))
+
+
+@pytest.mark.parametrize("path", REGEN_CONFIGS, ids=lambda p: p.name)
+def test_regenerate_config_parses(path):
+    parser = capture_parser(lambda: cli.main(["regenerate", "--config", str(path)]))
+    ns = parser.parse_args(["regenerate", "--config", str(path)])
+    assert ns.regenerate.out and ns.regenerate.mode in ("all", "last")
+    assert ns.regenerate.backend in ("hf", "sglang")
+
+
+def test_there_are_regenerate_configs():
+    assert len(REGEN_CONFIGS) >= 2
+
+
 def test_unknown_key_is_rejected(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("out: x\nmax_lenght: 5\n")

@@ -9,6 +9,7 @@ from typing import Optional
 from rich.console import Console
 
 from eagle_data.extract.config import ExtractConfig
+from eagle_data.regen.config import RegenerateConfig
 
 
 def extract(cfg: ExtractConfig) -> None:
@@ -86,3 +87,23 @@ def templates(show: Optional[str] = None) -> None:
     for n in names():
         t.add_row(n, ", ".join(sorted(a for a, s in ALIASES.items() if s == n and a != n)))
     Console().print(t)
+
+
+def regenerate(cfg: RegenerateConfig) -> None:
+    """Run ``eagle-data regenerate`` (the options are :class:`RegenerateConfig`'s fields) and report."""
+    from eagle_data.regen.run import run_regenerate
+
+    res = run_regenerate(cfg)
+    st = res["run_stats"]
+    con = Console(stderr=True)
+    con.print(f"[bold]regenerated[/] {st['rows']} rows in this run, {st['tokens_generated']} tokens in "
+              f"{st['generation_seconds']} s of generation ({st['tokens_per_s']} tok/s); "
+              f"rejected in this run: {st['rejects'] or 'none'}")
+    if res.get("complete"):
+        con.print(f"all ranks: {res['input_rows']} rows = {res['regenerated']} regenerated + {res['failed']} failed "
+                  f"+ {res['skipped']} skipped; reasons {res['reasons'] or 'none'}; turns by finish {res['finish']}")
+        if res["regenerated"] == 0 and res["input_rows"]:
+            con.print("[bold red]error:[/] no row was regenerated; see rejects/ in the output directory")
+            sys.exit(2)
+        con.print(f"next: eagle-data extract --data {cfg.out} ...")
+    print(cfg.out)

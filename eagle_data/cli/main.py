@@ -13,17 +13,18 @@ import os
 import sys
 from typing import Any, Callable
 
-from eagle_data.cli.data import extract, inspect, merge, templates
+from eagle_data.cli.data import extract, inspect, merge, regenerate, templates
 from eagle_data.cli.train import demo, evaluate, export, train, vocab
 from eagle_data.cli.verify import verify
 from eagle_data.extract.config import ExtractConfig
+from eagle_data.regen.config import RegenerateConfig
 
 #: command name -> function, or a dataclass whose instance a runner in :data:`RUNNERS` takes
-COMMANDS: dict[str, Any] = {"extract": ExtractConfig, "inspect": inspect, "merge": merge, "verify": verify,
+COMMANDS: dict[str, Any] = {"regenerate": RegenerateConfig, "extract": ExtractConfig, "inspect": inspect, "merge": merge, "verify": verify,
                             "vocab": vocab, "train": train, "eval": evaluate, "export": export, "demo": demo,
                             "templates": templates}
 #: what to do with a parsed dataclass command
-RUNNERS: dict[type, Callable[[Any], None]] = {ExtractConfig: extract}
+RUNNERS: dict[type, Callable[[Any], None]] = {ExtractConfig: extract, RegenerateConfig: regenerate}
 
 
 def run_cli(commands: dict[str, Any], argv: list[str] | None, prog: str,

@@ -136,6 +136,14 @@ def rows_to_read(cfg: ExtractConfig) -> Optional[int]:
     return cfg.num_samples
 
 
+def model_dir(model: str) -> str:
+    """The model folder ``model`` names: the embedded default is fetched (and converted) once."""
+    if model == DEFAULT_MODEL:
+        from eagle_data.assets import smollm2_model_dir
+        return str(smollm2_model_dir())
+    return model
+
+
 def check_paths(cfg: ExtractConfig) -> None:
     """Check the files the run will read before any model is loaded (module functions, not
     methods: every public method of the dataclass would become a CLI subcommand).

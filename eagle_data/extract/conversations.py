@@ -71,11 +71,14 @@ class Conversation:
         messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}]``;
             assistant turns may hold ``reasoning_content`` (str) and ``tool_calls``.
         notes: ``(reason, detail)`` of changes made to the record (e.g. ``cut_at_blank_reply``).
+        turn_index: for each message, its index in the record's turn list (``None``: the
+            top-level ``"system"`` field), so a message can be written back in place.
     """
     row: int
     source_id: str
     messages: list[dict[str, Any]]
     notes: list[tuple[str, str]] = field(default_factory=list)
+    turn_index: list[int | None] = field(default_factory=list)
 
 
 def _text(value: Any, where: str, allow_none: bool = False) -> str | None:
@@ -202,11 +205,14 @@ def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
     else:
         raise BadRecord("no_messages", "neither 'conversations' nor 'messages' is a list")
     system: list[dict[str, Any]] = []
+    system_at: list[int | None] = []
     if record.get("system") is not None:
         text = _text(record["system"], "field 'system'")
         if text.strip():
             system.append({"role": "system", "content": text})
+            system_at.append(None)
     chat: list[dict[str, Any]] = []
+    at: list[int] = []  # each chat message's index in ``turns``
     for i, turn in enumerate(turns):
         m = normalize_message(i, turn, rkey, ckey)
         if m["role"] == "system":
@@ -214,12 +220,14 @@ def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
                 raise BadRecord("misplaced_system", f"turn {i} is a system message after other turns")
             if m["content"].strip():
                 system.append(m)
+                system_at.append(i)
             continue
         chat.append(m)
+        at.append(i)
     # ShareGPT V3 splits long chats into pieces that start with a "gpt" turn; like FastChat
     # and SpecForge, drop leading assistant/tool turns (they have no prompt in this record).
     lead = next((i for i, m in enumerate(chat) if m["role"] == "user"), len(chat))
-    chat = chat[lead:]
+    chat, at = chat[lead:], at[lead:]
     if not any(m["role"] == "assistant" for m in chat):
         raise BadRecord("no_assistant_turn", f"{len(chat)} non-system turn(s), none from the assistant")
     _order(chat)
@@ -234,7 +242,7 @@ def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
         chat = chat[:cut]
     while chat[-1]["role"] != "assistant":  # a trailing user/tool turn has no supervised answer
         chat.pop()
-    return Conversation(row, sid, system + chat, notes)
+    return Conversation(row, sid, system + chat, notes, system_at + at[:len(chat)])
 
 
 def normalize_record(row: int, record: Any) -> Conversation | Skip:

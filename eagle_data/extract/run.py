@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from eagle_data.extract.async_sink import AsyncShardWriter
 from eagle_data.extract.backends.base import Backend
 from eagle_data.extract.chat import ChatRenderer, tokenize
-from eagle_data.extract.config import DEFAULT_MODEL, ExtractConfig, check_paths, rows_to_read, storage_dtype
+from eagle_data.extract.config import ExtractConfig, check_paths, model_dir, rows_to_read, storage_dtype
 from eagle_data.extract.conversations import normalize
 from eagle_data.extract.fault import ErrorPolicy
 from eagle_data.extract.manifest import load_progress, lock_rank, merge, weights_fingerprint
@@ -81,7 +81,7 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
             os.close(lock)
 
 
-def _load_tokenizer(model_path: str, trust_remote_code: bool):
+def load_tokenizer(model_path: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
     try:
@@ -95,12 +95,8 @@ def _load_tokenizer(model_path: str, trust_remote_code: bool):
 def _run(cfg: ExtractConfig, out: Path, backend: Backend | None, tokenizer) -> dict[str, Any]:
     from eagle_data.extract.backends import make_backend
 
-    if cfg.model == DEFAULT_MODEL:
-        from eagle_data.assets import smollm2_model_dir
-        model_path = str(smollm2_model_dir())
-    else:
-        model_path = cfg.model
-    tokenizer = tokenizer or _load_tokenizer(model_path, cfg.trust_remote_code)
+    model_path = model_dir(cfg.model)
+    tokenizer = tokenizer or load_tokenizer(model_path, cfg.trust_remote_code)
     renderer = ChatRenderer.from_path(tokenizer, cfg.chat_template, date=cfg.template_date,
                                       variables=cfg.template_vars)
     tag = cfg.dataset_tag or resolve(cfg.data)[2]

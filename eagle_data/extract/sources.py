@@ -3,6 +3,8 @@
 ``data`` may be:
 
 * ``"sharegpt"``: the embedded default (ShareGPT V3 from PyPI, see :mod:`eagle_data.assets`);
+* the output folder of ``eagle-data regenerate``: its ``data/`` parts in source order (only
+  once the regeneration is complete);
 * a local ``.json`` / ``.jsonl`` / ``.parquet`` file, a glob of them, or a directory: every
   such file below it (subfolders included, extensions in any case, sorted by path; hidden files
   and folders are not read); any other file in it is an error (nothing is skipped unsaid);
@@ -43,8 +45,12 @@ def resolve(data: str) -> tuple[str, dict[str, Any], str]:
         from eagle_data.assets import sharegpt_jsonl
         return "json", {"data_files": str(sharegpt_jsonl())}, "sharegpt_v3"
     p = Path(data)
-    files = (_folder_files(p) if p.is_dir() else sorted(Path(f) for f in _glob.glob(data))
-             if any(c in data for c in "*?[") else [p])
+    from eagle_data.regen.store import data_files, is_regeneration
+
+    if p.is_dir():
+        files = data_files(p) if is_regeneration(p) else _folder_files(p)
+    else:
+        files = sorted(Path(f) for f in _glob.glob(data)) if any(c in data for c in "*?[") else [p]
     files = [f for f in files if f.suffix.lower() in _FORMATS]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:

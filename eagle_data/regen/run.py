@@ -1,0 +1,276 @@
+"""``eagle-data regenerate``: chats -> the target's own replies, part by part, with strict accounting.
+
+Per part (see :mod:`eagle_data.regen.store`): every source row is read and validated as
+extraction does (:func:`~eagle_data.extract.conversations.normalize_record`), planned
+(:func:`~eagle_data.regen.plan.plan`), then generated in rounds: round *j* generates the
+*j*-th target turn of every row that has one, all of them in one engine call. Each row ends
+with exactly one outcome:
+
+* ``regenerated``: written to ``data/`` (a record whose later turn had no room is cut there,
+  note ``cut_at_max_length``);
+* ``skipped`` (the input cannot be used): the record's own reasons (``no_assistant_turn``,
+  ``broken_alternation``, ...), ``tool_call_turn``, ``no_regenerable_turn``, ``template_error``,
+  ``special_token_in_text``, ``context_too_long``;
+* ``failed`` (the generation did not give a usable reply): ``engine_error``, ``empty_reply``,
+  ``special_token_in_reply``.
+
+Skipped and failed rows go to ``rejects/`` with their reason and detail, are counted per
+reason, and the first ones are logged; nothing is dropped unsaid.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator
+
+from tqdm.auto import tqdm
+
+from eagle_data.extract.chat import ChatRenderer
+from eagle_data.extract.config import model_dir, rows_to_read
+from eagle_data.extract.conversations import normalize_record
+from eagle_data.extract.fault import BadRecord, DropCounter, Skip
+from eagle_data.extract.manifest import lock_rank, package_versions, weights_fingerprint
+from eagle_data.extract.mask import MaskError
+from eagle_data.extract.run import load_tokenizer
+from eagle_data.extract.sources import combine, iter_records, record_fingerprint
+from eagle_data.regen.config import RESUME_FIELDS, RegenerateConfig, check_paths
+from eagle_data.regen.engines import Generator, make_generator
+from eagle_data.regen.plan import Job, apply_reply, output_record, plan, split_reply, turn_seed
+from eagle_data.regen.store import MANIFEST, PartRecord, RankProgress, summarize
+from eagle_data.regen.stops import stop_token_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Part:
+    """Outcomes of one part's rows while it is generated."""
+    rejects: dict[int, dict[str, Any]] = field(default_factory=dict)
+    notes: Counter = field(default_factory=Counter)
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+class Regenerator:
+    """Regenerates the rows of one part (see the module docstring) with a renderer and an engine."""
+
+    def __init__(self, cfg: RegenerateConfig, renderer: ChatRenderer, generator: Generator, settings_id: str,
+                 counter: DropCounter):
+        self.cfg, self.renderer, self.gen, self.settings_id = cfg, renderer, generator, settings_id
+        self.tok, self.counter = renderer.tokenizer, counter
+
+    def _reject(self, part: _Part, row: int, sid: str, outcome: str, reason: str, detail: str) -> None:
+        part.rejects[row] = {"row": row, "source_id": sid, "outcome": outcome, "reason": reason, "detail": detail}
+        self.counter.add(Skip(row, sid, reason, detail))
+
+    def _jobs(self, rows: list[tuple[int, Any]], part: _Part) -> list[Job]:
+        jobs = []
+        for row, rec in rows:
+            conv = normalize_record(row, rec)
+            if isinstance(conv, Skip):
+                self._reject(part, row, conv.source_id, "skipped", conv.reason, conv.detail)
+                continue
+            for reason, _ in conv.notes:
+                part.notes[reason] += 1
+            try:
+                jobs.append(plan(conv, rec, self.cfg.mode))
+            except BadRecord as e:
+                self._reject(part, row, conv.source_id, "skipped", e.reason, str(e))
+        return jobs
+
+    def _prompt(self, job: Job, part: _Part) -> list[int] | None:
+        """Token ids of the next target's prompt, or None (the row was rejected or cut)."""
+        msgs = job.conv.messages[:job.pending]
+        try:
+            self.renderer._check_text(msgs)
+            text = self.renderer.render(msgs, add_generation_prompt=True)
+        except MaskError as e:
+            self._reject(part, job.row, job.source_id, "skipped", e.reason, str(e))
+            return None
+        except Exception as e:  # jinja2 TemplateError / raise_exception from the template
+            self._reject(part, job.row, job.source_id, "skipped", "template_error", f"{type(e).__name__}: {e}")
+            return None
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if len(ids) < self.cfg.max_length:
+            return ids
+        if self.cfg.mode == "all" and job.done:
+            job.cut = True
+            part.notes["cut_at_max_length"] += 1
+        else:
+            self._reject(part, job.row, job.source_id, "skipped", "context_too_long",
+                         f"message {job.pending}: the prompt has {len(ids)} tokens, max_length is {self.cfg.max_length}")
+        return None
+
+    def _take(self, job: Job, prompt: list[int], reply, part: _Part) -> None:
+        part.tokens += reply.num_generated
+        if reply.error is not None:
+            self._reject(part, job.row, job.source_id, "failed", "engine_error", reply.error)
+            return
+        text = self.tok.decode(reply.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        fields = split_reply(text, self.cfg.split_reasoning)
+        if not any(v.strip() for v in fields.values()):
+            self._reject(part, job.row, job.source_id, "failed", "empty_reply",
+                         f"message {job.pending}: {len(reply.token_ids)} token(s), blank text ({reply.finish})")
+        elif (hit := self.renderer._special_re.search(text)) is not None:
+            self._reject(part, job.row, job.source_id, "failed", "special_token_in_reply",
+                         f"message {job.pending}: the reply holds {hit.group()!r}, which extraction refuses")
+        else:
+            apply_reply(job, job.pending, fields, reply.finish, len(prompt), len(reply.token_ids))
+
+    def part(self, rows: list[tuple[int, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], _Part]:
+        """``(regenerated records, reject records, outcomes)`` of a part's ``(row, record)`` pairs."""
+        part = _Part()
+        jobs = self._jobs(rows, part)
+        while True:
+            live = [j for j in jobs if j.row not in part.rejects and j.pending is not None]
+            todo = [(j, p) for j in live if (p := self._prompt(j, part)) is not None]
+            if not todo:
+                break
+            budgets = [min(self.cfg.max_new_tokens, self.cfg.max_length - len(p)) for _, p in todo]
+            seeds = [turn_seed(self.cfg.seed, j.row, j.pending) for j, _ in todo]
+            t0 = time.perf_counter()
+            replies = self.gen.generate([p for _, p in todo], budgets, seeds)
+            part.seconds += time.perf_counter() - t0
+            assert len(replies) == len(todo), "the engine answers every prompt"
+            for (j, p), r in zip(todo, replies):
+                self._take(j, p, r, part)
+        data = [output_record(j, self.settings_id) for j in jobs if j.row not in part.rejects]
+        return data, [part.rejects[r] for r in sorted(part.rejects)], part
+
+
+def _settings(cfg: RegenerateConfig, model_path: str, renderer: ChatRenderer, stops: frozenset[int]) -> dict[str, Any]:
+    tok_json = Path(model_path) / "tokenizer.json"
+    s = {k: getattr(cfg, k) for k in RESUME_FIELDS}
+    s.update(model=model_path, weights_fingerprint=weights_fingerprint(model_path),
+             tokenizer_sha256=hashlib.sha256(tok_json.read_bytes()).hexdigest() if tok_json.exists() else None,
+             template=renderer.describe(), stop_token_ids=sorted(stops))
+    return s
+
+
+def _work(cfg: RegenerateConfig, progress: RankProgress, n_rows: int | None,
+          rows_read: list[int]) -> Iterator[tuple[int, int, list]]:
+    """``(start, end, [(row, record)])`` of each part this rank still has to do, in source
+    order; checks on the way that the rows of finished parts are unchanged. ``rows_read[0]``
+    ends as the number of source rows asked for that exist.
+
+    Raises:
+        ValueError: the source changed under a finished part.
+    """
+    per, fps = cfg.rows_per_part, progress.fingerprints()
+    spans = sorted(fps)
+    starts = [a for a, _ in spans]
+    seen: dict[tuple[int, int], list[int]] = {r: [] for r in fps}
+    buf: list[tuple[int, Any]] = []
+    start = None
+    upto = None if n_rows is None else max([n_rows] + [e for _, e in fps])  # finished rows are all checked
+    for row, rec in iter_records(cfg.data, cfg.split, 0, 1, upto):
+        if n_rows is None or row < n_rows:
+            rows_read[0] = row + 1
+        p = row // per
+        if p % cfg.world_size != cfg.rank:
+            continue
+        k = bisect.bisect_right(starts, row) - 1
+        done = spans[k] if k >= 0 and row < spans[k][1] else None
+        if done is not None:
+            seen[done].append(record_fingerprint(row, rec))
+            continue
+        if n_rows is not None and row >= n_rows:
+            continue
+        if buf and row // per != buf[0][0] // per:
+            yield start, buf[-1][0] + 1, buf
+            buf = []
+        if not buf:
+            start = row
+        buf.append((row, rec))
+    if buf:
+        yield start, buf[-1][0] + 1, buf
+    for (s, e), fp in fps.items():
+        if len(seen[(s, e)]) != e - s or combine(seen[(s, e)]) != fp:
+            raise ValueError(f"data: {cfg.data} changed since rows [{s}, {e}) were regenerated into {cfg.out} "
+                             f"({len(seen[(s, e)])} of {e - s} rows still there, contents differ or rows moved); "
+                             "restore the source or use another --out")
+
+
+def run_regenerate(cfg: RegenerateConfig, generator: Generator | None = None, tokenizer=None) -> dict[str, Any]:
+    """Run (or resume) a regeneration; returns the manifest when every rank has finished, else
+    ``{"progress": this rank's record, "run_stats": ...}`` (``run_stats`` in both).
+
+    Raises:
+        ValueError: bad settings, another run's output in ``out``, the source changed under a
+            finished part, or the rank is being run by another live process.
+    """
+    check_paths(cfg)
+    out = Path(cfg.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out {cfg.out!r}: cannot create the directory ({e.strerror or e})") from e
+    if (out / "manifest.json").exists():
+        raise ValueError(f"out {cfg.out!r} holds an extracted dataset (manifest.json); use another --out")
+    lock = lock_rank(out, cfg.rank)
+    try:
+        return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, generator, tokenizer)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _run(cfg: RegenerateConfig, out: Path, generator: Generator | None, tokenizer) -> dict[str, Any]:
+    model_path = model_dir(cfg.model)
+    tokenizer = tokenizer or load_tokenizer(model_path, cfg.trust_remote_code)
+    renderer = ChatRenderer.from_path(tokenizer, cfg.chat_template, date=cfg.template_date,
+                                      variables=cfg.template_vars)
+    stops = stop_token_ids(tokenizer, renderer, model_path, cfg.stop_tokens)
+    settings = _settings(cfg, model_path, renderer, stops)
+    settings_id = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    progress = RankProgress(out, cfg.rank, settings)
+    counter = DropCounter()
+    rows_read = [0]
+    bar = tqdm(total=cfg.num_samples, desc=f"regenerate rank {cfg.rank}", unit="row", disable=not cfg.progress,
+               dynamic_ncols=True)
+    t0, rows_done, tokens, gen_s = time.perf_counter(), 0, 0, 0.0
+    regen, own = None, generator is None
+    try:
+        for start, end, rows in _work(cfg, progress, cfg.num_samples, rows_read):
+            if regen is None:  # there is work: the run is not complete until it ends
+                (out / MANIFEST).unlink(missing_ok=True)
+                if generator is None:
+                    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
+                    generator = make_generator(cfg.backend, model_path, stops, pad, dtype=cfg.dtype,
+                                               device=cfg.device, batch_size=cfg.batch_size,
+                                               temperature=cfg.temperature, top_p=cfg.top_p,
+                                               trust_remote_code=cfg.trust_remote_code,
+                                               backend_kwargs=dict(cfg.backend_kwargs))
+                progress.begin(generator.describe())
+                regen = Regenerator(cfg, renderer, generator, settings_id, counter)
+            data, rejects, part = regen.part(rows)
+            outcome = Counter(r["outcome"] for r in rejects)
+            rec = PartRecord(start, end, combine(record_fingerprint(r, x) for r, x in rows),
+                             {"regenerated": len(data), "failed": outcome["failed"], "skipped": outcome["skipped"]},
+                             dict(Counter(r["reason"] for r in rejects)),
+                             dict(Counter(f for d in data for f in d["regeneration"]["finish"])),
+                             dict(part.notes), part.tokens, round(part.seconds, 3))
+            progress.publish(rec, data, rejects)
+            rows_done, tokens, gen_s = rows_done + len(rows), tokens + part.tokens, gen_s + part.seconds
+            bar.update(len(rows))
+            bar.set_postfix(tok_s=f"{tokens / max(gen_s, 1e-9):.0f}", rejected=sum(counter.counts.values()))
+        progress.finish(rows_read[0])
+    finally:
+        bar.close()
+        if own and generator is not None:
+            generator.close()
+    elapsed = time.perf_counter() - t0
+    stats = {"rows": rows_done, "tokens_generated": tokens, "generation_seconds": round(gen_s, 3),
+             "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / gen_s, 1) if gen_s > 0 else None,
+             "rejects": counter.as_dict()}
+    log.info("rank %d finished: %s", cfg.rank, stats)
+    man = summarize(out, cfg.world_size, {"packages": package_versions()})
+    return {**(man if man["complete"] else {"progress": progress.state}), "run_stats": stats}
