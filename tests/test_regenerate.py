@@ -250,3 +250,49 @@ def test_extract_refuses_a_regeneration_that_is_not_finished(tmp_path, multi):
     run_regenerate(cfg(out, model, data, world_size=2, rank=0))
     assert json.loads((out / MANIFEST).read_text())["complete"]
     assert len(resolve(str(out))[1]["data_files"]) == 3
+
+
+def _with_generation_config(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    gc = json.loads((dst / "generation_config.json").read_text())
+    gc.update(do_sample=True, temperature=0.3, top_k=3, repetition_penalty=4.0, min_new_tokens=11, no_repeat_ngram_size=2)
+    (dst / "generation_config.json").write_text(json.dumps(gc))
+    return dst
+
+
+@pytest.mark.parametrize("backend", ["hf", pytest.param("sglang", marks=pytest.mark.sglang)])
+def test_the_models_generation_config_is_not_applied(tmp_path, multi, backend):
+    """A model folder whose generation_config.json asks for sampling, a repetition penalty and a
+    minimum length regenerates exactly as the same weights without them: the options decide."""
+    if backend == "sglang":
+        pytest.importorskip("sglang")
+    model, data = multi
+    other = _with_generation_config(model, tmp_path / "model_gc")
+    run_regenerate(cfg(tmp_path / "a", model, data, num_samples=5, backend=backend))
+    run_regenerate(cfg(tmp_path / "b", other, data, num_samples=5, backend=backend))
+    assert replies(read(tmp_path / "a")) == replies(read(tmp_path / "b"))
+
+
+def test_sampling_is_seeded(tmp_path, multi, backend="hf"):
+    """Same seed, same replies (HF: one seed per batch; SGLang on a GPU: per row and turn); another
+    seed or greedy decoding gives other replies."""
+    model, data = multi
+    runs = {}
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        run_regenerate(cfg(tmp_path / name, model, data, num_samples=6, temperature=1.5, top_k=50, seed=seed,
+                           backend=backend))
+        runs[name] = replies(read(tmp_path / name))
+    greedy = tmp_path / "g"
+    run_regenerate(cfg(greedy, model, data, num_samples=6, backend=backend))
+    assert runs["a"] == runs["b"]
+    assert runs["a"] != runs["c"] and runs["a"] != replies(read(greedy))
+
+
+@pytest.mark.sglang
+def test_sglang_cpu_sampling_says_it_is_not_seeded(tmp_path, multi):
+    pytest.importorskip("sglang")
+    model, data = multi
+    man = run_regenerate(cfg(tmp_path / "s", model, data, num_samples=4, temperature=1.5, backend="sglang"))
+    assert man["engine"]["seeded"] is False and man["regenerated"] == 3

@@ -210,3 +210,60 @@ def test_incomplete_regeneration_is_refused_by_extract(tiny, tmp_path):
     assert man["complete"] and man["input_rows"] == 26 and man["regenerated"] == 24
     files = resolve(str(out))[1]["data_files"]
     assert files == sorted(files) and len(files) == 7  # parts of both ranks, in source order
+
+
+class Thinking(Scripted):
+    """Replies like a thinking model: ``<think>\\nwhy N\\n</think>\\n\\nanswer N``."""
+
+    def generate(self, prompts, budgets, seeds):
+        return [finish_of(self.tok.encode(f"<think>\nwhy {len(p)}\n</think>\n\nanswer {len(p)}",
+                                          add_special_tokens=False) + [self.eot], frozenset([self.eot]), b)
+                for p, b in zip(prompts, budgets)]
+
+
+def test_thinking_replies_round_trip_through_a_thinking_template(tmp_path):
+    """Qwen3's template: a regenerated ``<think>`` reply is stored as reasoning_content + content,
+    the next turn's prompt drops the earlier reasoning (as the template does when serving), and
+    extraction supervises exactly what the model wrote in the last turn (reasoning included) and
+    the content of the earlier one."""
+    from templates import TEMPLATES_DIR, family_tokenizer
+    from tiny import tiny_llama
+
+    from eagle_data.extract.config import ExtractConfig
+    from eagle_data.extract.run import run_extract
+    from eagle_data.format.schema import sample_key
+    from eagle_data.tools.read_samples import read_samples
+
+    model = tmp_path / "model"
+    tok = family_tokenizer(TEMPLATES_DIR / "qwen3.jinja")
+    tiny_llama(vocab=len(tok)).save_pretrained(model)
+    tok.save_pretrained(model)
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "q one"},
+                                            {"role": "assistant", "content": "old one", "reasoning_content": "old"},
+                                            {"role": "user", "content": "q two"},
+                                            {"role": "assistant", "content": "old two"}]}) + "\n")
+    gen = Thinking(tok)
+    gen.eot = tok.convert_tokens_to_ids("<|im_end|>")
+    man = run_regenerate(RegenerateConfig(out=str(tmp_path / "r"), model=str(model), data=str(src), progress=False),
+                         generator=gen, tokenizer=tok)
+    assert man["regenerated"] == 1
+    rec = _read(tmp_path / "r", DATA_DIR)[0]
+    (p1, p2) = rec["regeneration"]["prompt_tokens"]
+    m = rec["messages"]
+    assert (m[1]["reasoning_content"], m[1]["content"]) == (f"why {p1}", f"answer {p1}")
+    assert (m[3]["reasoning_content"], m[3]["content"]) == (f"why {p2}", f"answer {p2}")
+    run_extract(ExtractConfig(out=str(tmp_path / "ds"), model=str(model), data=str(tmp_path / "r"), dtype="float32",
+                              aux_layer_ids=[1, 3, 5], dataset_tag="t", progress=False))
+    s = read_samples(tmp_path / "ds", [sample_key("t", 0)])[sample_key("t", 0)]
+    ids, mask = s["input_ids"].tolist(), s["loss_mask"].tolist()
+    runs, cur = [], []
+    for t, on in zip(ids + [None], mask + [0]):
+        if on:
+            cur.append(t)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    assert runs == [f"answer {p1}<|im_end|>", f"<think>\nwhy {p2}\n</think>\n\nanswer {p2}<|im_end|>"]
+    fed = tok.apply_chat_template(m[:3], tokenize=False, add_generation_prompt=True)  # turn 2's prompt
+    assert "why" not in fed and f"answer {p1}" in fed and len(tok(fed, add_special_tokens=False)["input_ids"]) == p2

@@ -12,7 +12,7 @@ from eagle_data.extract.config import DEFAULT_DATA, DEFAULT_MODEL, _check_date, 
 
 #: settings that must be equal for a rerun to resume into the same output (``num_samples`` is
 #: not one: a larger N extends a finished run)
-RESUME_FIELDS = ("model", "backend", "data", "split", "mode", "max_new_tokens", "max_length", "temperature", "top_p", "seed",
+RESUME_FIELDS = ("model", "backend", "data", "split", "mode", "max_new_tokens", "max_length", "temperature", "top_p", "top_k", "seed",
                  "chat_template", "template_date", "template_vars", "stop_tokens", "split_reasoning",
                  "rows_per_part", "world_size", "dtype")
 
@@ -47,6 +47,9 @@ class RegenerateConfig:
     """0 = greedy (default); > 0 samples"""
     top_p: float = 1.0
     """nucleus sampling (with temperature > 0)"""
+    top_k: int = -1
+    """top-k sampling (with temperature > 0); -1 = the whole vocabulary. The model's own
+    generation_config.json sampling defaults are never applied: what runs is what these options say"""
     seed: int = 0
     """sampling seed (SGLang: one seed per row and turn; HF: one per generation batch)"""
     chat_template: Optional[str] = None
@@ -112,6 +115,8 @@ class RegenerateConfig:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name, allowed in (("mode", ("last", "all")), ("backend", ("hf", "sglang")),

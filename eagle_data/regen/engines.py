@@ -48,8 +48,9 @@ def finish_of(generated: list[int], stop_ids: frozenset[int], budget: int) -> Re
 
 class HFGenerator:
     """``transformers`` ``generate`` over left-padded batches of ``batch_size`` prompts
-    (sorted by length), with a generation config built here (the model's own sampling
-    defaults are not applied: greedy unless ``temperature > 0``; no top-k).
+    (sorted by length), with a generation config built here: the model's own
+    ``generation_config.json`` is not merged in (transformers would fill every unset field from
+    it: a repetition penalty, a minimum length, top-k 50...); greedy unless ``temperature > 0``.
 
     Args:
         model_path: local HF model folder.
@@ -57,13 +58,13 @@ class HFGenerator:
         pad_id: id used for left padding (masked out).
         dtype, device: compute dtype and device.
         batch_size: prompts per ``generate`` call.
-        temperature, top_p: sampling (``temperature == 0``: greedy).
+        temperature, top_p, top_k: sampling (``temperature == 0``: greedy; ``top_k == -1``: off).
         trust_remote_code: allow model code from the folder.
     """
 
     def __init__(self, model_path: str, stop_ids: frozenset[int], pad_id: int, *, dtype: str = "bfloat16",
                  device: str = "cpu", batch_size: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                 trust_remote_code: bool = False):
+                 top_k: int = -1, trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype),
@@ -72,14 +73,16 @@ class HFGenerator:
         self.device, self.dtype = torch.device(device), dtype
         sample = temperature > 0
         self.gen_cfg = GenerationConfig(do_sample=sample, temperature=temperature if sample else None,
-                                        top_p=top_p if sample else None, top_k=None, num_beams=1,
-                                        eos_token_id=sorted(stop_ids), pad_token_id=self.pad_id)
+                                        top_p=top_p if sample else None, top_k=max(top_k, 0) if sample else None, num_beams=1,
+                                        repetition_penalty=1.0, eos_token_id=sorted(stop_ids),
+                                        pad_token_id=self.pad_id)
+        self.model.generation_config = GenerationConfig()  # nothing of the model's file is merged in
 
     def describe(self) -> dict[str, Any]:
         import transformers
 
         return {"engine": "hf", "transformers": transformers.__version__, "dtype": self.dtype,
-                "device": str(self.device), "batch_size": self.batch_size}
+                "device": str(self.device), "batch_size": self.batch_size, "seeded": True}
 
     @torch.inference_mode()
     def _batch(self, prompts: list[list[int]], budgets: list[int], seed: int) -> list[Reply]:
@@ -136,7 +139,7 @@ class SGLangGenerator:
     """
 
     def __init__(self, model_path: str, stop_ids: frozenset[int], *, dtype: str = "bfloat16", device: str = "cpu",
-                 temperature: float = 0.0, top_p: float = 1.0, **engine_kwargs: Any):
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1, **engine_kwargs: Any):
         from eagle_data.extract.backends.sglang_engine import base_engine_kwargs
 
         dev = torch.device(device).type
@@ -145,6 +148,16 @@ class SGLangGenerator:
                                                     "log_level") if k in engine_kwargs}
         kw = base_engine_kwargs(model_path, dtype, dev, **named)
         kw["disable_radix_cache"] = False
+        kw["sampling_defaults"] = "openai"  # not the model's generation_config.json: the options say it all
+        # SGLang honours a request's sampling_seed only in deterministic mode, which needs a GPU
+        # attention backend (not CPU's torch_native): CPU sampling is not seeded (said at start and
+        # in the manifest)
+        self.seeded = temperature == 0 or dev != "cpu"
+        if temperature > 0 and dev != "cpu":
+            kw.setdefault("enable_deterministic_inference", True)
+        elif not self.seeded:
+            log.warning("SGLang on CPU samples without per-request seeds (its deterministic mode needs a GPU "
+                        "attention backend): rerunning gives other replies; --backend hf seeds sampling")
         if dev == "cpu":
             kw.setdefault("sampling_backend", "pytorch")
         kw.update(engine_kwargs)
@@ -152,15 +165,17 @@ class SGLangGenerator:
 
         self.engine = sglang.Engine(**kw)
         self.stop_ids, self.dtype, self.device = stop_ids, dtype, device
-        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
 
     def describe(self) -> dict[str, Any]:
         import sglang
 
-        return {"engine": "sglang", "sglang": sglang.__version__, "dtype": self.dtype, "device": self.device}
+        return {"engine": "sglang", "sglang": sglang.__version__, "dtype": self.dtype, "device": self.device,
+                "seeded": self.seeded}
 
     def _params(self, budget: int, seed: int) -> dict[str, Any]:
         p = {"max_new_tokens": int(budget), "temperature": self.temperature, "top_p": self.top_p,
+             "top_k": self.top_k, "min_p": 0.0, "repetition_penalty": 1.0,
              "stop_token_ids": sorted(self.stop_ids), "skip_special_tokens": False, "no_stop_trim": True}
         if self.temperature > 0:
             p["sampling_seed"] = int(seed)
@@ -195,15 +210,15 @@ class SGLangGenerator:
 
 
 def make_generator(backend: str, model_path: str, stop_ids: frozenset[int], pad_id: int, *, dtype: str,
-                   device: str, batch_size: int, temperature: float, top_p: float, trust_remote_code: bool,
-                   backend_kwargs: dict[str, Any]) -> Generator:
+                   device: str, batch_size: int, temperature: float, top_p: float, top_k: int,
+                   trust_remote_code: bool, backend_kwargs: dict[str, Any]) -> Generator:
     """The engine named by ``backend`` (``"hf"`` or ``"sglang"``)."""
     if backend == "hf":
         if backend_kwargs:
             raise ValueError(f"backend_kwargs {sorted(backend_kwargs)}: the hf backend takes none")
         return HFGenerator(model_path, stop_ids, pad_id, dtype=dtype, device=device, batch_size=batch_size,
-                           temperature=temperature, top_p=top_p, trust_remote_code=trust_remote_code)
+                           temperature=temperature, top_p=top_p, top_k=top_k, trust_remote_code=trust_remote_code)
     if trust_remote_code:
         raise ValueError("trust_remote_code is an hf-backend option; SGLang loads its own model classes")
     return SGLangGenerator(model_path, stop_ids, dtype=dtype, device=device, temperature=temperature, top_p=top_p,
-                           **backend_kwargs)
+                           top_k=top_k, **backend_kwargs)

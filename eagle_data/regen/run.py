@@ -246,7 +246,7 @@ def _run(cfg: RegenerateConfig, out: Path, generator: Generator | None, tokenize
                     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
                     generator = make_generator(cfg.backend, model_path, stops, pad, dtype=cfg.dtype,
                                                device=cfg.device, batch_size=cfg.batch_size,
-                                               temperature=cfg.temperature, top_p=cfg.top_p,
+                                               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                                trust_remote_code=cfg.trust_remote_code,
                                                backend_kwargs=dict(cfg.backend_kwargs))
                 progress.begin(generator.describe())
