@@ -5,11 +5,18 @@
 #   bash scripts/main.sh                 # everything (≈20 min on 2 cores)
 #   MINUTES=3 bash scripts/main.sh       # shorter training
 #   SKIP_TRAIN=1 bash scripts/main.sh    # extraction only
+#   REGENERATE=1 bash scripts/main.sh    # first let SmolLM2 rewrite every answer (eagle-data regenerate,
+#                                        # +≈5 min), then extract and train on its own replies
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
 export PATH="$PWD/.venv/bin:$PATH"
-out=$(eagle-data extract --config configs/extract_smollm2.yaml "$@" | tail -n 1)
+data=()
+if [ -n "${REGENERATE:-}" ]; then
+  regen=$(eagle-data regenerate --config configs/regenerate_smollm2.yaml --max_new_tokens 256 | tail -n 1)
+  data=(--data "$regen" --out out/smollm2-sharegpt-regen-shards)
+fi
+out=$(eagle-data extract --config configs/extract_smollm2.yaml "${data[@]}" "$@" | tail -n 1)
 eagle-data inspect "$out" --max_chars 1500
 eagle-data verify "$out"
 echo "shards written to: $out"

@@ -18,7 +18,7 @@ import torch
 
 from eagle_data.regen.config import RegenerateConfig
 from eagle_data.regen.run import run_regenerate
-from eagle_data.regen.store import DATA_DIR, MANIFEST, REJECTS_DIR
+from eagle_data.format.regen_layout import DATA_DIR, MANIFEST, REJECTS_DIR
 
 WORDS = "the quick brown fox jumps over a lazy dog hello there how are you fine thank".split()
 

@@ -18,7 +18,7 @@ from eagle_data.regen.config import RegenerateConfig
 from eagle_data.regen.engines import finish_of
 from eagle_data.regen.plan import Reply, split_reply
 from eagle_data.regen.run import run_regenerate
-from eagle_data.regen.store import DATA_DIR, MANIFEST, REJECTS_DIR
+from eagle_data.format.regen_layout import DATA_DIR, MANIFEST, REJECTS_DIR
 
 MAX_LENGTH = 400
 LONG = "lorem " * 450  # > MAX_LENGTH tokens on its own

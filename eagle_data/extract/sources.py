@@ -45,7 +45,7 @@ def resolve(data: str) -> tuple[str, dict[str, Any], str]:
         from eagle_data.assets import sharegpt_jsonl
         return "json", {"data_files": str(sharegpt_jsonl())}, "sharegpt_v3"
     p = Path(data)
-    from eagle_data.regen.store import data_files, is_regeneration
+    from eagle_data.format.regen_layout import data_files, is_regeneration
 
     if p.is_dir():
         files = data_files(p) if is_regeneration(p) else _folder_files(p)

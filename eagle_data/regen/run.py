@@ -44,7 +44,8 @@ from eagle_data.extract.sources import combine, iter_records, record_fingerprint
 from eagle_data.regen.config import RESUME_FIELDS, RegenerateConfig, check_paths
 from eagle_data.regen.engines import Generator, make_generator
 from eagle_data.regen.plan import Job, apply_reply, output_record, plan, split_reply, turn_seed
-from eagle_data.regen.store import MANIFEST, PartRecord, RankProgress, summarize
+from eagle_data.format.regen_layout import MANIFEST
+from eagle_data.regen.store import PartRecord, RankProgress, summarize
 from eagle_data.regen.stops import stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,23 @@ def run_regenerate(cfg: RegenerateConfig, generator: Generator | None = None, to
             os.close(lock)
 
 
+def _engine(cfg: RegenerateConfig, model_path: str, tokenizer, stops: frozenset[int]) -> Generator:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
+    return make_generator(cfg.backend, model_path, stops, pad, dtype=cfg.dtype, device=cfg.device,
+                          batch_size=cfg.batch_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                          trust_remote_code=cfg.trust_remote_code, backend_kwargs=dict(cfg.backend_kwargs))
+
+
+def _part_record(start: int, end: int, rows: list[tuple[int, Any]], data: list[dict[str, Any]],
+                 rejects: list[dict[str, Any]], part: _Part) -> PartRecord:
+    outcome = Counter(r["outcome"] for r in rejects)
+    return PartRecord(start, end, combine(record_fingerprint(r, x) for r, x in rows),
+                      {"regenerated": len(data), "failed": outcome["failed"], "skipped": outcome["skipped"]},
+                      dict(Counter(r["reason"] for r in rejects)),
+                      dict(Counter(f for d in data for f in d["regeneration"]["finish"])),
+                      dict(part.notes), part.tokens, round(part.seconds, 3))
+
+
 def _run(cfg: RegenerateConfig, out: Path, generator: Generator | None, tokenizer) -> dict[str, Any]:
     model_path = model_dir(cfg.model)
     tokenizer = tokenizer or load_tokenizer(model_path, cfg.trust_remote_code)
@@ -242,23 +260,11 @@ def _run(cfg: RegenerateConfig, out: Path, generator: Generator | None, tokenize
         for start, end, rows in _work(cfg, progress, cfg.num_samples, rows_read):
             if regen is None:  # there is work: the run is not complete until it ends
                 (out / MANIFEST).unlink(missing_ok=True)
-                if generator is None:
-                    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
-                    generator = make_generator(cfg.backend, model_path, stops, pad, dtype=cfg.dtype,
-                                               device=cfg.device, batch_size=cfg.batch_size,
-                                               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                               trust_remote_code=cfg.trust_remote_code,
-                                               backend_kwargs=dict(cfg.backend_kwargs))
+                generator = generator or _engine(cfg, model_path, tokenizer, stops)
                 progress.begin(generator.describe())
                 regen = Regenerator(cfg, renderer, generator, settings_id, counter)
             data, rejects, part = regen.part(rows)
-            outcome = Counter(r["outcome"] for r in rejects)
-            rec = PartRecord(start, end, combine(record_fingerprint(r, x) for r, x in rows),
-                             {"regenerated": len(data), "failed": outcome["failed"], "skipped": outcome["skipped"]},
-                             dict(Counter(r["reason"] for r in rejects)),
-                             dict(Counter(f for d in data for f in d["regeneration"]["finish"])),
-                             dict(part.notes), part.tokens, round(part.seconds, 3))
-            progress.publish(rec, data, rejects)
+            progress.publish(_part_record(start, end, rows, data, rejects, part), data, rejects)
             rows_done, tokens, gen_s = rows_done + len(rows), tokens + part.tokens, gen_s + part.seconds
             bar.update(len(rows))
             bar.set_postfix(tok_s=f"{tokens / max(gen_s, 1e-9):.0f}", rejected=sum(counter.counts.values()))

@@ -1,11 +1,4 @@
-"""On-disk layout of a regeneration run, declared once, and its crash-safe progress.
-
-::
-
-    OUT/data/part-SSSSSSSSS-EEEEEEEEE.jsonl     regenerated records of source rows [S, E)
-    OUT/rejects/part-SSSSSSSSS-EEEEEEEEE.jsonl  rows of [S, E) not regenerated: row, id, outcome, reason, detail
-    OUT/progress-RRRRR.json                     rank R: settings + one entry per finished part
-    OUT/regeneration.json                       settings + summed counts of every rank (MANIFEST)
+"""Crash-safe progress of a regeneration run (file names: :mod:`eagle_data.format.regen_layout`).
 
 Source rows are cut into parts of ``rows_per_part``: part ``p`` holds rows
 ``[p * rows_per_part, (p + 1) * rows_per_part)`` and belongs to rank ``p % world_size``. A
@@ -23,51 +16,18 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eagle_data.extract.sink import atomic_write_bytes, atomic_write_json
+from eagle_data.format.regen_layout import (DATA_DIR, FORMAT, MANIFEST, PART_RE, REJECTS_DIR, VERSION, part_name,
+                                            progress_path)
 
 log = logging.getLogger(__name__)
 
-#: on-disk format name and version of a regeneration output
-FORMAT, VERSION = "eagle-data-regeneration", 1
-DATA_DIR, REJECTS_DIR, MANIFEST = "data", "rejects", "regeneration.json"
 #: the three outcomes of a source row
 OUTCOMES = ("regenerated", "failed", "skipped")
-_PART = re.compile(r"^part-(\d{9})-(\d{9})\.jsonl$")
-
-
-def part_name(start: int, end: int) -> str:
-    return f"part-{start:09d}-{end:09d}.jsonl"
-
-
-def progress_path(out: Path, rank: int) -> Path:
-    return out / f"progress-{rank:05d}.json"
-
-
-def is_regeneration(folder: Path) -> bool:
-    """Whether ``folder`` is the output of ``eagle-data regenerate``."""
-    return (folder / MANIFEST).is_file() or any(folder.glob("progress-*.json")) and (folder / DATA_DIR).is_dir()
-
-
-def data_files(folder: Path) -> list[Path]:
-    """The regenerated JSONL parts of a finished run, in source order.
-
-    Raises:
-        ValueError: the run is not finished (some rank has rows left, or never ran).
-    """
-    man = folder / MANIFEST
-    if not man.is_file():
-        raise ValueError(f"data: {folder} is a regeneration in progress (no {MANIFEST} yet): finish it "
-                         "(rerun `eagle-data regenerate` with the same options on every rank) before extracting")
-    m = json.loads(man.read_text())
-    if not m.get("complete"):
-        raise ValueError(f"data: {folder}: the regeneration is not complete ({m.get('ranks_finished')} of "
-                         f"{m.get('world_size')} ranks finished); rerun `eagle-data regenerate` on every rank first")
-    return sorted((folder / DATA_DIR).glob("part-*.jsonl"))
 
 
 @dataclass
@@ -114,7 +74,7 @@ class RankProgress:
         listed = {part_name(p["start"], p["end"]) for p in self.state["parts"]}
         for d in (DATA_DIR, REJECTS_DIR):
             for f in (self.out / d).iterdir():
-                m = _PART.match(f.name.removesuffix(".tmp") if f.name.endswith(".tmp") else f.name)
+                m = PART_RE.match(f.name.removesuffix(".tmp") if f.name.endswith(".tmp") else f.name)
                 if m is None:
                     if f.name.startswith("part-") or f.name.endswith(".tmp"):
                         raise ValueError(f"{f}: not a part file of this layout; remove it")
