@@ -13,7 +13,7 @@ bash scripts/setup.sh dev
 export PATH="$PWD/.venv/bin:$PATH"
 data=()
 if [ -n "${REGENERATE:-}" ]; then
-  regen=$(eagle-data regenerate --config configs/regenerate_smollm2.yaml --max_new_tokens 256 | tail -n 1)
+  regen=$(eagle-data regenerate --config configs/regenerate_smollm2.yaml --mode last --max_new_tokens 192 | tail -n 1)
   data=(--data "$regen" --out out/smollm2-sharegpt-regen-shards)
 fi
 out=$(eagle-data extract --config configs/extract_smollm2.yaml "${data[@]}" "$@" | tail -n 1)

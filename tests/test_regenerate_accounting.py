@@ -27,7 +27,7 @@ LONG = "lorem " * 450  # > MAX_LENGTH tokens on its own
 class Scripted:
     """A :class:`~eagle_data.regen.engines.Generator` whose reply is set by the last user message:
     ``ERR`` -> engine error, ``EMPTY`` -> blank reply, ``SPECIAL`` -> a special token's text,
-    else ``"reply N"`` (N = prompt length), ended by the end-of-turn token."""
+    ``VERBOSE`` -> 30 words, else ``"reply N"`` (N = prompt length), ended by the end-of-turn token."""
 
     def __init__(self, tok):
         self.tok, self.eot = tok, tok.convert_tokens_to_ids("<|im_end|>")
@@ -42,7 +42,8 @@ class Scripted:
             if "ERR" in last:
                 out.append(Reply([], "", 0, "scripted engine error"))
                 continue
-            text = "" if "EMPTY" in last else "a<|im_start|>b" if "SPECIAL" in last else f"reply {len(p)}"
+            text = ("" if "EMPTY" in last else "a<|im_start|>b" if "SPECIAL" in last else "word " * 30
+                    if "VERBOSE" in last else f"reply {len(p)}")
             out.append(finish_of(self.tok.encode(text, add_special_tokens=False) + [self.eot],
                                  frozenset([self.eot]), b))
         return out
@@ -267,3 +268,141 @@ def test_thinking_replies_round_trip_through_a_thinking_template(tmp_path):
     assert runs == [f"answer {p1}<|im_end|>", f"<think>\nwhy {p2}\n</think>\n\nanswer {p2}<|im_end|>"]
     fed = tok.apply_chat_template(m[:3], tokenize=False, add_generation_prompt=True)  # turn 2's prompt
     assert "why" not in fed and f"answer {p1}" in fed and len(tok(fed, add_special_tokens=False)["input_ids"]) == p2
+
+
+def _run(tiny, out, data=None, gen=None, **kw):
+    from transformers import AutoTokenizer
+
+    model, default = tiny
+    tok = AutoTokenizer.from_pretrained(model)
+    c = RegenerateConfig(out=str(out), model=str(model), data=str(data or default), max_length=MAX_LENGTH,
+                         rows_per_part=5, progress=False, **kw)
+    return run_regenerate(c, generator=gen or Scripted(tok), tokenizer=tok)
+
+
+def _listing(out: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(out)): f.read_bytes() for f in sorted(out.rglob("*")) if f.is_file()}
+
+
+def test_every_rank_must_use_the_same_settings(tiny, tmp_path):
+    out = tmp_path / "o"
+    _run(tiny, out, world_size=2, rank=0, max_new_tokens=16)
+    with pytest.raises(ValueError, match="rank 0 ran there with other settings .*max_new_tokens"):
+        _run(tiny, out, world_size=2, rank=1, max_new_tokens=4)
+    done = tmp_path / "done"
+    _run(tiny, done)
+    before = _listing(done)
+    with pytest.raises(ValueError, match="world_size"):  # would re-own rank 0's parts
+        _run(tiny, done, world_size=2, rank=1)
+    assert _listing(done) == before
+
+
+def test_parts_that_no_progress_file_lists_are_never_deleted(tiny, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    _run(tiny, src)
+    for name, why in (("copy", "published copy"), ("parts_only", "no progress file lists")):
+        dst = tmp_path / name
+        shutil.copytree(src, dst)
+        for f in dst.glob("progress-*.json"):
+            f.unlink()
+        if name == "parts_only":
+            (dst / MANIFEST).unlink()
+        before = _listing(dst)
+        with pytest.raises(ValueError, match=why):
+            _run(tiny, dst)
+        assert _listing(dst) == before
+
+
+@pytest.mark.parametrize("change", ["delete", "edit", "cut", "add"])
+def test_extract_refuses_parts_changed_by_hand(tiny, tmp_path, change):
+    from eagle_data.extract.sources import resolve
+
+    out = tmp_path / "o"
+    _run(tiny, out)
+    part = sorted((out / DATA_DIR).iterdir())[1]
+    if change == "delete":
+        part.unlink()
+    elif change == "edit":
+        part.write_text(part.read_text().replace("reply", "Reply", 1))
+    elif change == "cut":
+        part.write_bytes(part.read_bytes()[:-30])
+    else:
+        (out / DATA_DIR / "part-000000099-000000100.jsonl").write_text(part.read_text())
+    with pytest.raises(ValueError, match="changed by hand"):
+        resolve(str(out))
+
+
+def test_a_changed_source_is_refused_before_any_new_work(tiny, tmp_path):
+    model, data = tiny
+    src = tmp_path / "c.jsonl"
+    lines = data.read_text().splitlines()
+    src.write_text("\n".join(lines[:10]) + "\n")
+    out = tmp_path / "o"
+    _run(tiny, out, data=src)
+    before = _listing(out)
+    src.write_text("\n".join([lines[0].replace("c0", "c0-edited")] + lines[1:]) + "\n")
+    from transformers import AutoTokenizer
+
+    gen = Scripted(AutoTokenizer.from_pretrained(model))
+    with pytest.raises(ValueError, match=r"changed since rows \[0, 5\)"):
+        _run(tiny, out, data=src, gen=gen)
+    assert gen.calls == 0 and _listing(out) == before
+
+
+def test_out_inside_the_data_folder_is_refused(tiny, tmp_path):
+    (tmp_path / "chats").mkdir()
+    (tmp_path / "chats" / "a.jsonl").write_text(tiny[1].read_text())
+    for out in (tmp_path / "chats", tmp_path / "chats" / "regen"):
+        with pytest.raises(ValueError, match="overlap"):
+            _run(tiny, out, data=tmp_path / "chats")
+
+
+def test_length_replies_reject(tiny, tmp_path):
+    """A reply that ran out of tokens fails the row (or, after a regenerated turn in mode "all",
+    cuts the record before it) instead of being kept."""
+    src = tmp_path / "c.jsonl"
+    two = {"conversations": [{"from": "human", "value": "short"}, {"from": "gpt", "value": "a"},
+                             {"from": "human", "value": "VERBOSE"}, {"from": "gpt", "value": "b"}]}
+    one = {"conversations": [{"from": "human", "value": "VERBOSE"}, {"from": "gpt", "value": "b"}]}
+    src.write_text(json.dumps(two) + "\n" + json.dumps(one) + "\n")
+    keep = _run(tiny, tmp_path / "keep", data=src, max_new_tokens=8)
+    assert keep["finish"] == {"length": 2, "stop": 1} and keep["regenerated"] == 2
+    rej = _run(tiny, tmp_path / "rej", data=src, max_new_tokens=8, length_replies="reject")
+    assert (rej["regenerated"], rej["failed"], rej["reasons"]) == (1, 1, {"reply_at_length": 1})
+    assert rej["notes"] == {"cut_at_length": 1} and rej["finish"] == {"stop": 1}
+    rec = _read(tmp_path / "rej", DATA_DIR)[0]
+    assert len(rec["conversations"]) == 2 and rec["regeneration"]["turns"] == [1]
+    assert _read(tmp_path / "rej", REJECTS_DIR)[0]["row"] == 1
+
+
+def test_a_row_extraction_would_skip_is_skipped_with_its_reason(tiny, tmp_path):
+    """The tiny model's template (SmolLM2's) does not render tool calls: a regenerated
+    conversation holding one is skipped here as extraction would (tool_calls_not_rendered)."""
+    src = tmp_path / "c.jsonl"
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    src.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "weather in Paris?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "name": "get_weather"},
+        {"role": "assistant", "content": "It is sunny."}]}) + "\n")
+    man = _run(tiny, tmp_path / "o", data=src)
+    assert (man["regenerated"], man["skipped"], man["reasons"]) == (0, 1, {"tool_calls_not_rendered": 1})
+    assert _read(tmp_path / "o", REJECTS_DIR)[0]["detail"].startswith("extraction would skip it")
+
+
+def test_cli_errors_for_an_empty_source_and_an_extract_into_a_regeneration(tiny, tmp_path, capsys):
+    from eagle_data.cli import main as cli
+
+    model, data = tiny
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["regenerate", "--out", str(tmp_path / "e"), "--model", str(model), "--data", str(empty),
+                  "--progress", "false"])
+    assert e.value.code == 2 and "has no rows" in " ".join(capsys.readouterr().err.split())
+    out = tmp_path / "o"
+    _run(tiny, out)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["extract", "--out", str(out), "--model", str(model), "--data", str(data)])
+    assert e.value.code == 2 and "output of `eagle-data regenerate`" in " ".join(capsys.readouterr().err.split())

@@ -96,14 +96,24 @@ def regenerate(cfg: RegenerateConfig) -> None:
     res = run_regenerate(cfg)
     st = res["run_stats"]
     con = Console(stderr=True)
-    con.print(f"[bold]regenerated[/] {st['rows']} rows in this run, {st['tokens_generated']} tokens in "
-              f"{st['generation_seconds']} s of generation ({st['tokens_per_s']} tok/s); "
-              f"rejected in this run: {st['rejects'] or 'none'}")
-    if res.get("complete"):
-        con.print(f"all ranks: {res['input_rows']} rows = {res['regenerated']} regenerated + {res['failed']} failed "
-                  f"+ {res['skipped']} skipped; reasons {res['reasons'] or 'none'}; turns by finish {res['finish']}")
-        if res["regenerated"] == 0 and res["input_rows"]:
-            con.print("[bold red]error:[/] no row was regenerated; see rejects/ in the output directory")
-            sys.exit(2)
-        con.print(f"next: eagle-data extract --data {cfg.out} ...")
+    con.print(f"[bold]this run[/]: {st['rows']} source rows processed, {st['tokens_generated']} tokens generated in "
+              f"{st['generation_seconds']} s ({st['tokens_per_s']} tok/s); rejected: {st['rejects'] or 'none'}")
+    if not res.get("complete"):
+        con.print(f"rank {cfg.rank} of {cfg.world_size} is done; the regeneration is complete once every rank is "
+                  f"(run the others with --rank R --world_size {cfg.world_size}, the same options)")
+        print(cfg.out)
+        return
+    con.print(f"all ranks: {res['input_rows']} rows = {res['regenerated']} regenerated + {res['failed']} failed "
+              f"+ {res['skipped']} skipped; reasons {res['reasons'] or 'none'}; turns by finish {res['finish']}"
+              + (f"; notes {res['notes']}" if res["notes"] else ""))
+    if res["input_rows"] == 0:
+        con.print(f"[bold red]error:[/] the source {cfg.data!r} has no rows")
+        sys.exit(2)
+    if res["regenerated"] == 0:
+        con.print(f"[bold red]error:[/] no row was regenerated; see {cfg.out}/rejects/")
+        sys.exit(2)
+    if res["finish"].get("length") and cfg.length_replies == "keep":
+        con.print(f"note: {res['finish']['length']} turn(s) ran out of tokens (max_new_tokens / max_length); "
+                  "extraction supervises an end-of-turn token after them. --length_replies reject drops them")
+    con.print(f"next: eagle-data extract --data {cfg.out} ...")
     print(cfg.out)

@@ -164,6 +164,11 @@ def check_paths(cfg: ExtractConfig) -> None:
         raise ValueError(f"model {cfg.model!r} is not a model folder (a local HF folder with config.json)")
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"out {cfg.out!r} exists and is not a directory")
+    from eagle_data.format.regen_layout import is_regeneration
+
+    if is_regeneration(Path(cfg.out)):
+        raise ValueError(f"out {cfg.out!r} is the output of `eagle-data regenerate`: extract it into another folder "
+                         f"(--data {cfg.out} --out SHARDS)")
     if cfg.chat_template is not None:
         from eagle_data.templates import resolve
 

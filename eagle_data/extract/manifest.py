@@ -117,7 +117,7 @@ def read_progress(p: Path) -> RankProgress:
     return rec
 
 
-def lock_rank(out_dir: Path, rank: int) -> int | None:
+def lock_rank(out_dir: Path, rank: int, doing: str = "extracted") -> int | None:
     """Take an exclusive lock on byte ``rank`` of ``OUT/.eagle-data.lock`` (released by the OS
     when the process exits, also on SIGKILL). Returns the fd to keep open (``None`` where the
     file system has no locks).
@@ -133,7 +133,7 @@ def lock_rank(out_dir: Path, rank: int) -> int | None:
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EACCES, errno.EAGAIN):
-            raise ValueError(f"{out_dir}: rank {rank} is being extracted by another process right now; "
+            raise ValueError(f"{out_dir}: rank {rank} is being {doing} by another process right now; "
                              "wait for it or stop it before resuming") from e
         log.warning("%s: file locks unsupported (%s); not guarding against concurrent runs", out_dir, e)
         return None

@@ -12,6 +12,7 @@ Part file names sort in source order.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -41,7 +42,9 @@ def data_files(folder: Path) -> list[Path]:
     """The regenerated JSONL parts of a complete run, in source order.
 
     Raises:
-        ValueError: the run is not complete (a rank has rows left, or never ran), or is empty.
+        ValueError: the run is not complete (a rank has rows left, or never ran), holds no
+            regenerated row, or its part files are not exactly those the manifest lists with their
+            sha256 (a part deleted, added, cut or edited by hand).
     """
     folder = Path(folder)
     man = folder / MANIFEST
@@ -50,10 +53,21 @@ def data_files(folder: Path) -> list[Path]:
                          "(rerun `eagle-data regenerate` with the same options on every rank) before extracting")
     m = json.loads(man.read_text(encoding="utf-8"))
     if not m.get("complete"):
-        raise ValueError(f"data: {folder}: the regeneration is not complete; rerun `eagle-data regenerate` "
-                         "on every rank first")
-    files = sorted(f for f in (folder / DATA_DIR).iterdir() if PART_RE.match(f.name))
+        raise ValueError(f"data: {folder}: the regeneration is not complete (ranks not finished: "
+                         f"{m.get('ranks_unfinished')}, rows missing: {m.get('missing_rows')}); rerun "
+                         "`eagle-data regenerate` on every rank first")
     if not m.get("regenerated"):
         raise ValueError(f"data: {folder}: the regeneration holds no regenerated row ({m.get('input_rows')} "
                          f"input rows: {m.get('reasons')}); see {folder / REJECTS_DIR}")
+    listed = {p["name"]: p for p in m.get("parts", [])}
+    on_disk = {f.name for f in (folder / DATA_DIR).iterdir()}
+    if on_disk != set(listed):
+        extra, gone = sorted(on_disk - set(listed)), sorted(set(listed) - on_disk)
+        raise ValueError(f"data: {folder}/{DATA_DIR} does not hold the parts {MANIFEST} lists "
+                         f"(not listed: {extra[:3]}, missing: {gone[:3]}): the output was changed by hand")
+    files = [folder / DATA_DIR / n for n in sorted(listed)]
+    for f in files:
+        if hashlib.sha256(f.read_bytes()).hexdigest() != listed[f.name]["sha256"]:
+            raise ValueError(f"data: {f} differs from what `eagle-data regenerate` wrote (sha256 in {MANIFEST}): "
+                             "the output was changed by hand")
     return files

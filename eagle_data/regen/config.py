@@ -13,7 +13,7 @@ from eagle_data.extract.config import DEFAULT_DATA, DEFAULT_MODEL, _check_date, 
 #: settings that must be equal for a rerun to resume into the same output (``num_samples`` is
 #: not one: a larger N extends a finished run)
 RESUME_FIELDS = ("model", "backend", "data", "split", "mode", "max_new_tokens", "max_length", "temperature", "top_p", "top_k", "seed",
-                 "chat_template", "template_date", "template_vars", "stop_tokens", "split_reasoning",
+                 "chat_template", "template_date", "template_vars", "stop_tokens", "split_reasoning", "length_replies",
                  "rows_per_part", "world_size", "dtype")
 
 
@@ -61,6 +61,10 @@ class RegenerateConfig:
     stop_tokens: list[str] = field(default_factory=list)
     """extra stop tokens (each must be one token), besides the template's end-of-turn token and the
     model's end-of-sequence tokens"""
+    length_replies: Literal["keep", "reject"] = "keep"
+    """a reply that ran out of tokens (finish "length"): "keep" it (extraction then supervises an
+    end-of-turn token the model did not write there), or "reject" it: mode "all" cuts the record
+    before that turn (note cut_at_length), else the row fails (reply_at_length)"""
     split_reasoning: bool = True
     """a reply holding "</think>" is stored as reasoning_content (before it) + content (after it)"""
     backend: Literal["hf", "sglang"] = "hf"
@@ -120,6 +124,7 @@ class RegenerateConfig:
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name, allowed in (("mode", ("last", "all")), ("backend", ("hf", "sglang")),
+                              ("length_replies", ("keep", "reject")),
                               ("dtype", ("bfloat16", "float32", "float16"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
@@ -146,6 +151,11 @@ def check_paths(cfg: RegenerateConfig) -> None:
         raise ValueError(f"model {cfg.model!r} is not a model folder (a local HF folder with config.json)")
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"out {cfg.out!r} exists and is not a directory")
+    if Path(cfg.data).is_dir():
+        out, data = Path(cfg.out).resolve(), Path(cfg.data).resolve()
+        if out == data or data in out.parents or out in data.parents:
+            raise ValueError(f"out {cfg.out!r} and data {cfg.data!r} overlap: the output would become part of "
+                             "the source; use an --out outside the data folder")
     if cfg.chat_template is not None:
         from eagle_data.templates import resolve as resolve_template
 

@@ -163,7 +163,10 @@ class SGLangGenerator:
         kw.update(engine_kwargs)
         import sglang
 
-        self.engine = sglang.Engine(**kw)
+        try:
+            self.engine = sglang.Engine(**kw)
+        except TypeError as e:  # an engine option sglang does not know
+            raise ValueError(f"backend_kwargs: sglang.Engine refused the options: {e}") from e
         self.stop_ids, self.dtype, self.device = stop_ids, dtype, device
         self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
 

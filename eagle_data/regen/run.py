@@ -12,7 +12,10 @@ with exactly one outcome:
   ``broken_alternation``, ...), ``tool_call_turn``, ``no_regenerable_turn``, ``template_error``,
   ``special_token_in_text``, ``context_too_long``;
 * ``failed`` (the generation did not give a usable reply): ``engine_error``, ``empty_reply``,
-  ``special_token_in_reply``.
+  ``special_token_in_reply``, ``reply_at_length`` (with ``length_replies="reject"``).
+
+A regenerated row is rendered and masked as extraction will do; one that extraction would skip
+is skipped here with extraction's reason (e.g. ``tool_calls_not_rendered``).
 
 Skipped and failed rows go to ``rejects/`` with their reason and detail, are counted per
 reason, and the first ones are logged; nothing is dropped unsaid.
@@ -123,8 +126,26 @@ class Regenerator:
         elif (hit := self.renderer._special_re.search(text)) is not None:
             self._reject(part, job.row, job.source_id, "failed", "special_token_in_reply",
                          f"message {job.pending}: the reply holds {hit.group()!r}, which extraction refuses")
+        elif reply.finish == "length" and self.cfg.length_replies == "reject":
+            if self.cfg.mode == "all" and job.done:
+                job.cut = True
+                part.notes["cut_at_length"] += 1
+            else:
+                self._reject(part, job.row, job.source_id, "failed", "reply_at_length",
+                             f"message {job.pending}: the reply ran out of tokens ({len(reply.token_ids)})")
         else:
             apply_reply(job, job.pending, fields, reply.finish, len(prompt), len(reply.token_ids))
+
+    def _check_extractable(self, job: Job, part: _Part) -> None:
+        """Reject (with extraction's own reason) a regenerated row that extraction would skip."""
+        msgs = job.conv.messages[:job.done[-1].message + 1] if job.cut else job.conv.messages
+        try:
+            self.renderer._encode(msgs)
+        except MaskError as e:
+            self._reject(part, job.row, job.source_id, "skipped", e.reason, f"extraction would skip it: {e}")
+        except Exception as e:  # the template raised on the whole conversation
+            self._reject(part, job.row, job.source_id, "skipped", "template_error",
+                         f"extraction would skip it: {type(e).__name__}: {e}")
 
     def part(self, rows: list[tuple[int, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], _Part]:
         """``(regenerated records, reject records, outcomes)`` of a part's ``(row, record)`` pairs."""
@@ -143,6 +164,9 @@ class Regenerator:
             assert len(replies) == len(todo), "the engine answers every prompt"
             for (j, p), r in zip(todo, replies):
                 self._take(j, p, r, part)
+        for j in jobs:
+            if j.row not in part.rejects:
+                self._check_extractable(j, part)
         data = [output_record(j, self.settings_id) for j in jobs if j.row not in part.rejects]
         return data, [part.rejects[r] for r in sorted(part.rejects)], part
 
@@ -156,35 +180,43 @@ def _settings(cfg: RegenerateConfig, model_path: str, renderer: ChatRenderer, st
     return s
 
 
-def _work(cfg: RegenerateConfig, progress: RankProgress, n_rows: int | None,
-          rows_read: list[int]) -> Iterator[tuple[int, int, list]]:
-    """``(start, end, [(row, record)])`` of each part this rank still has to do, in source
-    order; checks on the way that the rows of finished parts are unchanged. ``rows_read[0]``
-    ends as the number of source rows asked for that exist.
+def _check_source(cfg: RegenerateConfig, progress: RankProgress) -> None:
+    """Before any work: the source rows of this rank's finished parts are still the same.
 
     Raises:
-        ValueError: the source changed under a finished part.
+        ValueError: a finished row was edited, or rows were removed or inserted before it.
     """
-    per, fps = cfg.rows_per_part, progress.fingerprints()
+    fps = progress.fingerprints()
+    if not fps:
+        return
     spans = sorted(fps)
     starts = [a for a, _ in spans]
     seen: dict[tuple[int, int], list[int]] = {r: [] for r in fps}
+    for row, rec in iter_records(cfg.data, cfg.split, 0, 1, spans[-1][1]):
+        k = bisect.bisect_right(starts, row) - 1
+        if k >= 0 and row < spans[k][1]:
+            seen[spans[k]].append(record_fingerprint(row, rec))
+    for (s, e), fp in fps.items():
+        if len(seen[(s, e)]) != e - s or combine(seen[(s, e)]) != fp:
+            raise ValueError(f"data: {cfg.data} changed since rows [{s}, {e}) were regenerated into {cfg.out} "
+                             f"({len(seen[(s, e)])} of {e - s} rows still there, contents differ or rows moved); "
+                             "restore the source or use another --out")
+
+
+def _work(cfg: RegenerateConfig, progress: RankProgress, n_rows: int | None,
+          rows_read: list[int]) -> Iterator[tuple[int, int, list]]:
+    """``(start, end, [(row, record)])`` of each part this rank still has to do, in source
+    order. ``rows_read[0]`` ends as the number of source rows asked for that exist."""
+    per = cfg.rows_per_part
+    spans = sorted(progress.fingerprints())
+    starts = [a for a, _ in spans]
     buf: list[tuple[int, Any]] = []
     start = None
-    upto = None if n_rows is None else max([n_rows] + [e for _, e in fps])  # finished rows are all checked
-    for row, rec in iter_records(cfg.data, cfg.split, 0, 1, upto):
-        if n_rows is None or row < n_rows:
-            rows_read[0] = row + 1
-        p = row // per
-        if p % cfg.world_size != cfg.rank:
-            continue
+    for row, rec in iter_records(cfg.data, cfg.split, 0, 1, n_rows):
+        rows_read[0] = row + 1
         k = bisect.bisect_right(starts, row) - 1
-        done = spans[k] if k >= 0 and row < spans[k][1] else None
-        if done is not None:
-            seen[done].append(record_fingerprint(row, rec))
-            continue
-        if n_rows is not None and row >= n_rows:
-            continue
+        if (row // per) % cfg.world_size != cfg.rank or (k >= 0 and row < spans[k][1]):
+            continue  # another rank's row, or a finished one
         if buf and row // per != buf[0][0] // per:
             yield start, buf[-1][0] + 1, buf
             buf = []
@@ -193,11 +225,6 @@ def _work(cfg: RegenerateConfig, progress: RankProgress, n_rows: int | None,
         buf.append((row, rec))
     if buf:
         yield start, buf[-1][0] + 1, buf
-    for (s, e), fp in fps.items():
-        if len(seen[(s, e)]) != e - s or combine(seen[(s, e)]) != fp:
-            raise ValueError(f"data: {cfg.data} changed since rows [{s}, {e}) were regenerated into {cfg.out} "
-                             f"({len(seen[(s, e)])} of {e - s} rows still there, contents differ or rows moved); "
-                             "restore the source or use another --out")
 
 
 def run_regenerate(cfg: RegenerateConfig, generator: Generator | None = None, tokenizer=None) -> dict[str, Any]:
@@ -214,9 +241,7 @@ def run_regenerate(cfg: RegenerateConfig, generator: Generator | None = None, to
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"out {cfg.out!r}: cannot create the directory ({e.strerror or e})") from e
-    if (out / "manifest.json").exists():
-        raise ValueError(f"out {cfg.out!r} holds an extracted dataset (manifest.json); use another --out")
-    lock = lock_rank(out, cfg.rank)
+    lock = lock_rank(out, cfg.rank, "regenerated")
     try:
         return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, generator, tokenizer)
     finally:
@@ -256,6 +281,7 @@ def _run(cfg: RegenerateConfig, out: Path, generator: Generator | None, tokenize
                dynamic_ncols=True)
     t0, rows_done, tokens, gen_s = time.perf_counter(), 0, 0, 0.0
     regen, own = None, generator is None
+    _check_source(cfg, progress)
     try:
         for start, end, rows in _work(cfg, progress, cfg.num_samples, rows_read):
             if regen is None:  # there is work: the run is not complete until it ends

@@ -14,9 +14,10 @@ Every part's counts satisfy ``regenerated + failed + skipped == rows``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,52 +43,51 @@ class PartRecord:
     notes: dict[str, int]           # kept-but-changed reason (e.g. "cut_at_max_length") -> rows
     tokens: int                     # tokens generated (of regenerated rows and of failed ones)
     seconds: float                  # time spent generating
+    sha256: dict[str, str] = field(default_factory=dict)  # DATA_DIR / REJECTS_DIR -> sha256 of its file
 
 
 class RankProgress:
-    """The rank's progress file: settings, finished parts; repairs the folder on open.
+    """The rank's progress file: settings, finished parts; checks the folder and repairs it on open.
 
     Raises:
-        ValueError: the folder holds a run with other settings (names the first difference),
-            or a damaged progress file.
+        ValueError: the folder holds something else (an extraction, a published copy, parts no
+            progress file lists), a run of any rank with other settings (names the first
+            difference), a damaged progress file, or a finished part changed on disk.
     """
 
     def __init__(self, out: Path, rank: int, settings: dict[str, Any]):
         self.out, self.rank, self.path = out, rank, progress_path(out, rank)
         self.state: dict[str, Any] = {"format": FORMAT, "version": VERSION, "rank": rank,
                                       "settings": settings, "parts": [], "finished": False, "num_rows": 0}
-        if self.path.exists():
-            prev = _read_json(self.path)
-            if prev.get("format") != FORMAT or prev.get("version") != VERSION:
-                raise ValueError(f"{self.path}: not a regeneration progress file of version {VERSION}")
-            for k in sorted(set(settings) | set(prev["settings"])):
-                if k != "num_samples" and settings.get(k) != prev["settings"].get(k):
-                    raise ValueError(f"{out}: a regeneration with other settings is there ({k}: "
-                                     f"{prev['settings'].get(k)!r} then, {settings.get(k)!r} now); use another --out")
-            self.state["parts"] = prev["parts"]
-            self.state["engine"] = prev.get("engine")
+        others = _check_folder(out, settings)
+        if rank in others:
+            self.state["parts"] = others[rank]["parts"]
+            self.state["engine"] = others[rank].get("engine")
         (out / DATA_DIR).mkdir(parents=True, exist_ok=True)
         (out / REJECTS_DIR).mkdir(exist_ok=True)
-        self._repair(settings["rows_per_part"], settings["world_size"])
+        self._repair(settings["rows_per_part"], settings["world_size"], rank in others)
 
-    def _repair(self, per_part: int, world: int) -> None:
-        listed = {part_name(p["start"], p["end"]) for p in self.state["parts"]}
+    def _repair(self, per_part: int, world: int, have_progress: bool) -> None:
+        listed = {part_name(p["start"], p["end"]): p for p in self.state["parts"]}
         for d in (DATA_DIR, REJECTS_DIR):
-            for f in (self.out / d).iterdir():
-                m = PART_RE.match(f.name.removesuffix(".tmp") if f.name.endswith(".tmp") else f.name)
+            for f in sorted((self.out / d).iterdir()):
+                m = PART_RE.match(f.name.removesuffix(".tmp"))
                 if m is None:
-                    if f.name.startswith("part-") or f.name.endswith(".tmp"):
-                        raise ValueError(f"{f}: not a part file of this layout; remove it")
+                    raise ValueError(f"{f}: not a part file of a regeneration; {self.out / d} holds only "
+                                     "part-*.jsonl files written by `eagle-data regenerate`")
+                if (int(m.group(1)) // per_part) % world != self.rank or f.name in listed:
                     continue
-                mine = (int(m.group(1)) // per_part) % world == self.rank
-                if mine and (f.name.endswith(".tmp") or f.name not in listed):
-                    log.info("removing %s (not recorded as finished: redone)", f)
-                    f.unlink()
-        for name in listed:
+                if not have_progress and not f.name.endswith(".tmp"):
+                    raise ValueError(f"{f}: a part of rank {self.rank} that no progress file lists (a copied or "
+                                     "hand-made output?); nothing is deleted: use another --out")
+                log.info("removing %s (not recorded as finished: redone)", f)
+                f.unlink()
+        for name, p in listed.items():
             for d in (DATA_DIR, REJECTS_DIR):
-                if not (self.out / d / name).is_file():
-                    raise ValueError(f"{self.out / d / name} is listed in {self.path} but missing: the output was "
-                                     "changed by hand; restore it or use another --out")
+                f = self.out / d / name
+                if not f.is_file() or (p.get("sha256", {}).get(d) not in (None, _sha256(f))):
+                    raise ValueError(f"{f} (listed in {self.path}) is {'changed' if f.is_file() else 'missing'}: "
+                                     "the output was edited by hand; restore it or use another --out")
 
     def fingerprints(self) -> dict[tuple[int, int], str]:
         return {(p["start"], p["end"]): p["fingerprint"] for p in self.state["parts"]}
@@ -97,9 +97,10 @@ class RankProgress:
         assert sum(rec.counts.values()) == rec.end - rec.start, (rec.counts, rec.start, rec.end)
         name = part_name(rec.start, rec.end)
         for d, rows in ((DATA_DIR, data), (REJECTS_DIR, rejects)):
-            atomic_write_bytes(self.out / d / name, "".join(
-                json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
-        self.state["parts"].append(rec.__dict__)
+            blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+            atomic_write_bytes(self.out / d / name, blob)
+            rec.sha256[d] = hashlib.sha256(blob).hexdigest()
+        self.state["parts"].append(asdict(rec))
         atomic_write_json(self.path, self.state)
 
     def finish(self, num_rows: int) -> None:
@@ -112,6 +113,37 @@ class RankProgress:
         atomic_write_json(self.path, self.state)
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _check_folder(out: Path, settings: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Every rank's progress record in ``out`` (rank -> record), after checking that ``out`` is a
+    regeneration with these settings (or new).
+
+    Raises:
+        ValueError: see :class:`RankProgress`.
+    """
+    if any(out.glob("*.tar")) or (out / "index").is_dir() or (out / "manifest.json").exists():
+        raise ValueError(f"out {out}: holds an extracted dataset (shards/index); use another --out")
+    found: dict[int, dict[str, Any]] = {}
+    for f in sorted(out.glob("progress-*.json")):
+        rec = _read_json(f)
+        if rec.get("format") != FORMAT or rec.get("version") != VERSION or not isinstance(rec.get("rank"), int):
+            raise ValueError(f"{f}: not the progress file of a regeneration (version {VERSION}); is {out} an "
+                             "extraction in progress? Use another --out")
+        for k in sorted(set(settings) | set(rec["settings"])):
+            if k != "num_samples" and settings.get(k) != rec["settings"].get(k):
+                raise ValueError(f"{out}: rank {rec['rank']} ran there with other settings ({k}: "
+                                 f"{rec['settings'].get(k)!r} there, {settings.get(k)!r} now); every rank of a "
+                                 "regeneration uses the same settings: use another --out")
+        found[rec["rank"]] = rec
+    if not found and (out / MANIFEST).exists():
+        raise ValueError(f"out {out}: a finished regeneration without its progress files (a published copy?) "
+                         "cannot be resumed or extended; use another --out")
+    return found
+
+
 def _read_json(p: Path) -> dict[str, Any]:
     try:
         v = json.loads(p.read_text(encoding="utf-8"))
@@ -122,42 +154,47 @@ def _read_json(p: Path) -> dict[str, Any]:
     return v
 
 
+def _totals(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts summed over ``parts`` (outcomes, reasons, finish reasons, notes, tokens, seconds)."""
+    counts = {k: 0 for k in OUTCOMES}
+    sums: dict[str, dict[str, int]] = {"reasons": {}, "finish": {}, "notes": {}}
+    for part in parts:
+        for k, v in part["counts"].items():
+            counts[k] += v
+        for name, dst in sums.items():
+            for k, v in part[name].items():
+                dst[k] = dst.get(k, 0) + v
+    return {"input_rows": sum(counts.values()), **counts, **{k: dict(sorted(v.items())) for k, v in sums.items()},
+            "tokens_generated": sum(p["tokens"] for p in parts),
+            "generation_seconds": round(sum(p["seconds"] for p in parts), 3)}
+
+
 def summarize(out: Path, world_size: int, extra: dict[str, Any]) -> dict[str, Any]:
     """Sum every rank's progress into :data:`MANIFEST`, written when the run is complete: every
     rank has finished and the parts cover source rows ``[0, n)`` without a gap, ``n`` at least
     the rows each rank was asked for (a rerun with a smaller ``num_samples`` shrinks nothing).
-    Returned either way."""
+    The manifest lists every part (rows, sha256 of its data file), which ``extract`` checks.
+    Returned either way, with ``missing``: the first rows no finished part covers, and the ranks
+    that have not finished."""
     ranks = [_read_json(progress_path(out, r)) if progress_path(out, r).exists() else None for r in range(world_size)]
     done = [p for p in ranks if p is not None and p["finished"]]
-    counts = {k: 0 for k in OUTCOMES}
-    reasons: dict[str, int] = {}
-    finish: dict[str, int] = {}
-    notes: dict[str, int] = {}
-    tokens, seconds = 0, 0.0
-    for p in ranks:
-        for part in p["parts"] if p else []:
-            for src, dst in ((part["counts"], counts), (part["reasons"], reasons), (part["finish"], finish),
-                             (part["notes"], notes)):
-                for k, v in src.items():
-                    dst[k] = dst.get(k, 0) + v
-            tokens += part["tokens"]
-            seconds += part["seconds"]
-    spans = sorted((part["start"], part["end"]) for p in ranks if p for part in p["parts"])
-    covered = 0
-    for a, b in spans:  # parts never overlap; a gap is a part some rank still has to do
-        if a != covered:
-            covered = -1
-            break
-        covered = b
+    parts = sorted((part for p in ranks if p for part in p["parts"]), key=lambda x: x["start"])
     asked = max((p["num_rows"] for p in done), default=0)
-    complete = len(done) == world_size and covered >= asked
+    covered, gap = 0, None
+    for part in parts:  # parts never overlap; a gap is a part some rank still has to do
+        if part["start"] != covered:
+            gap = [covered, part["start"]]
+            break
+        covered = part["end"]
+    if gap is None and covered < asked:
+        gap = [covered, asked]
+    complete = len(done) == world_size and gap is None
     man = {"format": FORMAT, "version": VERSION, "complete": complete, "world_size": world_size,
-           "ranks_finished": len(done), "settings": next((p["settings"] for p in ranks if p), {}),
-           "engine": next((p["engine"] for p in ranks if p and p.get("engine")), None),
-           "input_rows": sum(counts.values()), **counts, "reasons": dict(sorted(reasons.items())),
-           "finish": dict(sorted(finish.items())),
-           "notes": dict(sorted(notes.items())), "tokens_generated": tokens,
-           "generation_seconds": round(seconds, 3), **extra}
+           "ranks_finished": len(done), "ranks_unfinished": [r for r, p in enumerate(ranks) if p not in done],
+           "missing_rows": gap, "settings": next((p["settings"] for p in ranks if p), {}),
+           "engine": next((p["engine"] for p in ranks if p and p.get("engine")), None), **_totals(parts),
+           "parts": [{"name": part_name(p["start"], p["end"]), "regenerated": p["counts"]["regenerated"],
+                      "sha256": p.get("sha256", {}).get(DATA_DIR)} for p in parts], **extra}
     if complete:
         assert man["input_rows"] == covered, "every source row has exactly one outcome"
         atomic_write_json(out / MANIFEST, man)
