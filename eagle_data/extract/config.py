@@ -92,21 +92,9 @@ class ExtractConfig:
         Raises:
             ValueError: naming the bad setting.
         """
-        if self.rank is None:
-            self.rank = _env_int("RANK", 0)
-        if self.world_size is None:
-            self.world_size = _env_int("WORLD_SIZE", 1)
-        if not (_is_int(self.world_size) and self.world_size >= 1):
-            raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
-        if not (_is_int(self.rank) and 0 <= self.rank < self.world_size):
-            raise ValueError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
-        for name in ("out", "model", "data", "split", "device"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
-                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        check_run_fields(self)
         if self.dataset_tag is not None and not self.dataset_tag.strip():
             raise ValueError("dataset_tag must be non-empty (or null: derived from the data name)")
-        _check_date(self.template_date)
-        check_device(self.device, usable=False)
         for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window", "writers", "write_queue",
                      "shard_max_bytes", "max_length"):
             v, lo = getattr(self, name), (2 if name == "max_length" else 1)
@@ -122,6 +110,28 @@ class ExtractConfig:
         for name in ("template_vars", "backend_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
+
+
+def check_run_fields(cfg: Any) -> None:
+    """The fields extraction and regeneration share: fill ``rank``/``world_size`` from
+    ``$RANK``/``$WORLD_SIZE``; check them, the path-like strings, ``template_date`` and ``device``.
+
+    Raises:
+        ValueError: naming the bad setting.
+    """
+    if cfg.rank is None:
+        cfg.rank = _env_int("RANK", 0)
+    if cfg.world_size is None:
+        cfg.world_size = _env_int("WORLD_SIZE", 1)
+    if not (_is_int(cfg.world_size) and cfg.world_size >= 1):
+        raise ValueError(f"world_size must be an integer >= 1, got {cfg.world_size!r}")
+    if not (_is_int(cfg.rank) and 0 <= cfg.rank < cfg.world_size):
+        raise ValueError(f"rank {cfg.rank!r} must be in [0, world_size={cfg.world_size!r})")
+    for name in ("out", "model", "data", "split", "device"):
+        if not isinstance(getattr(cfg, name), str) or not getattr(cfg, name).strip():
+            raise ValueError(f"{name} must be a non-empty string, got {getattr(cfg, name)!r}")
+    _check_date(cfg.template_date)
+    check_device(cfg.device, usable=False)
 
 
 def storage_dtype(cfg: ExtractConfig) -> str:

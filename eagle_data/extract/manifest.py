@@ -117,6 +117,20 @@ def read_progress(p: Path) -> RankProgress:
     return rec
 
 
+def open_out(out: str, rank: int, doing: str = "extracted") -> tuple[Path, int | None]:
+    """Create the output directory ``out`` and lock ``rank`` in it (:func:`lock_rank`).
+
+    Raises:
+        ValueError: the directory cannot be created, or the rank is locked by a live process.
+    """
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out {out!r}: cannot create the directory ({e.strerror or e})") from e
+    return path, lock_rank(path, rank, doing)
+
+
 def lock_rank(out_dir: Path, rank: int, doing: str = "extracted") -> int | None:
     """Take an exclusive lock on byte ``rank`` of ``OUT/.eagle-data.lock`` (released by the OS
     when the process exits, also on SIGKILL). Returns the fd to keep open (``None`` where the

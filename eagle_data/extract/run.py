@@ -40,7 +40,7 @@ from eagle_data.extract.chat import ChatRenderer, tokenize
 from eagle_data.extract.config import ExtractConfig, check_paths, model_dir, rows_to_read, storage_dtype
 from eagle_data.extract.conversations import normalize
 from eagle_data.extract.fault import ErrorPolicy
-from eagle_data.extract.manifest import load_progress, lock_rank, merge, weights_fingerprint
+from eagle_data.extract.manifest import load_progress, merge, open_out, weights_fingerprint
 from eagle_data.extract.rank_state import RankState
 from eagle_data.extract.signals import ExtractionInterrupted, Signals, interruptible_iter
 from eagle_data.extract.sink import ShardSink
@@ -68,12 +68,7 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
             a SIGTERM with the default handler terminates the process after cleanup.
     """
     check_paths(cfg)
-    out = Path(cfg.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"out {cfg.out!r}: cannot create the directory ({e.strerror or e})") from e
-    lock = lock_rank(out, cfg.rank)
+    out, lock = open_out(cfg.out, cfg.rank)
     try:
         return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer)
     finally:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from eagle_data.checks import check_device
-from eagle_data.extract.config import DEFAULT_DATA, DEFAULT_MODEL, _check_date, _env_int, _is_int
+from eagle_data.extract.config import DEFAULT_DATA, DEFAULT_MODEL, _is_int, check_run_fields
 
 #: settings that must be equal for a rerun to resume into the same output (``num_samples`` is
 #: not one: a larger N extends a finished run)
@@ -95,19 +95,7 @@ class RegenerateConfig:
         Raises:
             ValueError: naming the bad setting.
         """
-        if self.rank is None:
-            self.rank = _env_int("RANK", 0)
-        if self.world_size is None:
-            self.world_size = _env_int("WORLD_SIZE", 1)
-        if not (_is_int(self.world_size) and self.world_size >= 1):
-            raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
-        if not (_is_int(self.rank) and 0 <= self.rank < self.world_size):
-            raise ValueError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
-        for name in ("out", "model", "data", "split", "device"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
-                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
-        _check_date(self.template_date)
-        check_device(self.device, usable=False)
+        check_run_fields(self)
         for name, lo in (("max_new_tokens", 1), ("max_length", 2), ("batch_size", 1), ("rows_per_part", 1)):
             v = getattr(self, name)
             if not _is_int(v) or v < lo:

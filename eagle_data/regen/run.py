@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -40,7 +40,7 @@ from eagle_data.extract.chat import ChatRenderer
 from eagle_data.extract.config import model_dir, rows_to_read
 from eagle_data.extract.conversations import normalize_record
 from eagle_data.extract.fault import BadRecord, DropCounter, Skip
-from eagle_data.extract.manifest import lock_rank, package_versions, weights_fingerprint
+from eagle_data.extract.manifest import open_out, package_versions, weights_fingerprint
 from eagle_data.extract.mask import MaskError
 from eagle_data.extract.run import load_tokenizer
 from eagle_data.extract.sources import combine, iter_records, record_fingerprint
@@ -105,13 +105,18 @@ class Regenerator:
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
         if len(ids) < self.cfg.max_length:
             return ids
+        self._end_early(job, part, "cut_at_max_length", "skipped", "context_too_long",
+                        f"message {job.pending}: the prompt has {len(ids)} tokens, max_length is {self.cfg.max_length}")
+        return None
+
+    def _end_early(self, job: Job, part: _Part, note: str, outcome: str, reason: str, detail: str) -> None:
+        """The job's next turn cannot be regenerated: in mode "all" after a regenerated turn the
+        record ends before it (``note``), else the row is rejected."""
         if self.cfg.mode == "all" and job.done:
             job.cut = True
-            part.notes["cut_at_max_length"] += 1
+            part.notes[note] += 1
         else:
-            self._reject(part, job.row, job.source_id, "skipped", "context_too_long",
-                         f"message {job.pending}: the prompt has {len(ids)} tokens, max_length is {self.cfg.max_length}")
-        return None
+            self._reject(part, job.row, job.source_id, outcome, reason, detail)
 
     def _take(self, job: Job, prompt: list[int], reply, part: _Part) -> None:
         part.tokens += reply.num_generated
@@ -127,12 +132,8 @@ class Regenerator:
             self._reject(part, job.row, job.source_id, "failed", "special_token_in_reply",
                          f"message {job.pending}: the reply holds {hit.group()!r}, which extraction refuses")
         elif reply.finish == "length" and self.cfg.length_replies == "reject":
-            if self.cfg.mode == "all" and job.done:
-                job.cut = True
-                part.notes["cut_at_length"] += 1
-            else:
-                self._reject(part, job.row, job.source_id, "failed", "reply_at_length",
-                             f"message {job.pending}: the reply ran out of tokens ({len(reply.token_ids)})")
+            self._end_early(job, part, "cut_at_length", "failed", "reply_at_length",
+                            f"message {job.pending}: the reply ran out of tokens ({len(reply.token_ids)})")
         else:
             apply_reply(job, job.pending, fields, reply.finish, len(prompt), len(reply.token_ids))
 
@@ -236,12 +237,7 @@ def run_regenerate(cfg: RegenerateConfig, generator: Generator | None = None, to
             finished part, or the rank is being run by another live process.
     """
     check_paths(cfg)
-    out = Path(cfg.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"out {cfg.out!r}: cannot create the directory ({e.strerror or e})") from e
-    lock = lock_rank(out, cfg.rank, "regenerated")
+    out, lock = open_out(cfg.out, cfg.rank, "regenerated")
     try:
         return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, generator, tokenizer)
     finally:
