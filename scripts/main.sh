@@ -5,8 +5,8 @@
 #   bash scripts/main.sh                 # everything (≈20 min on 2 cores)
 #   MINUTES=3 bash scripts/main.sh       # shorter training
 #   SKIP_TRAIN=1 bash scripts/main.sh    # extraction only
-#   REGENERATE=1 bash scripts/main.sh    # first let SmolLM2 rewrite every answer (eagle-data regenerate,
-#                                        # +≈5 min), then extract and train on its own replies
+#   REGENERATE=1 bash scripts/main.sh    # first let SmolLM2 rewrite the last answer of each conversation
+#                                        # (eagle-data regenerate, +≈16 min), then extract and train on it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
