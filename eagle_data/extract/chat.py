@@ -277,7 +277,7 @@ class ChatRenderer:
         Raises:
             MaskError: (a subclass naming) why the conversation cannot be masked exactly.
         """
-        self._check_text(messages)
+        self.check_text(messages)
         return self._locate(text, self._for_template(messages))[0]
 
     def _locate(self, text: str, msgs: list[dict[str, Any]]) -> tuple[list[tuple[int, int]], list[str]]:
@@ -292,7 +292,14 @@ class ChatRenderer:
         dropped = any(p.kind == "reasoning" and p.msg == last and j not in rendered for j, p in enumerate(pieces))
         return spans, ["final_reasoning_not_rendered"] if dropped else []
 
-    def _check_text(self, messages: list[dict[str, Any]]) -> None:
+    def find_special(self, text: str) -> str | None:
+        """The first special token's string (or placeholder) in ``text``, else None."""
+        hit = self._special_re.search(text)
+        return hit.group() if hit else None
+
+    def check_text(self, messages: list[dict[str, Any]]) -> None:
+        """Raises :class:`SpecialTokenInText` naming the message and field whose text holds a
+        special token's string (it would become the real token)."""
         for i, m in enumerate(messages):
             for key, value in m.items():
                 if key != "role" and (hit := self._special_re.search(str(value))):
@@ -314,11 +321,11 @@ class ChatRenderer:
         messages = [normalize_message(i, m) for i, m in enumerate(messages)]
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError("messages have no assistant turn: nothing to supervise")
-        return self._encode(messages)
+        return self.encode_normalized(messages)
 
-    def _encode(self, messages: list[dict[str, Any]]) -> Encoded:
+    def encode_normalized(self, messages: list[dict[str, Any]]) -> Encoded:
         """:meth:`encode` of messages already normalised (the pipeline's conversations)."""
-        self._check_text(messages)
+        self.check_text(messages)
         msgs = self._for_template(messages)
         text = self._apply(msgs)
         spans, notes = self._locate(text, msgs)
@@ -349,7 +356,7 @@ def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     for c in convs:
         try:
-            enc = renderer._encode(c.messages)  # normalize() made them
+            enc = renderer.encode_normalized(c.messages)  # normalize() made them
         except MaskError as e:
             policy.handle(Skip(c.row, c.source_id, e.reason, str(e)))
             continue

@@ -94,7 +94,7 @@ class Regenerator:
         """Token ids of the next target's prompt, or None (the row was rejected or cut)."""
         msgs = job.conv.messages[:job.pending]
         try:
-            self.renderer._check_text(msgs)
+            self.renderer.check_text(msgs)
             text = self.renderer.render(msgs, add_generation_prompt=True)
         except MaskError as e:
             self._reject(part, job.row, job.source_id, "skipped", e.reason, str(e))
@@ -128,9 +128,9 @@ class Regenerator:
         if not any(v.strip() for v in fields.values()):
             self._reject(part, job.row, job.source_id, "failed", "empty_reply",
                          f"message {job.pending}: {len(reply.token_ids)} token(s), blank text ({reply.finish})")
-        elif (hit := self.renderer._special_re.search(text)) is not None:
+        elif (hit := self.renderer.find_special(text)) is not None:
             self._reject(part, job.row, job.source_id, "failed", "special_token_in_reply",
-                         f"message {job.pending}: the reply holds {hit.group()!r}, which extraction refuses")
+                         f"message {job.pending}: the reply holds {hit!r}, which extraction refuses")
         elif reply.finish == "length" and self.cfg.length_replies == "reject":
             self._end_early(job, part, "cut_at_length", "failed", "reply_at_length",
                             f"message {job.pending}: the reply ran out of tokens ({len(reply.token_ids)})")
@@ -141,7 +141,7 @@ class Regenerator:
         """Reject (with extraction's own reason) a regenerated row that extraction would skip."""
         msgs = job.conv.messages[:job.done[-1].message + 1] if job.cut else job.conv.messages
         try:
-            self.renderer._encode(msgs)
+            self.renderer.encode_normalized(msgs)
         except MaskError as e:
             self._reject(part, job.row, job.source_id, "skipped", e.reason, f"extraction would skip it: {e}")
         except Exception as e:  # the template raised on the whole conversation
@@ -175,7 +175,8 @@ class Regenerator:
 def _settings(cfg: RegenerateConfig, model_path: str, renderer: ChatRenderer, stops: frozenset[int]) -> dict[str, Any]:
     tok_json = Path(model_path) / "tokenizer.json"
     s = {k: getattr(cfg, k) for k in RESUME_FIELDS}
-    s.update(model=model_path, weights_fingerprint=weights_fingerprint(model_path),
+    local = Path(cfg.data)
+    s.update(data=str(local.resolve()) if local.exists() else cfg.data, model=model_path, weights_fingerprint=weights_fingerprint(model_path),
              tokenizer_sha256=hashlib.sha256(tok_json.read_bytes()).hexdigest() if tok_json.exists() else None,
              template=renderer.describe(), stop_token_ids=sorted(stops))
     return s
