@@ -406,3 +406,44 @@ def test_cli_errors_for_an_empty_source_and_an_extract_into_a_regeneration(tiny,
     with pytest.raises(SystemExit) as e:
         cli.main(["extract", "--out", str(out), "--model", str(model), "--data", str(data)])
     assert e.value.code == 2 and "output of `eagle-data regenerate`" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_rerun_deletes_only_the_part_it_was_writing(tiny, tmp_path):
+    """A crash between writing a part and listing it leaves that one part: a rerun removes it and
+    redoes it. Any other unlisted part file (added by hand) is refused, and nothing is deleted."""
+    out = tmp_path / "o"
+    _run(tiny, out, num_samples=10)  # parts [0, 5), [5, 10)
+    prog = json.loads((out / "progress-00000.json").read_text())
+    last = prog["parts"].pop()
+    (out / "progress-00000.json").write_text(json.dumps(prog))  # as if killed before listing [5, 10)
+    man = _run(tiny, out, num_samples=10)
+    assert man["complete"] and man["run_stats"]["rows"] == 5 and man["input_rows"] == 10
+    for stray in ("part-000000013-000000014.jsonl", "part-000000020-000000025.jsonl"):
+        (out / DATA_DIR / stray).write_text("{}\n")
+        before = _listing(out)
+        with pytest.raises(ValueError, match="not the part this rank was writing"):
+            _run(tiny, out, num_samples=10)
+        assert _listing(out) == before
+        (out / DATA_DIR / stray).unlink()
+    assert last["end"] == 10
+
+
+def test_refused_settings_write_nothing(tiny, tmp_path):
+    with pytest.raises(ValueError, match="stop_tokens"):
+        _run(tiny, tmp_path / "o", stop_tokens=["hello world, not a token"])
+    assert not (tmp_path / "o").exists()
+
+
+def test_extract_warns_on_another_template_or_a_shorter_max_length(tiny, tmp_path, caplog):
+    from eagle_data.extract.config import ExtractConfig
+    from eagle_data.extract.run import run_extract
+
+    model, _ = tiny
+    out = tmp_path / "o"
+    _run(tiny, out)
+    with caplog.at_level("WARNING"):
+        run_extract(ExtractConfig(out=str(tmp_path / "ds"), model=str(model), data=str(out), dtype="float32",
+                                  aux_layer_ids=[1, 3, 5], max_length=MAX_LENGTH - 1, chat_template="qwen2.5",
+                                  progress=False))
+    text = caplog.text
+    assert "another chat template" in text and "truncates at 399" in text and "another model" not in text

@@ -96,11 +96,13 @@ def regenerate(cfg: RegenerateConfig) -> None:
     res = run_regenerate(cfg)
     st = res["run_stats"]
     con = Console(stderr=True)
+    speed = f" ({st['tokens_per_s']} tok/s)" if st["tokens_per_s"] else ""
     con.print(f"[bold]this run[/]: {st['rows']} source rows processed, {st['tokens_generated']} tokens generated in "
-              f"{st['generation_seconds']} s ({st['tokens_per_s']} tok/s); rejected: {st['rejects'] or 'none'}")
+              f"{st['generation_seconds']} s{speed}; rejected: {st['rejects'] or 'none'}")
     if not res.get("complete"):
-        con.print(f"rank {cfg.rank} of {cfg.world_size} is done; the regeneration is complete once every rank is "
-                  f"(run the others with --rank R --world_size {cfg.world_size}, the same options)")
+        con.print(f"rank {cfg.rank} of {cfg.world_size} has finished; not complete yet: ranks not finished "
+                  f"{res['ranks_unfinished']}, first rows missing {res['missing_rows']} (run every rank with the same "
+                  f"options and --num_samples, --rank R --world_size {cfg.world_size})")
         print(cfg.out)
         return
     con.print(f"all ranks: {res['input_rows']} rows = {res['regenerated']} regenerated + {res['failed']} failed "

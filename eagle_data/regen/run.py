@@ -230,17 +230,25 @@ def _work(cfg: RegenerateConfig, progress: RankProgress, n_rows: int | None,
 
 
 def run_regenerate(cfg: RegenerateConfig, generator: Generator | None = None, tokenizer=None) -> dict[str, Any]:
-    """Run (or resume) a regeneration; returns the manifest when every rank has finished, else
-    ``{"progress": this rank's record, "run_stats": ...}`` (``run_stats`` in both).
+    """Run (or resume) a regeneration. Returns the summary of every rank's progress (the content
+    of ``regeneration.json`` once ``complete``) plus ``run_stats`` (this run) and ``progress``
+    (this rank's record).
 
     Raises:
-        ValueError: bad settings, another run's output in ``out``, the source changed under a
-            finished part, or the rank is being run by another live process.
+        ValueError: bad settings (checked before anything is written), another run's output in
+            ``out``, the source changed under a finished part, or the rank is being run by another
+            live process.
     """
     check_paths(cfg)
+    cfg = replace(cfg, num_samples=rows_to_read(cfg))
+    model_path = model_dir(cfg.model)
+    tokenizer = tokenizer or load_tokenizer(model_path, cfg.trust_remote_code)
+    renderer = ChatRenderer.from_path(tokenizer, cfg.chat_template, date=cfg.template_date,
+                                      variables=cfg.template_vars)
+    stops = stop_token_ids(tokenizer, renderer, model_path, cfg.stop_tokens)
     out, lock = open_out(cfg.out, cfg.rank, "regenerated")
     try:
-        return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, generator, tokenizer)
+        return _run(cfg, out, generator, renderer, model_path, stops)
     finally:
         if lock is not None:
             os.close(lock)
@@ -263,12 +271,9 @@ def _part_record(start: int, end: int, rows: list[tuple[int, Any]], data: list[d
                       dict(part.notes), part.tokens, round(part.seconds, 3))
 
 
-def _run(cfg: RegenerateConfig, out: Path, generator: Generator | None, tokenizer) -> dict[str, Any]:
-    model_path = model_dir(cfg.model)
-    tokenizer = tokenizer or load_tokenizer(model_path, cfg.trust_remote_code)
-    renderer = ChatRenderer.from_path(tokenizer, cfg.chat_template, date=cfg.template_date,
-                                      variables=cfg.template_vars)
-    stops = stop_token_ids(tokenizer, renderer, model_path, cfg.stop_tokens)
+def _run(cfg: RegenerateConfig, out: Path, generator: Generator | None, renderer: ChatRenderer, model_path: str,
+         stops: frozenset[int]) -> dict[str, Any]:
+    tokenizer = renderer.tokenizer
     settings = _settings(cfg, model_path, renderer, stops)
     settings_id = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     progress = RankProgress(out, cfg.rank, settings)
@@ -302,4 +307,4 @@ def _run(cfg: RegenerateConfig, out: Path, generator: Generator | None, tokenize
              "rejects": counter.as_dict()}
     log.info("rank %d finished: %s", cfg.rank, stats)
     man = summarize(out, cfg.world_size, {"packages": package_versions()})
-    return {**(man if man["complete"] else {"progress": progress.state}), "run_stats": stats}
+    return {**man, "progress": progress.state, "run_stats": stats}

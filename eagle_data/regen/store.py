@@ -75,12 +75,14 @@ class RankProgress:
                 if m is None:
                     raise ValueError(f"{f}: not a part file of a regeneration; {self.out / d} holds only "
                                      "part-*.jsonl files written by `eagle-data regenerate`")
-                if (int(m.group(1)) // per_part) % world != self.rank or f.name in listed:
+                start, end = int(m.group(1)), int(m.group(2))
+                if (start // per_part) % world != self.rank or f.name in listed:
                     continue
-                if not have_progress and not f.name.endswith(".tmp"):
-                    raise ValueError(f"{f}: a part of rank {self.rank} that no progress file lists (a copied or "
-                                     "hand-made output?); nothing is deleted: use another --out")
-                log.info("removing %s (not recorded as finished: redone)", f)
+                if not f.name.endswith(".tmp") and not (have_progress and self._next_part(start, end, per_part, world)):
+                    raise ValueError(f"{f}: a part of rank {self.rank} that no progress file lists and that is not "
+                                     "the part this rank was writing (a copied or hand-made file?); nothing is "
+                                     "deleted: remove it yourself or use another --out")
+                log.info("removing %s (written but not recorded as finished: redone)", f)
                 f.unlink()
         for name, p in listed.items():
             for d in (DATA_DIR, REJECTS_DIR):
@@ -88,6 +90,17 @@ class RankProgress:
                 if not f.is_file() or (p.get("sha256", {}).get(d) not in (None, _sha256(f))):
                     raise ValueError(f"{f} (listed in {self.path}) is {'changed' if f.is_file() else 'missing'}: "
                                      "the output was edited by hand; restore it or use another --out")
+
+    def _next_part(self, start: int, end: int, per_part: int, world: int) -> bool:
+        """Whether ``[start, end)`` is the part this rank would have written next: right after its
+        last listed part (the rest of that window), or at the start of its next window. A crash
+        between writing a part and listing it leaves exactly such a file."""
+        last = max((p["end"] for p in self.state["parts"]), default=0)
+        window = -(-last // per_part)
+        while window % world != self.rank:
+            window += 1
+        starts = {window * per_part} | ({last} if last % per_part else set())
+        return start in starts and start < end <= (start // per_part + 1) * per_part
 
     def fingerprints(self) -> dict[tuple[int, int], str]:
         return {(p["start"], p["end"]): p["fingerprint"] for p in self.state["parts"]}
