@@ -20,9 +20,9 @@ from eagle_data.extract.config import ExtractConfig
 from eagle_data.regen.config import RegenerateConfig
 
 #: command name -> function, or a dataclass whose instance a runner in :data:`RUNNERS` takes
-COMMANDS: dict[str, Any] = {"regenerate": RegenerateConfig, "extract": ExtractConfig, "inspect": inspect, "merge": merge, "verify": verify,
-                            "vocab": vocab, "train": train, "eval": evaluate, "export": export, "demo": demo,
-                            "templates": templates}
+COMMANDS: dict[str, Any] = {"extract": ExtractConfig, "regenerate": RegenerateConfig, "inspect": inspect,
+                            "merge": merge, "verify": verify, "vocab": vocab, "train": train, "eval": evaluate,
+                            "export": export, "demo": demo, "templates": templates}
 #: what to do with a parsed dataclass command
 RUNNERS: dict[type, Callable[[Any], None]] = {ExtractConfig: extract, RegenerateConfig: regenerate}
 
