@@ -154,13 +154,13 @@ def model_dir(model: str) -> str:
     return model
 
 
-def check_paths(cfg: ExtractConfig) -> None:
-    """Check the files the run will read before any model is loaded (module functions, not
-    methods: every public method of the dataclass would become a CLI subcommand).
+def check_run_paths(cfg: Any) -> None:
+    """What extraction and regeneration read and write, checked before any model is loaded: the
+    data source (and its split), the device, the model folder, ``out`` and the chat template.
 
     Raises:
         ValueError: ``out`` is a file, ``model``/``chat_template`` is not where it is said to be,
-            or a local ``data`` file is missing.
+            a local ``data`` file is missing, or a split is given for local files.
     """
     from eagle_data.extract.sources import resolve
 
@@ -174,16 +174,26 @@ def check_paths(cfg: ExtractConfig) -> None:
         raise ValueError(f"model {cfg.model!r} is not a model folder (a local HF folder with config.json)")
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"out {cfg.out!r} exists and is not a directory")
+    if cfg.chat_template is not None:
+        from eagle_data.templates import resolve as resolve_template
+
+        if not resolve_template(cfg.chat_template).read_text(encoding="utf-8").strip():
+            raise ValueError(f"chat_template {cfg.chat_template!r} is empty")
+
+
+def check_paths(cfg: ExtractConfig) -> None:
+    """:func:`check_run_paths`, and ``out`` is not a regeneration's folder (module functions,
+    not methods: every public method of the dataclass would become a CLI subcommand).
+
+    Raises:
+        ValueError: see :func:`check_run_paths`; ``out`` holds a regeneration.
+    """
     from eagle_data.format.regen_layout import is_regeneration
 
+    check_run_paths(cfg)
     if is_regeneration(Path(cfg.out)):
         raise ValueError(f"out {cfg.out!r} is the output of `eagle-data regenerate`: extract it into another folder "
                          f"(--data {cfg.out} --out SHARDS)")
-    if cfg.chat_template is not None:
-        from eagle_data.templates import resolve
-
-        if not resolve(cfg.chat_template).read_text(encoding="utf-8").strip():
-            raise ValueError(f"chat_template {cfg.chat_template!r} is empty")
 
 
 def _check_date(value: str) -> None:

@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from eagle_data.checks import check_device
-from eagle_data.extract.config import DEFAULT_DATA, DEFAULT_MODEL, _is_int, check_run_fields
+from eagle_data.extract.config import DEFAULT_DATA, DEFAULT_MODEL, _is_int, check_run_fields, check_run_paths
 
 #: settings that must be equal for a rerun to resume into the same output (``num_samples`` is
 #: not one: a larger N extends a finished run)
@@ -124,28 +123,14 @@ class RegenerateConfig:
 
 
 def check_paths(cfg: RegenerateConfig) -> None:
-    """Check what the run reads before a model is loaded.
+    """:func:`~eagle_data.extract.config.check_run_paths`, and ``out`` does not overlap a data folder.
 
     Raises:
-        ValueError: ``out`` is a file, ``model``/``chat_template`` is not there, or local data is missing.
+        ValueError: see there; ``out`` is, or is inside, or holds the data folder.
     """
-    from eagle_data.extract.sources import resolve
-
-    _, kw, _ = resolve(cfg.data)
-    if kw.get("data_files") and cfg.split != "train":
-        raise ValueError(f"split {cfg.split!r}: local files (and the embedded demo) have one split, 'train'")
-    check_device(cfg.device)
-    if cfg.model != DEFAULT_MODEL and cfg.model.startswith(("/", ".", "~")) and not Path(cfg.model).expanduser().is_dir():
-        raise ValueError(f"model {cfg.model!r} is not a model folder (a local HF folder with config.json)")
-    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
-        raise ValueError(f"out {cfg.out!r} exists and is not a directory")
+    check_run_paths(cfg)
     if Path(cfg.data).is_dir():
         out, data = Path(cfg.out).resolve(), Path(cfg.data).resolve()
         if out == data or data in out.parents or out in data.parents:
             raise ValueError(f"out {cfg.out!r} and data {cfg.data!r} overlap: the output would become part of "
                              "the source; use an --out outside the data folder")
-    if cfg.chat_template is not None:
-        from eagle_data.templates import resolve as resolve_template
-
-        if not resolve_template(cfg.chat_template).read_text(encoding="utf-8").strip():
-            raise ValueError(f"chat_template {cfg.chat_template!r} is empty")
