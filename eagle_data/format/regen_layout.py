@@ -38,6 +38,21 @@ def is_regeneration(folder: Path) -> bool:
     return (folder / MANIFEST).is_file() or (any(folder.glob("progress-*.json")) and (folder / DATA_DIR).is_dir())
 
 
+#: path -> ((size, mtime_ns), sha256) of part files hashed in this process: ``extract`` resolves
+#: its source several times (checks, the tag, each pass over the rows); a part is hashed again
+#: only when its size or modification time changed
+_HASHED: dict[str, tuple[tuple[int, int], str]] = {}
+
+
+def _sha256(path: Path) -> str:
+    st = path.stat()
+    key, hit = (st.st_size, st.st_mtime_ns), _HASHED.get(str(path))
+    if hit is None or hit[0] != key:
+        hit = (key, hashlib.sha256(path.read_bytes()).hexdigest())
+        _HASHED[str(path)] = hit
+    return hit[1]
+
+
 def data_files(folder: Path) -> list[Path]:
     """The regenerated JSONL parts of a complete run, in source order.
 
@@ -67,7 +82,7 @@ def data_files(folder: Path) -> list[Path]:
                          f"(not listed: {extra[:3]}, missing: {gone[:3]}): the output was changed by hand")
     files = [folder / DATA_DIR / n for n in sorted(listed)]
     for f in files:
-        if hashlib.sha256(f.read_bytes()).hexdigest() != listed[f.name]["sha256"]:
+        if _sha256(f) != listed[f.name]["sha256"]:
             raise ValueError(f"data: {f} differs from what `eagle-data regenerate` wrote (sha256 in {MANIFEST}): "
                              "the output was changed by hand")
     return files

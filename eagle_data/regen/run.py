@@ -23,7 +23,6 @@ reason, and the first ones are logged; nothing is dropped unsaid.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import logging
@@ -191,13 +190,10 @@ def _check_source(cfg: RegenerateConfig, progress: RankProgress) -> None:
     fps = progress.fingerprints()
     if not fps:
         return
-    spans = sorted(fps)
-    starts = [a for a, _ in spans]
     seen: dict[tuple[int, int], list[int]] = {r: [] for r in fps}
-    for row, rec in iter_records(cfg.data, cfg.split, 0, 1, spans[-1][1]):
-        k = bisect.bisect_right(starts, row) - 1
-        if k >= 0 and row < spans[k][1]:
-            seen[spans[k]].append(record_fingerprint(row, rec))
+    for row, rec in iter_records(cfg.data, cfg.split, 0, 1, max(e for _, e in fps)):
+        if (span := progress.finished_span(row)) is not None:
+            seen[span].append(record_fingerprint(row, rec))
     for (s, e), fp in fps.items():
         if len(seen[(s, e)]) != e - s or combine(seen[(s, e)]) != fp:
             raise ValueError(f"data: {cfg.data} changed since rows [{s}, {e}) were regenerated into {cfg.out} "
@@ -210,23 +206,17 @@ def _work(cfg: RegenerateConfig, progress: RankProgress, n_rows: int | None,
     """``(start, end, [(row, record)])`` of each part this rank still has to do, in source
     order. ``rows_read[0]`` ends as the number of source rows asked for that exist."""
     per = cfg.rows_per_part
-    spans = sorted(progress.fingerprints())
-    starts = [a for a, _ in spans]
     buf: list[tuple[int, Any]] = []
-    start = None
     for row, rec in iter_records(cfg.data, cfg.split, 0, 1, n_rows):
         rows_read[0] = row + 1
-        k = bisect.bisect_right(starts, row) - 1
-        if (row // per) % cfg.world_size != cfg.rank or (k >= 0 and row < spans[k][1]):
+        if (row // per) % cfg.world_size != cfg.rank or progress.finished_span(row) is not None:
             continue  # another rank's row, or a finished one
         if buf and row // per != buf[0][0] // per:
-            yield start, buf[-1][0] + 1, buf
+            yield buf[0][0], buf[-1][0] + 1, buf
             buf = []
-        if not buf:
-            start = row
         buf.append((row, rec))
     if buf:
-        yield start, buf[-1][0] + 1, buf
+        yield buf[0][0], buf[-1][0] + 1, buf
 
 
 def run_regenerate(cfg: RegenerateConfig, generator: Generator | None = None, tokenizer=None) -> dict[str, Any]:

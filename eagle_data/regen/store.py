@@ -14,6 +14,7 @@ Every part's counts satisfy ``regenerated + failed + skipped == rows``.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -63,6 +64,7 @@ class RankProgress:
         if rank in others:
             self.state["parts"] = others[rank]["parts"]
             self.state["engine"] = others[rank].get("engine")
+        self._spans = sorted((p["start"], p["end"]) for p in self.state["parts"])  # finished, by start
         (out / DATA_DIR).mkdir(parents=True, exist_ok=True)
         (out / REJECTS_DIR).mkdir(exist_ok=True)
         self._repair(settings["rows_per_part"], settings["world_size"], rank in others)
@@ -102,6 +104,11 @@ class RankProgress:
         starts = {window * per_part} | ({last} if last % per_part else set())
         return start in starts and start < end <= (start // per_part + 1) * per_part
 
+    def finished_span(self, row: int) -> tuple[int, int] | None:
+        """``(start, end)`` of this rank's finished part holding source row ``row``, else None."""
+        k = bisect.bisect_right(self._spans, (row, float("inf"))) - 1
+        return self._spans[k] if k >= 0 and row < self._spans[k][1] else None
+
     def fingerprints(self) -> dict[tuple[int, int], str]:
         return {(p["start"], p["end"]): p["fingerprint"] for p in self.state["parts"]}
 
@@ -114,6 +121,7 @@ class RankProgress:
             atomic_write_bytes(self.out / d / name, blob)
             rec.sha256[d] = hashlib.sha256(blob).hexdigest()
         self.state["parts"].append(asdict(rec))
+        bisect.insort(self._spans, (rec.start, rec.end))
         atomic_write_json(self.path, self.state)
 
     def finish(self, num_rows: int) -> None:
