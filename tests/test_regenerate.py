@@ -298,9 +298,17 @@ def test_sampling_is_seeded(tmp_path, multi, backend="hf"):
 
 
 @pytest.mark.sglang
-def test_sglang_cpu_sampling_says_it_is_not_seeded(tmp_path, multi):
+def test_sglang_cpu_sampling_says_it_is_not_seeded(tmp_path, multi, caplog):
+    """Also: starting the engine leaves this process's logging as it was (SGLang forces the root
+    level to its own log level, which silenced eagle-data's warnings for the rest of the run)."""
+    import logging
+
     pytest.importorskip("sglang")
     model, data = multi
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
     man = run_regenerate(cfg(tmp_path / "s", model, data, num_samples=4, temperature=1.5, backend="sglang"))
     # unseeded sampling may draw a blank reply or a special token (a failed row): only the sum is fixed
     assert man["engine"]["seeded"] is False and man["input_rows"] == 4 and man["regenerated"] + man["failed"] == 3
+    assert (root.level, root.handlers) == (level, handlers)
+    assert "skip row 3 (id bad): no_assistant_turn" in caplog.text  # logged after the engine started

@@ -140,7 +140,7 @@ class SGLangGenerator:
 
     def __init__(self, model_path: str, stop_ids: frozenset[int], *, dtype: str = "bfloat16", device: str = "cpu",
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1, **engine_kwargs: Any):
-        from eagle_data.extract.backends.sglang_engine import base_engine_kwargs
+        from eagle_data.extract.backends.sglang_engine import base_engine_kwargs, start_engine
 
         dev = torch.device(device).type
         named = {k: engine_kwargs.pop(k) for k in ("tp_size", "chunked_prefill_size", "mem_fraction_static",
@@ -161,10 +161,8 @@ class SGLangGenerator:
         if dev == "cpu":
             kw.setdefault("sampling_backend", "pytorch")
         kw.update(engine_kwargs)
-        import sglang
-
         try:
-            self.engine = sglang.Engine(**kw)
+            self.engine = start_engine(kw)
         except TypeError as e:  # an engine option sglang does not know
             raise ValueError(f"backend_kwargs: sglang.Engine refused the options: {e}") from e
         self.stop_ids, self.dtype, self.device = stop_ids, dtype, device

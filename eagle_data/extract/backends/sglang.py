@@ -51,7 +51,8 @@ import torch
 
 from eagle_data.format.schema import hidden_dtype
 from eagle_data.extract.backends.base import BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
-from eagle_data.extract.backends.sglang_engine import CPU_KERNEL_DIR, base_engine_kwargs, model_facts, prepare_cpu_environment  # noqa: F401
+from eagle_data.extract.backends.sglang_engine import (CPU_KERNEL_DIR, base_engine_kwargs, model_facts,  # noqa: F401
+                                                       prepare_cpu_environment, start_engine)
 from eagle_data.extract.backends.sglang_spool import RowsMissing, Spool, StitchError, list_spool, read_error, read_piece, stitch
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class SGLangBackend:
         try:
             import sglang
             t0 = time.perf_counter()
-            self.engine = sglang.Engine(**kw)
+            self.engine = start_engine(kw)
             self.startup_s = time.perf_counter() - t0
             Spool.install_signal_handlers()
             sa = self.engine.server_args

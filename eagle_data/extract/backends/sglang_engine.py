@@ -74,6 +74,22 @@ def quiet_sglang() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def start_engine(kw: dict[str, Any]):
+    """``sglang.Engine(**kw)``, keeping this process's logging as it was: the engine calls
+    ``logging.basicConfig(level=log_level, force=True)`` in the calling process, which would
+    raise the root level to ``log_level`` (``"error"`` here) and silence eagle-data's own
+    warnings (skipped rows, notes) for the rest of the run."""
+    import sglang
+
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        return sglang.Engine(**kw)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 def base_engine_kwargs(model_path: str, dtype: str, device: str, *, tp_size: int = 1,
                        chunked_prefill_size: int | None = None, mem_fraction_static: float | None = None,
                        max_total_tokens: int | None = None, attention_backend: str | None = None,
