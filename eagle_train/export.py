@@ -166,3 +166,49 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16",
         verifier = default_verifier(mod.hparams.target_model_path)
     return export_drafter(mod.drafter, mod.target_config, ids, out_dir, dtype, format, verifier, speculative_tokens,
                           overwrite)
+
+
+def load_exported_drafter(folder: str | Path, target_model_path: str | Path):
+    """Read an SGLang-format export back into an :class:`eagle_train.model.Eagle3Drafter` (float32),
+    with the target's ``embed_tokens`` (which the export leaves to the server): what the server
+    runs, for replaying it offline (``serve-check``).
+
+    Returns:
+        ``(drafter, aux_layer_ids)``.
+
+    Raises:
+        ValueError: the folder lacks a file, is in the speculators (vLLM) format, its config misses
+            a field, or a tensor is missing, extra or of another shape (names the folder and tensor).
+    """
+    from safetensors.torch import load_file
+
+    from eagle_train.model import DraftConfig, Eagle3Drafter, load_target_tensors
+
+    d = Path(folder)
+    for name in ("config.json", "model.safetensors"):
+        if not (d / name).is_file():
+            raise ValueError(f"{d}: no {name} (give the folder `eagle-data export` wrote)")
+    cfg = json.loads((d / "config.json").read_text())
+    if cfg.get("speculators_model_type"):
+        raise ValueError(f"{d}: a speculators (vLLM) export; SGLang serves the default format "
+                         f"(`eagle-data export CKPT DIR`)")
+    try:
+        ids = [int(i) for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+        dc = DraftConfig.from_target(cfg, int(cfg["draft_vocab_size"]))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{d}/config.json: missing or malformed field {e} (not an eagle-data export?)") from None
+    dc.target_hidden_size = int(cfg.get("target_hidden_size") or cfg["hidden_size"])
+    sd = load_file(str(d / "model.safetensors"))
+    for name in ("d2t", "t2d"):
+        if name not in sd:
+            raise ValueError(f"{d}/model.safetensors: no {name} tensor")
+    embed = load_target_tensors(target_model_path, ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+    drafter = Eagle3Drafter(dc, embed.float(), sd.pop("d2t"), sd.pop("t2d"))
+    own = {k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary.") and k not in ("d2t", "t2d")}
+    missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+    bad = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
+    if missing or extra or bad:
+        raise ValueError(f"{d}/model.safetensors does not fit its config.json: missing {missing[:5]}, extra "
+                         f"{extra[:5]}, other shape {bad[:5]}")
+    drafter.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+    return drafter.float().eval(), ids

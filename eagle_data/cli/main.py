@@ -14,7 +14,7 @@ import sys
 from typing import Any, Callable
 
 from eagle_data.cli.data import extract, inspect, merge, regenerate, templates
-from eagle_data.cli.train import demo, evaluate, export, train, vocab
+from eagle_data.cli.train import demo, evaluate, export, serve_check, train, vocab
 from eagle_data.cli.verify import verify
 from eagle_data.extract.config import ExtractConfig
 from eagle_data.regen.config import RegenerateConfig
@@ -22,7 +22,8 @@ from eagle_data.regen.config import RegenerateConfig
 #: command name -> function, or a dataclass whose instance a runner in :data:`RUNNERS` takes
 COMMANDS: dict[str, Any] = {"extract": ExtractConfig, "regenerate": RegenerateConfig, "inspect": inspect,
                             "merge": merge, "verify": verify, "vocab": vocab, "train": train, "eval": evaluate,
-                            "export": export, "demo": demo, "templates": templates}
+                            "export": export, "demo": demo, "templates": templates,
+                            "serve-check": serve_check}
 #: what to do with a parsed dataclass command
 RUNNERS: dict[type, Callable[[Any], None]] = {ExtractConfig: extract, RegenerateConfig: regenerate}
 

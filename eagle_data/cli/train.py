@@ -129,3 +129,73 @@ def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_v
               target_model=target_model)
     print(json.dumps({k: s[k] for k in ("tau_trained", "tau_untrained", "train_steps", "plot", "export")
                       if k in s}, indent=1))
+
+
+def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_keys: Optional[str] = None,
+                num_prompts: int = 8, max_prompt_tokens: int = 384, max_new_tokens: int = 64, steps: int = 7,
+                dtype: str = "float32", device: str = "cpu", out: str = "out/serve-check") -> None:
+    """Serve an exported drafter with SGLang's EAGLE-3 speculative decoding (chain drafting) and
+    compare the engine's tau with the offline tau of the same drafter on the same text.
+
+    Three greedy runs over held-out prompts: the target alone (plain SGLang), target + drafter
+    (speculative SGLang: the engine counts verify steps and accepted drafts), and the offline
+    replay of the same chains with the folder read back into the project's drafter. Prints and
+    writes OUT/serve_check.json: engine and offline tau with per-position acceptance, how many
+    outputs equal plain greedy, and per prompt whether engine and replay agree within one chain.
+    Needs the sglang extra; on CPU it runs with eagle-data's stand-in kernels (fp32 recommended:
+    in bf16 the verify pass rounds differently from one-token decode).
+
+    Args:
+        drafter: folder written by `eagle-data export` (SGLang format).
+        data: dataset directory; prompts are held-out samples' contexts up to an assistant reply.
+        target: the target's HF folder ("smollm2": the embedded default; default: the dataset
+            manifest's model_path).
+        heldout_keys: JSON list of sample keys to take prompts from (e.g. the demo's
+            heldout_keys.json; default: the deterministic 10 % index split, as eval).
+        num_prompts: prompts at most (>= 1).
+        max_prompt_tokens: a prompt ends at the start of the last assistant reply within this many tokens.
+        max_new_tokens: tokens generated per prompt.
+        steps: draft tokens per verify step K (speculative_num_steps; K + 1 verified).
+        dtype: engine dtype (float32 or bfloat16).
+        device: "cpu" or "cuda".
+        out: output folder for serve_check.json.
+    """
+    from pathlib import Path
+
+    from eagle_data.checks import check_positive
+    from eagle_data.format.records import read_manifest
+    from eagle_train.evaluate import heldout_split
+    from eagle_train.serve_check import heldout_prompts, run_serve_check
+    from eagle_train.vocab import read_key_list
+
+    check_positive(num_prompts=num_prompts, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
+                   steps=steps)
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    from eagle_train.export import load_exported_drafter
+    from eagle_train.model import resolve_model_path
+
+    manifest = read_manifest(data)
+    target_path = str(resolve_model_path(target or manifest["model_path"]))
+    load_exported_drafter(drafter, target_path)  # refuses a bad folder before anything is read or started
+    keys = read_key_list(heldout_keys, "--heldout_keys") if heldout_keys else heldout_split(data)
+    prompts, used = heldout_prompts(data, sorted(keys), max_prompt_tokens)
+    if not prompts:
+        raise ValueError(f"{data}: none of the {len(keys)} held-out samples has an assistant reply starting "
+                         f"within max_prompt_tokens={max_prompt_tokens}")
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        raise ValueError("serve-check needs the sglang extra: pip install -e '.[sglang]' (or bash scripts/setup.sh "
+                         "dev,sglang)")
+    res = run_serve_check(target_path, drafter, prompts[:num_prompts], steps=steps, max_new_tokens=max_new_tokens,
+                          dtype=dtype, device=device)
+    res["prompt_keys"] = used[:num_prompts]
+    o = Path(out)
+    o.mkdir(parents=True, exist_ok=True)
+    (o / "serve_check.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: res[k] for k in ("engine", "offline", "equal_to_plain", "within_one_chain", "num_prompts",
+                                          "seconds")}, indent=1))
+    print(o / "serve_check.json")

@@ -10,7 +10,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
@@ -74,20 +74,76 @@ def quiet_sglang() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+#: sglang's attention backend that runs EAGLE speculative decoding on CPU (its draft backends
+#: exist only for it, ``sglang/srt/speculative/draft_utils.py``); the stand-in implements its ops
+CPU_SPEC_ATTENTION = "intel_amx"
+
+
 def start_engine(kw: dict[str, Any]):
     """``sglang.Engine(**kw)``, keeping this process's logging as it was: the engine calls
     ``logging.basicConfig(level=log_level, force=True)`` in the calling process, which would
     raise the root level to ``log_level`` (``"error"`` here) and silence eagle-data's own
-    warnings (skipped rows, notes) for the rest of the run."""
+    warnings (skipped rows, notes) for the rest of the run.
+
+    CPU with ``attention_backend="intel_amx"`` (:func:`spec_engine_kwargs`): sglang 0.5.23 would
+    switch it back to ``torch_native`` on a CPU without AMX (``arg_groups/overrides.py``), where no
+    speculative decoding exists, so the engine is built under
+    ``sglang.srt.runtime_context.override_platform(has_amx=True)`` (an internal API of the pinned
+    version; only that server-args decision reads it: the layers still see no AMX and run native
+    torch). The backend the engine resolved is checked after start.
+
+    Raises:
+        RuntimeError: the engine resolved another attention backend than the one asked for.
+    """
+    import contextlib
+
     import sglang
 
     root = logging.getLogger()
     level, handlers = root.level, list(root.handlers)
+    amx = kw.get("device") == "cpu" and kw.get("attention_backend") == CPU_SPEC_ATTENTION
     try:
-        return sglang.Engine(**kw)
+        if amx:
+            from sglang.srt.runtime_context import override_platform
+            ctx = override_platform(has_amx=True)
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx:
+            engine = sglang.Engine(**kw)
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+    want, got = kw.get("attention_backend"), getattr(engine.server_args, "attention_backend", None)
+    if want is not None and got != want:
+        engine.shutdown()
+        raise RuntimeError(f"sglang resolved attention_backend={got!r}, not the {want!r} asked for (sglang "
+                           f"{sglang.__version__}; eagle-data pins 0.5.23)")
+    return engine
+
+
+def spec_engine_kwargs(model_path: str, draft_model_path: str, dtype: str, device: str, *, steps: int,
+                       topk: int = 1, draft_tokens: Optional[int] = None, **base: Any) -> dict[str, Any]:
+    """``sglang.Engine`` kwargs for EAGLE-3 speculative decoding with an exported drafter.
+
+    Chain drafting by default (``topk=1``: ``steps`` proposals, ``steps + 1`` tokens verified per
+    step). The rest is :func:`base_engine_kwargs` (``input_ids`` in, radix cache off); on CPU the
+    attention backend is :data:`CPU_SPEC_ATTENTION` (start with :func:`start_engine`). On a GPU
+    nothing here is CPU-specific: stock SGLang serves the same folder.
+    """
+    from eagle_data.checks import check_positive
+
+    check_positive(steps=steps, topk=topk)
+    draft_tokens = steps + 1 if draft_tokens is None else draft_tokens
+    if topk == 1 and draft_tokens != steps + 1:
+        raise ValueError(f"chain drafting (topk=1) verifies steps + 1 = {steps + 1} tokens, got draft_tokens="
+                         f"{draft_tokens}")
+    if device == "cpu":
+        base.setdefault("attention_backend", CPU_SPEC_ATTENTION)
+    kw = base_engine_kwargs(model_path, dtype, device, **base)
+    kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft_model_path),
+              speculative_num_steps=int(steps), speculative_eagle_topk=int(topk),
+              speculative_num_draft_tokens=int(draft_tokens))
+    return kw
 
 
 def base_engine_kwargs(model_path: str, dtype: str, device: str, *, tp_size: int = 1,

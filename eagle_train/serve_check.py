@@ -1,0 +1,179 @@
+"""Serve an exported drafter with SGLang's own EAGLE-3 speculative decoding and check it against
+the project's offline reference (``eagle-data serve-check``).
+
+Three runs over the same prompts, greedy:
+
+1. **plain**: the target alone in an SGLang engine (the reference output);
+2. **speculative**: the same engine with the exported drafter, chain drafting (``topk=1``: ``K``
+   proposals per verify step); SGLang reports per request its verify steps, accepted drafts and
+   their histogram, so the **engine's tau** = 1 + accepted / verify steps;
+3. **offline replay**: the folder read back (:func:`eagle_train.export.load_exported_drafter`),
+   the target's aux states of prompt + speculative output from HF transformers (float32), and the
+   same chains replayed with :meth:`eagle_train.model.Eagle3Drafter.propose_chain`
+   (:func:`replay_chains`): the **offline tau** of the same drafter on the same text.
+
+If the engine runs the exported weights, ``d2t`` and aux layer ids as the project's reference
+does, the replay finds the same verify steps and accepted counts; the last chain of a request may
+differ (the engine may accept drafts past ``max_new_tokens`` that the output no longer shows).
+With float32 the speculative output equals the plain output token for token; in bfloat16 the
+verify pass (K + 1 tokens per forward) rounds differently from one-token decode, so outputs may
+part after a near-tie.
+
+On CPU the engine runs sglang 0.5.23 with eagle-data's stand-in ``sgl_kernel`` and its
+``intel_amx`` attention backend (:func:`eagle_data.extract.backends.sglang_engine.start_engine`);
+on a GPU, stock SGLang.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+
+def replay_chains(drafter, aux: torch.Tensor, seq: Sequence[int], prompt_len: int, steps: int) -> list[int]:
+    """Accepted drafts of each verify step of greedy chain drafting over a finished generation.
+
+    The first generated token ``seq[P]`` comes from the prefill; a chain starting after
+    ``seq[t + 1]`` proposes ``K`` tokens from row ``t`` (``fc(aux[t])`` paired with ``seq[t + 1]``),
+    ``a`` = how many equal ``seq[t + 2 : t + 2 + K]``, and the next chain starts after
+    ``seq[t + a + 2]`` (the verify pass adds the target's own token). Steps run while the
+    generation has tokens left, as the engine's did.
+
+    Args:
+        drafter: :class:`eagle_train.model.Eagle3Drafter`; aux: [T, 3*Ht] the target's aux states of
+            ``seq`` (T tokens: prompt + output); prompt_len: P >= 1; steps: K.
+
+    Returns:
+        accepted draft count of each verify step, in order.
+    """
+    t_len = len(seq)
+    if not 1 <= prompt_len < t_len:
+        raise ValueError(f"prompt_len must be in [1, {t_len - 1}] for a sequence of {t_len} tokens, got {prompt_len}")
+    ids = torch.tensor(list(seq), dtype=torch.int64)
+    rows = list(range(prompt_len - 1, t_len - 2))
+    out: list[int] = []
+    if not rows:
+        return out
+    dev = next(drafter.parameters()).device
+    row_ids = torch.cat([ids[1:], ids.new_zeros(1)]).to(dev)  # row r holds x[r+1]
+    drafts = drafter.propose_chain(row_ids, aux.float().to(dev), rows, [int(seq[r + 1]) for r in rows], steps).tolist()
+    proposal = dict(zip(rows, drafts))
+    t = prompt_len - 1
+    while t + 2 < t_len:
+        d, a = proposal[t], 0
+        while a < steps and t + 2 + a < t_len and seq[t + 2 + a] == d[a]:
+            a += 1
+        out.append(a)
+        t += a + 1
+    return out
+
+
+def engine_generate(engine, prompts: list[list[int]], max_new_tokens: int) -> list[dict[str, Any]]:
+    """Greedy generation of every prompt in one batch: per prompt ``output_ids``, ``finish`` and,
+    with speculation, ``verify_steps``, ``accepted`` and ``histogram`` (``[i]`` = steps with ``i``
+    accepted drafts) as SGLang's ``meta_info`` reports them."""
+    outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": max_new_tokens})
+    res = []
+    for o in outs:
+        m = o["meta_info"]
+        r = {"output_ids": [int(t) for t in o["output_ids"]], "finish": (m.get("finish_reason") or {}).get("type")}
+        if "spec_verify_ct" in m:
+            r.update(verify_steps=int(m["spec_verify_ct"]), accepted=int(m.get("spec_num_correct_drafts", 0)),
+                     histogram=[int(c) for c in m.get("spec_correct_drafts_histogram") or []])
+        res.append(r)
+    return res
+
+
+def acceptance_summary(accepted_per_step: list[int], steps: int) -> dict[str, Any]:
+    """tau = 1 + mean accepted per verify step; ``accept_at_least[i - 1]`` = P(a >= i), i = 1..K."""
+    n = len(accepted_per_step)
+    acc = torch.tensor(accepted_per_step, dtype=torch.float64)
+    return {"tau": float(1 + acc.mean()) if n else float("nan"), "verify_steps": n, "accepted": int(acc.sum()),
+            "accept_at_least": [float((acc >= i).double().mean()) if n else float("nan") for i in range(1, steps + 1)]}
+
+
+def histogram_steps(histogram: list[int]) -> list[int]:
+    """SGLang's accepted-count histogram expanded to one entry per verify step (order lost)."""
+    return [a for a, c in enumerate(histogram) for _ in range(c)]
+
+
+def compare_runs(plain: list[dict], spec: list[dict], replays: list[list[int]], steps: int) -> dict[str, Any]:
+    """Per request and overall: outputs equal, verify steps and accepted drafts engine vs replay."""
+    per, engine_steps, offline_steps = [], [], []
+    for p, s, r in zip(plain, spec, replays):
+        engine_steps += histogram_steps(s["histogram"])
+        offline_steps += r
+        per.append({"equal_to_plain": p["output_ids"] == s["output_ids"], "finish": s["finish"],
+                    "engine_verify_steps": s["verify_steps"], "engine_accepted": s["accepted"],
+                    "offline_verify_steps": len(r), "offline_accepted": sum(r),
+                    "within_one_chain": abs(s["accepted"] - sum(r)) <= steps and abs(s["verify_steps"] - len(r)) <= 1})
+    return {"engine": acceptance_summary(engine_steps, steps), "offline": acceptance_summary(offline_steps, steps),
+            "equal_to_plain": sum(q["equal_to_plain"] for q in per), "within_one_chain": sum(q["within_one_chain"] for q in per),
+            "num_prompts": len(per), "per_prompt": per}
+
+
+def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, steps: int = 7,
+                    max_new_tokens: int = 64, dtype: str = "float32", device: str = "cpu",
+                    engine_kw: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Plain and speculative SGLang runs + the offline replay (module doc); returns
+    :func:`compare_runs`'s summary plus ``seconds`` per phase and the settings."""
+    from eagle_data.checks import check_positive
+    from eagle_data.extract.backends.hf import HFBackend
+    from eagle_data.extract.backends.sglang_engine import (CPU_SPEC_ATTENTION, base_engine_kwargs,
+                                                           spec_engine_kwargs, start_engine)
+    from eagle_train.evaluate import load_target
+    from eagle_train.export import load_exported_drafter
+
+    check_positive(steps=steps, max_new_tokens=max_new_tokens, num_prompts=len(prompts) or None)
+    if not prompts:
+        raise ValueError("serve-check needs at least one prompt")
+    drafter, aux_ids = load_exported_drafter(drafter_dir, target)  # checked before any engine starts
+    extra = dict(engine_kw or {})
+    if device == "cpu":
+        extra.setdefault("attention_backend", CPU_SPEC_ATTENTION)  # plain runs the same attention as speculative
+    seconds: dict[str, float] = {}
+    runs = {}
+    for name, kw in (("plain", base_engine_kwargs(target, dtype, device, **extra)),
+                     ("speculative", spec_engine_kwargs(target, drafter_dir, dtype, device, steps=steps, **extra))):
+        t0 = time.perf_counter()
+        engine = start_engine(kw)
+        seconds[f"{name}_start"] = time.perf_counter() - t0
+        try:
+            t0 = time.perf_counter()
+            runs[name] = engine_generate(engine, prompts, max_new_tokens)
+            seconds[f"{name}_generate"] = time.perf_counter() - t0
+        finally:
+            engine.shutdown()
+    t0 = time.perf_counter()
+    hf = HFBackend(model=load_target(target, device), model_path=str(target), dtype="float32", aux_layer_ids=aux_ids,
+                   device=device)
+    replays = []
+    for i, (p, s) in enumerate(zip(prompts, runs["speculative"])):
+        seq = list(p) + s["output_ids"]
+        aux = hf.capture([(f"p{i}", torch.tensor(seq))])[0].aux_hidden_states
+        replays.append(replay_chains(drafter, aux, seq, len(p), steps) if s["output_ids"] else [])
+    seconds["offline_replay"] = time.perf_counter() - t0
+    out = compare_runs(runs["plain"], runs["speculative"], replays, steps)
+    out.update(seconds={k: round(v, 2) for k, v in seconds.items()}, steps=steps, max_new_tokens=max_new_tokens,
+               dtype=dtype, device=device, aux_layer_ids=aux_ids, target=str(target), drafter=str(drafter_dir))
+    return out
+
+
+def heldout_prompts(dataset_dir: str | Path, keys: list[str], max_prompt_tokens: int) -> tuple[list[list[int]], list[str]]:
+    """Prompts from held-out samples: each sample's tokens up to the start of its last assistant
+    reply that begins within ``max_prompt_tokens`` (the context the target answers); samples with
+    no such reply are left out. Returns ``(prompts, their keys)``."""
+    from eagle_data.tools.read_samples import read_samples
+
+    samples = read_samples(dataset_dir, keys)
+    prompts, used = [], []
+    for key in sorted(samples):
+        ids, m = samples[key]["input_ids"], samples[key]["loss_mask"].bool()
+        starts = [t for t in range(1, min(len(m), max_prompt_tokens + 1)) if m[t] and not m[t - 1]]
+        if starts:
+            prompts.append(ids[:starts[-1]].tolist())
+            used.append(key)
+    return prompts, used

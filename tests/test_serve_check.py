@@ -1,0 +1,159 @@
+"""serve-check: SGLang's own EAGLE-3 speculative decoding of an exported drafter (on CPU: the
+stand-in kernels + the ``intel_amx`` backend) against plain greedy and the offline replay."""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eagle_train.serve_check import acceptance_summary, histogram_steps, replay_chains
+
+from train_tiny import TINY_AUX, tiny_module, tiny_target, tiny_target_dir
+
+
+class _Scripted(torch.nn.Module):
+    """A drafter whose chain from row t is ``propose(t)`` (the replay's only use of a drafter)."""
+
+    def __init__(self, propose):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.propose = propose
+
+    def propose_chain(self, input_ids, aux, rows, first_tokens, steps, first_token_id=None):
+        return torch.tensor([self.propose(r, steps) for r in rows], dtype=torch.int64).view(len(rows), steps)
+
+
+seqs = st.lists(st.integers(0, 5), min_size=3, max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seqs, st.integers(1, 8), st.data())
+def test_replay_covers_the_output_exactly(seq, steps, data):
+    """Whatever is proposed: every verify step starts before the output's end, the steps together
+    produce at least all output tokens (the first comes from the prefill), each accepts <= K."""
+    P = data.draw(st.integers(1, len(seq) - 1))
+    table = data.draw(st.lists(st.lists(st.integers(0, 5), min_size=steps, max_size=steps),
+                               min_size=len(seq), max_size=len(seq)))
+    acc = replay_chains(_Scripted(lambda r, k: table[r]), torch.zeros(len(seq), 3), seq, P, steps)
+    M = len(seq) - P
+    produced = 1 + sum(a + 1 for a in acc)
+    assert all(0 <= a <= steps for a in acc)
+    assert produced >= M
+    assert not acc or produced - (acc[-1] + 1) < M  # the last step started with tokens still to produce
+
+
+@settings(max_examples=100, deadline=None)
+@given(seqs, st.integers(1, 8), st.data())
+def test_replay_of_perfect_and_useless_drafters(seq, steps, data):
+    P = data.draw(st.integers(1, len(seq) - 1))
+    M = len(seq) - P
+    truth = _Scripted(lambda r, k: (list(seq[r + 2:r + 2 + k]) + [0] * k)[:k])
+    acc = replay_chains(truth, torch.zeros(len(seq), 3), seq, P, steps)
+    assert len(acc) == -(-(M - 1) // (steps + 1))  # ceil((M - 1) / (K + 1)) steps of K accepted + 1
+    assert acc[:-1] == [steps] * (len(acc) - 1) if acc else M == 1
+    wrong = _Scripted(lambda r, k: [6] * k)  # a token the text never holds
+    assert replay_chains(wrong, torch.zeros(len(seq), 3), seq, P, steps) == [0] * (M - 1)
+
+
+def test_replay_checks_the_prompt_length():
+    with pytest.raises(ValueError, match="prompt_len"):
+        replay_chains(_Scripted(lambda r, k: [0] * k), torch.zeros(4, 3), [1, 2, 3, 4], 4, 2)
+
+
+def test_acceptance_summary_and_histogram():
+    s = acceptance_summary(histogram_steps([2, 0, 1, 1]), 3)  # steps accepting 0, 0, 2, 3
+    assert s == {"tau": 2.25, "verify_steps": 4, "accepted": 5, "accept_at_least": [0.5, 0.5, 0.25]}
+
+
+def test_export_reads_back_and_refuses_other_folders(tmp_path):
+    from eagle_train.export import export_drafter, load_exported_drafter
+
+    mod = tiny_module(tmp_path)
+    tgt = tiny_target_dir(tmp_path)
+    for fmt in ("sglang", "speculators"):
+        export_drafter(mod.drafter, mod.target_config, TINY_AUX, tmp_path / fmt, dtype="float32", format=fmt,
+                       verifier="t" if fmt == "speculators" else None)
+    d, ids = load_exported_drafter(tmp_path / "sglang", tgt)
+    assert ids == TINY_AUX
+    for k, v in mod.drafter.state_dict().items():
+        assert torch.equal(d.state_dict()[k], v.float() if v.is_floating_point() else v), k
+    with pytest.raises(ValueError, match="speculators"):
+        load_exported_drafter(tmp_path / "speculators", tgt)
+    with pytest.raises(ValueError, match="no config.json"):
+        load_exported_drafter(tmp_path / "nothing", tgt)
+    cfg = json.loads((tmp_path / "sglang" / "config.json").read_text())
+    cfg["draft_vocab_size"] = 7
+    (tmp_path / "sglang" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="does not fit its config.json"):
+        load_exported_drafter(tmp_path / "sglang", tgt)
+
+
+def test_cli_refuses_bad_input_before_starting_anything(tmp_path, capsys):
+    from eagle_data.cli.main import main
+
+    for argv, msg in ((["serve-check", str(tmp_path / "none"), str(tmp_path / "nodata")], "does not exist"),
+                      (["serve-check", "d", "x", "--steps", "0"], "steps must be an integer >= 1"),
+                      (["serve-check", "d", "x", "--dtype", "float16"], "float32 or bfloat16")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def _trained_drafter(tmp_path: Path, steps: int = 300) -> tuple[Path, torch.Tensor]:
+    """A drafter trained on the tiny target's own greedy continuations of 16 random prompts (TTT,
+    3 steps), exported in float32, and those sequences [16, 48]: prompts taken from them are
+    continued as trained, so acceptance is far from zero and the engine-vs-replay checks are not
+    trivial."""
+    from eagle_data.extract.backends.hf import HFBackend
+    from eagle_train.export import export_drafter
+    from eagle_train.loss import ttt_loss
+
+    target = tiny_target()
+    g = torch.Generator().manual_seed(1)
+    n, P, M = 16, 12, 36
+    prompts = torch.randint(0, 256, (n, P), generator=g)
+    seq = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=M, min_new_tokens=M,
+                          do_sample=False, pad_token_id=0)
+    caps = HFBackend(model=target, model_path="tiny", dtype="float32", aux_layer_ids=TINY_AUX).capture(
+        [(f"k{i}", s) for i, s in enumerate(seq)])
+    batch = {"input_ids": seq, "attention_mask": torch.ones_like(seq, dtype=torch.bool),
+             "loss_mask": torch.zeros_like(seq, dtype=torch.bool),
+             "aux_hidden_states": torch.stack([c.aux_hidden_states for c in caps]),
+             "hidden_states": torch.stack([c.hidden_states for c in caps]), "keys": [f"k{i}" for i in range(n)]}
+    batch["loss_mask"][:, P:] = True
+    torch.manual_seed(0)
+    mod = tiny_module(tmp_path, draft_vocab_size=256)
+    opt = torch.optim.AdamW(mod.drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        out = ttt_loss(mod.drafter, mod.target_lm_head, batch, steps=3)
+        out["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    assert float(out["acc_k"][0]) > 0.5
+    return export_drafter(mod.drafter, mod.target_config, TINY_AUX, tmp_path / "drafter", dtype="float32"), seq
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs the sglang extra")
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="sglang's speculative path torch.compiles a function: needs a C++ compiler "
+                           "(.ci/run checks that CI has one)")
+def test_sglang_speculative_decoding_equals_plain_greedy_and_the_offline_replay(tmp_path):
+    from eagle_train.serve_check import run_serve_check
+
+    drafter, seq = _trained_drafter(tmp_path)
+    prompts = [seq[i, :n].tolist() for i, n in enumerate((12, 17, 23))]  # the greedy text goes on from there
+    res = run_serve_check(str(tiny_target_dir(tmp_path)), str(drafter), prompts, steps=3, max_new_tokens=32)
+    print(json.dumps({k: v for k, v in res.items() if k != "per_prompt"}))
+    assert res["num_prompts"] == 3 and res["equal_to_plain"] == 3
+    eng, off = res["engine"], res["offline"]
+    assert eng["verify_steps"] > 0 and eng["accepted"] >= eng["verify_steps"]  # tau >= 2: far from trivial
+    for p in res["per_prompt"]:
+        assert p["engine_verify_steps"] == p["offline_verify_steps"], p
+        assert p["within_one_chain"], p
+    assert abs(eng["tau"] - off["tau"]) <= 3 / eng["verify_steps"] * 3  # one chain of K=3 per prompt
