@@ -203,6 +203,9 @@ def load_exported_drafter(folder: str | Path, target_model_path: str | Path):
         if name not in sd:
             raise ValueError(f"{d}/model.safetensors: no {name} tensor")
     embed = load_target_tensors(target_model_path, ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+    if tuple(embed.shape) != (dc.vocab_size, dc.hidden_size):
+        raise ValueError(f"{d}: drafter for a target with vocab {dc.vocab_size} x hidden {dc.hidden_size}, but "
+                         f"{target_model_path} embeds {tuple(embed.shape)}: another target")
     drafter = Eagle3Drafter(dc, embed.float(), sd.pop("d2t"), sd.pop("t2d"))
     own = {k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary.") and k not in ("d2t", "t2d")}
     missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))

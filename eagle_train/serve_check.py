@@ -162,18 +162,23 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
     return out
 
 
-def heldout_prompts(dataset_dir: str | Path, keys: list[str], max_prompt_tokens: int) -> tuple[list[list[int]], list[str]]:
-    """Prompts from held-out samples: each sample's tokens up to the start of its last assistant
-    reply that begins within ``max_prompt_tokens`` (the context the target answers); samples with
-    no such reply are left out. Returns ``(prompts, their keys)``."""
+def heldout_prompts(dataset_dir: str | Path, keys: list[str], max_prompt_tokens: int,
+                    limit: int) -> tuple[list[list[int]], list[str]]:
+    """Up to ``limit`` prompts from held-out samples (``keys`` in sorted order, read a few at a
+    time): each sample's tokens up to the start of its last assistant reply that begins within
+    ``max_prompt_tokens`` (the context the target answers); samples with no such reply are passed
+    over. Returns ``(prompts, their keys)``."""
     from eagle_data.tools.read_samples import read_samples
 
-    samples = read_samples(dataset_dir, keys)
     prompts, used = [], []
-    for key in sorted(samples):
-        ids, m = samples[key]["input_ids"], samples[key]["loss_mask"].bool()
-        starts = [t for t in range(1, min(len(m), max_prompt_tokens + 1)) if m[t] and not m[t - 1]]
-        if starts:
-            prompts.append(ids[:starts[-1]].tolist())
-            used.append(key)
+    todo = sorted(keys)
+    while todo and len(prompts) < limit:
+        chunk, todo = todo[:2 * limit], todo[2 * limit:]
+        samples = read_samples(dataset_dir, chunk)
+        for key in chunk:
+            ids, m = samples[key]["input_ids"], samples[key]["loss_mask"].bool()
+            starts = [t for t in range(1, min(len(m), max_prompt_tokens + 1)) if m[t] and not m[t - 1]]
+            if starts and len(prompts) < limit:
+                prompts.append(ids[:starts[-1]].tolist())
+                used.append(key)
     return prompts, used

@@ -84,6 +84,13 @@ def test_export_reads_back_and_refuses_other_folders(tmp_path):
         assert torch.equal(d.state_dict()[k], v.float() if v.is_floating_point() else v), k
     with pytest.raises(ValueError, match="speculators"):
         load_exported_drafter(tmp_path / "speculators", tgt)
+    other = Path(tiny_target_dir(tmp_path / "o"))  # another vocabulary: refused
+    from safetensors.torch import load_file, save_file
+    w = load_file(str(other / "model.safetensors"))
+    w["model.embed_tokens.weight"] = w["model.embed_tokens.weight"][:200].contiguous()
+    save_file(w, str(other / "model.safetensors"))
+    with pytest.raises(ValueError, match="another target"):
+        load_exported_drafter(tmp_path / "sglang", other)
     with pytest.raises(ValueError, match="no config.json"):
         load_exported_drafter(tmp_path / "nothing", tgt)
     cfg = json.loads((tmp_path / "sglang" / "config.json").read_text())

@@ -174,6 +174,11 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        raise ValueError("serve-check needs the sglang extra: pip install -e '.[sglang]' (or bash scripts/setup.sh "
+                         "dev,sglang)")
     from eagle_train.export import load_exported_drafter
     from eagle_train.model import resolve_model_path
 
@@ -181,18 +186,13 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
     target_path = str(resolve_model_path(target or manifest["model_path"]))
     load_exported_drafter(drafter, target_path)  # refuses a bad folder before anything is read or started
     keys = read_key_list(heldout_keys, "--heldout_keys") if heldout_keys else heldout_split(data)
-    prompts, used = heldout_prompts(data, sorted(keys), max_prompt_tokens)
+    prompts, used = heldout_prompts(data, keys, max_prompt_tokens, num_prompts)
     if not prompts:
         raise ValueError(f"{data}: none of the {len(keys)} held-out samples has an assistant reply starting "
                          f"within max_prompt_tokens={max_prompt_tokens}")
-    import importlib.util
-
-    if importlib.util.find_spec("sglang") is None:
-        raise ValueError("serve-check needs the sglang extra: pip install -e '.[sglang]' (or bash scripts/setup.sh "
-                         "dev,sglang)")
-    res = run_serve_check(target_path, drafter, prompts[:num_prompts], steps=steps, max_new_tokens=max_new_tokens,
+    res = run_serve_check(target_path, drafter, prompts, steps=steps, max_new_tokens=max_new_tokens,
                           dtype=dtype, device=device)
-    res["prompt_keys"] = used[:num_prompts]
+    res["prompt_keys"] = used
     o = Path(out)
     o.mkdir(parents=True, exist_ok=True)
     (o / "serve_check.json").write_text(json.dumps(res, indent=1))
