@@ -1,4 +1,4 @@
-"""``python -m benchmarks loader|extract|pipeline|train|train_step|sglang|tar_walk``: benchmarks that print numbers.
+"""``python -m benchmarks loader|extract|codec|pipeline|train|train_step|sglang|tar_walk``: benchmarks that print numbers.
 
 Run from a checkout (this folder is not installed). Each command is the benchmark function
 itself: its signature and docstring make the command line (jsonargparse); ``--help`` lists
@@ -7,6 +7,7 @@ the options. Figures and how to read them: BENCHMARKS.md.
 
 from __future__ import annotations
 
+from benchmarks.codec import bench_codec
 from benchmarks.extract import bench_extract
 from benchmarks.loader import bench_loader
 from benchmarks.pipeline import bench_pipeline
@@ -18,7 +19,7 @@ from eagle_data.cli.main import run_cli
 
 COMMANDS = {"loader": bench_loader, "extract": bench_extract, "train": bench_train, "sglang": bench_sglang,
             "train_step": bench_train_step, "tar_walk": bench_tar_walk,
-            "pipeline": bench_pipeline}
+            "pipeline": bench_pipeline, "codec": bench_codec}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,14 @@ batches carry no padding):
     stream, one batch in flight (:meth:`HFBackend.capture_async`);
 (c) (b) + shard writing to local disk by background writer threads (safetensors + tar +
     sha256 + fsync + rename, the production :class:`ShardSink`);
-(d) the disk's raw write rate for the same bytes (files of shard size, fsync'd), same run.
+(d) the disk's raw write rate for the same bytes (files of shard size, fsync'd), same run;
+(e) the peers' method (NVIDIA ModelOpt's ``compute_hidden_states_hf.py``, the EAGLE repo's
+    ``ge_data`` scripts): the base forward with ``output_hidden_states=True`` (no hooks of its
+    own), the same states picked from HF's tuple (aux ``hidden_states[k + 1]``; final
+    ``hidden_states[-1]``, which transformers ties to the post-norm ``last_hidden_state``, as
+    we store), a synchronous ``.cpu()`` per sample and one ``torch.save`` file per sample on
+    the disk of (c), no fsync. Same batches as (a) (the peers' scripts run one conversation
+    per forward).
 
 MFU uses forward FLOPs = 2·P_nonembed + 2·L·H·T per token (causal attention: QKᵀ and AV
 average T/2 keys) against ``peak_tflops`` (default 989, H200 dense bf16 spec).
@@ -88,11 +95,30 @@ def disk_write_rate(directory: Path, total_bytes: int, file_bytes: int, writers:
     return per * writers / (time.perf_counter() - t0) / 1e9
 
 
+def peers_run(be, batches: list, directory: Path, device: str) -> None:
+    """(e): the peers' extraction of ``batches`` into ``directory``, one ``torch.save`` file per
+    sample (HF ``output_hidden_states=True``, synchronous ``.cpu()``, no fsync); the files are
+    removed at the end, as (c) removes its shards."""
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    with torch.inference_mode():
+        for batch in batches:
+            x = torch.stack([ids for _, ids in batch]).to(device)
+            hs = be.base(input_ids=x, use_cache=False, output_hidden_states=True).hidden_states
+            be._store.clear()  # our backend's hooks stay registered, as in (a); they only keep references
+            aux = torch.cat([hs[k + 1] for k in be.info.aux_layer_ids], dim=-1)
+            for i, (key, ids) in enumerate(batch):
+                torch.save({"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
+                            "aux": aux[i].cpu(), "final": hs[-1][i].cpu()}, directory / f"{key}.pt")
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str = "bfloat16",
                   seq_len: int = 2048, batch_size: int = 4, num_batches: int = 12, repeats: int = 3,
                   writers: int = 2, out: str | None = None, peak_tflops: float = 989.0,
-                  write_queue: int | None = None, json_out: str | None = None) -> dict[str, Any]:
-    """Extraction tokens/s: (a) plain forward, (b) capture to host, (c) capture + shard writing, (d) raw disk rate.
+                  write_queue: int | None = None, peers: bool = True, json_out: str | None = None) -> dict[str, Any]:
+    """Extraction tokens/s: (a) plain forward, (b) capture to host, (c) capture + shard writing, (d) raw disk rate,
+    (e) the peers' method (output_hidden_states + one torch.save file per sample).
 
     Prints a table; returns the figures (medians over ``repeats``).
 
@@ -109,6 +135,8 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         peak_tflops: peak dense bf16 TFLOP/s for the MFU figure.
         write_queue: samples waiting for the writers at most in (c) (default 2 x batch_size; as
             ``extract --write_queue``).
+        peers: also run (e), the peers' method (HF ``output_hidden_states=True``, ``.cpu()``, one
+            ``torch.save`` file per sample, no fsync) on the same batches and disk as (c).
         json_out: also write the figures to this JSON file.
     """
     from eagle_data.extract.async_sink import AsyncShardWriter
@@ -129,6 +157,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
                for b in range(num_batches)]
     tokens = num_batches * batch_size * seq_len
     out_bytes_tok = 4 * H * 2 if dtype == "bfloat16" else 4 * H * 4
+    temp_root = out is None
     root = Path(out or tempfile.mkdtemp(prefix="eagle-bench-"))
     root.mkdir(parents=True, exist_ok=True)
 
@@ -164,9 +193,13 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
 
     plain()  # warm-up (kernels, allocator, pinned pool)
     capture()
-    res: dict[str, list[float]] = {"a_plain": [], "b_capture_host": [], "c_capture_write": []}
+    runs = [("a_plain", plain), ("b_capture_host", capture), ("c_capture_write", write_run)]
+    if peers:
+        peers_run(be, batches[:1], root / "peers", device)  # warm-up (HF's output-capturing hooks, torch.save)
+        runs.append(("e_peers", lambda: peers_run(be, batches, root / "peers", device)))
+    res: dict[str, list[float]] = {name: [] for name, _ in runs}
     for _ in range(repeats):
-        for name, fn in (("a_plain", plain), ("b_capture_host", capture), ("c_capture_write", write_run)):
+        for name, fn in runs:
             t0 = time.perf_counter()
             fn()
             res[name].append(tokens / (time.perf_counter() - t0))
@@ -183,10 +216,12 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         "disk_GB_s_1writer": round(disk1, 3), f"disk_GB_s_{writers}writers": round(diskw, 3),
         "ratio_b_over_a": round(med["b_capture_host"] / med["a_plain"], 4),
         "ratio_c_over_a": round(med["c_capture_write"] / med["a_plain"], 4),
+        **({"ratio_e_over_a": round(med["e_peers"] / med["a_plain"], 4),
+            "ratio_c_over_e": round(med["c_capture_write"] / med["e_peers"], 4)} if peers else {}),
         "bound_c_over_a": round(min(1.0, max(disk1, diskw) / (med["a_plain"] * out_bytes_tok / 1e9)), 4),
         "repeats": {k: [round(x, 1) for x in v] for k, v in res.items()},
     }
-    if out is None:
+    if temp_root:
         shutil.rmtree(root, ignore_errors=True)
     for k, v in out.items():
         print(f"{k:>24}: {v}")

@@ -1,5 +1,5 @@
 """Benchmarks run end to end on tiny inputs and report what they promise (figures themselves are
-for BENCHMARKS.md, not asserted): the loader over the same samples, extract and train_step via the CLI."""
+for BENCHMARKS.md, not asserted): the loader over the same samples, extract, codec and train_step via the CLI."""
 
 import json
 import re
@@ -50,6 +50,40 @@ def test_bench_extract_runs_from_its_command_line(tmp_path):
           "--json_out", str(out)])
     res = json.loads(out.read_text())
     assert res["repeats"]["a_plain"][0] > 0 and res["c_capture_write_tok_s"] > 0 and res["seq_len"] == 16
+    assert res["e_peers_tok_s"] > 0 and res["repeats"]["e_peers"][0] > 0  # (e), the peers' method, same run
+    assert res["ratio_e_over_a"] > 0 and res["ratio_c_over_e"] > 0
+    assert not (tmp_path / "d" / "peers").exists()  # its per-sample files are removed
+
+
+def test_bench_codec_runs_on_random_states_from_its_command_line(tmp_path, capsys):
+    """Every codec round-trips the bytes (checked inside) and reports a size ratio and rates."""
+    out = tmp_path / "c.json"
+    main(["codec", "--num_tokens", "8", "--hidden_size", "16", "--repeats", "1", "--json_out", str(out)])
+    res = json.loads(out.read_text())
+    assert set(res["methods"]) == {"zstd-1", "zstd-3", "planes+zstd-1", "planes+zstd-3"}
+    for name, row in res["methods"].items():
+        assert row["ratio"] > 0 and row["ratio_aux"] > 0 and row["ratio_final"] > 0, name
+        assert row["compress_GB_s"] > 0 and row["decompress_GB_s"] > 0, name
+    assert res["methods"]["planes+zstd-1"]["split_GB_s"] > 0 and "planes+zstd-3" in capsys.readouterr().out
+
+
+def test_bench_codec_reads_a_dataset_and_refuses_other_dtypes(tmp_path, capsys):
+    """On a dataset directory: the bf16 states of the first ``max_samples`` samples of its index;
+    a float32 dataset is refused, naming its dtype."""
+    import torch
+
+    from benchmarks.codec import bench_codec
+    from eagle_data.tools.synthetic import write_synthetic
+
+    g = torch.Generator().manual_seed(0)
+    write_synthetic(tmp_path / "bf16", [3, 2], hidden_size=16, values=lambda i: torch.randn(4 + i, 16, generator=g))
+    res = bench_codec(str(tmp_path / "bf16"), max_samples=4, repeats=1)
+    assert res["tensors"] == 8 and res["raw_MB"] == round(sum(4 * 16 * 2 * (4 + i) for i in range(4)) / 1e6, 2)
+    assert all(0 < row["ratio"] for row in res["methods"].values())
+    write_synthetic(tmp_path / "f32", [2], hidden_size=16, dtype="float32")
+    with pytest.raises(SystemExit) as e:
+        main(["codec", "--path", str(tmp_path / "f32"), "--repeats", "1"])
+    assert e.value.code == 2 and "float32" in capsys.readouterr().err
 
 
 def test_bench_train_step_counts_flops_and_runs(tmp_path):

@@ -39,13 +39,14 @@ def print_report(rep: VerifyReport, max_problems: int = 30, console: Console | N
         r = Table(title=f"recompute: {len(rep.recompute_keys)} sample(s), rtol {rep.rtol:.3g} (on max|Δ| / max|ref|)")
         r.add_column("layer")
         r.add_column("max|Δ| / max|ref|", justify="right")
-        for col in ("per-token rel. p50", "p99", "max", "min cosine"):
+        for col in ("per-token rel. p50", "p99", "max", "min cosine") + (("|Δ| / fp8 bound",) if rep.recompute_bound else ()):
             r.add_column(col, justify="right")
         for name, err in rep.recompute.items():
             tok = rep.recompute_tokens.get(name, {})
+            bound = (f"{rep.recompute_bound[name]:.3f}" if name in rep.recompute_bound else "-",) if rep.recompute_bound else ()
             r.add_row(name, f"[{'red' if rep.rtol is not None and err > rep.rtol else 'green'}]{err:.3e}[/]",
                       *(f"{tok[k]:.2e}" for k in ("token_rel_p50", "token_rel_p99", "token_rel_max")),
-                      f"{tok['min_cosine']:.6f}")
+                      f"{tok['min_cosine']:.6f}", *bound)
         con.print(r)
         if rep.dtype in EXPECTED_TOKEN_REL:
             con.print(f"rounding to {rep.dtype} moves a token by about {EXPECTED_TOKEN_REL[rep.dtype]:.1e} "

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from eagle_data.checks import check_device
-from eagle_data.format.schema import HIDDEN_DTYPES
+from eagle_data.format.schema import HIDDEN_DTYPES, STORAGE_DTYPES
 
 #: rows of the embedded ShareGPT demo taken when ``num_samples`` is not given
 DEMO_ROWS = 64
@@ -54,8 +54,13 @@ class ExtractConfig:
     """"cpu", "cuda", "cuda:N\""""
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """compute dtype"""
-    storage_dtype: Optional[Literal["bfloat16", "float32", "float16"]] = None
-    """dtype of stored hidden states (default: dtype)"""
+    storage_dtype: Optional[Literal["bfloat16", "float32", "float16", "float8_e4m3fn"]] = None
+    """dtype of the stored aux hidden states, and of the final ones unless final_storage_dtype says
+    otherwise (default: dtype). float8_e4m3fn: one float32 scale per token and layer beside the
+    values (saturating cast; error <= 2^-4 |x| + 2^-10 scale per element), about half the bytes of
+    bf16; readers hand it out dequantised to bfloat16"""
+    final_storage_dtype: Optional[Literal["bfloat16", "float32", "float16", "float8_e4m3fn"]] = None
+    """dtype of the stored final hidden states (the teacher; default: storage_dtype)"""
     aux_layer_ids: Optional[list[int]] = None
     """three layer ids low/mid/high; id k = output of decoder layer k = HF hidden_states[k+1]
     (SGLang's eagle_aux_hidden_state_layer_ids). Default [1, L//2-1, L-4]"""
@@ -102,10 +107,11 @@ class ExtractConfig:
                 raise ValueError(f"{name} must be >= {lo}, got {v!r}")
         if self.num_samples is not None and (not _is_int(self.num_samples) or self.num_samples < 1):
             raise ValueError(f"num_samples must be >= 1 (or null for all rows), got {self.num_samples!r}")
-        for name, allowed in (("dtype", HIDDEN_DTYPES), ("storage_dtype", HIDDEN_DTYPES),
+        for name, allowed in (("dtype", HIDDEN_DTYPES), ("storage_dtype", STORAGE_DTYPES),
+                              ("final_storage_dtype", STORAGE_DTYPES),
                               ("backend", ("hf", "sglang")), ("on_bad_sample", ("skip", "raise"))):
             v = getattr(self, name)
-            if (v is not None or name != "storage_dtype") and v not in allowed:
+            if (v is not None or not name.endswith("storage_dtype")) and v not in allowed:
                 raise ValueError(f"{name} must be one of {sorted(allowed)}, got {v!r}")
         for name in ("template_vars", "backend_kwargs"):
             if not isinstance(getattr(self, name), dict):
@@ -135,8 +141,13 @@ def check_run_fields(cfg: Any) -> None:
 
 
 def storage_dtype(cfg: ExtractConfig) -> str:
-    """The dtype the hidden states are stored in."""
+    """The dtype the aux hidden states are stored in."""
     return cfg.storage_dtype or cfg.dtype
+
+
+def final_storage_dtype(cfg: ExtractConfig) -> str:
+    """The dtype the final hidden states are stored in."""
+    return cfg.final_storage_dtype or storage_dtype(cfg)
 
 
 def rows_to_read(cfg: ExtractConfig) -> Optional[int]:

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 #: config fields that must be equal for a resume or a merge to mix outputs (``num_samples`` is
 #: not one: rerunning with more rows of the same source extends a finished run)
 RESUME_KEYS = ("model_path", "weights_fingerprint", "tokenizer_sha256", "template", "dtype", "storage_dtype",
-               "aux_layer_ids", "max_length", "data", "dataset_tag", "split", "world_size")
+               "final_storage_dtype", "aux_layer_ids", "max_length", "data", "dataset_tag", "split", "world_size")
 
 
 def config_hash(cfg: dict[str, Any]) -> str:

@@ -37,7 +37,8 @@ from tqdm.auto import tqdm
 from eagle_data.extract.async_sink import AsyncShardWriter
 from eagle_data.extract.backends.base import Backend
 from eagle_data.extract.chat import ChatRenderer, tokenize
-from eagle_data.extract.config import ExtractConfig, check_paths, model_dir, rows_to_read, storage_dtype
+from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage_dtype, model_dir, rows_to_read,
+                                       storage_dtype)
 from eagle_data.extract.conversations import normalize
 from eagle_data.extract.fault import ErrorPolicy
 from eagle_data.extract.manifest import load_progress, merge, open_out, weights_fingerprint
@@ -46,7 +47,7 @@ from eagle_data.extract.signals import ExtractionInterrupted, Signals, interrupt
 from eagle_data.extract.sink import ShardSink
 from eagle_data.extract.sources import resolve
 from eagle_data.extract.stages import capture, check_vocab, to_samples, token_budget_batches
-from eagle_data.format.schema import hidden_dtype, sample_key
+from eagle_data.format.schema import sample_key, storage_dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,10 @@ def _run_facts(cfg: ExtractConfig, backend: Backend, renderer: ChatRenderer, mod
     model facts of the manifest."""
     info = backend.info
     tok_json = Path(model_path) / "tokenizer.json"
+    fin = final_storage_dtype(cfg)
     run_cfg = {**asdict(cfg), "model_path": model_path, "dataset_tag": tag, "storage_dtype": storage_dtype(cfg),
+               # None when equal to storage_dtype: progress files written before the field existed resume
+               "final_storage_dtype": fin if fin != storage_dtype(cfg) else None,
                "aux_layer_ids": list(info.aux_layer_ids),
                "weights_fingerprint": weights_fingerprint(model_path),
                "tokenizer_sha256": hashlib.sha256(tok_json.read_bytes()).hexdigest() if tok_json.exists() else None,
@@ -133,7 +137,8 @@ def _run_facts(cfg: ExtractConfig, backend: Backend, renderer: ChatRenderer, mod
     _check_regenerator(cfg.data, run_cfg)
     facts = {"model_path": model_path, "backend": info.name, "hidden_size": info.hidden_size,
              "num_layers": info.num_layers, "vocab_size": info.vocab_size,
-             "aux_layer_ids": list(info.aux_layer_ids), "dtype": storage_dtype(cfg), "compute_dtype": info.dtype,
+             "aux_layer_ids": list(info.aux_layer_ids), "dtype": storage_dtype(cfg), "final_dtype": fin,
+             "compute_dtype": info.dtype,
              "backend_extra": info.extra}
     return run_cfg, facts
 
@@ -168,7 +173,8 @@ def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRend
                           backend.info.vocab_size, policy)
     batches = interruptible_iter(token_budget_batches(samples, cfg.batch_tokens, cfg.max_batch_size,
                                                       cfg.sort_window), sigs)
-    extracted = to_samples(capture(batches, backend, sigs), hidden_dtype(storage_dtype(cfg), "storage_dtype"),
+    extracted = to_samples(capture(batches, backend, sigs), (storage_dtype_of(storage_dtype(cfg)),
+                                                             storage_dtype_of(final_storage_dtype(cfg))),
                            cfg.data, tag, policy)
     # Writer w of W fills shards next_shard + w, + W, ... of this rank's series; the next batch's
     # forward runs while writer threads hash and write (bounded queue).

@@ -18,6 +18,7 @@ from eagle_data.extract.backends.base import Backend, Captured
 from eagle_data.extract.chat import TokenizedSample
 from eagle_data.extract.fault import ErrorPolicy, Skip
 from eagle_data.extract.signals import Signals
+from eagle_data.format.fp8 import FP8_DTYPE, quantize, scale_name
 from eagle_data.packing import pack_window
 
 
@@ -80,7 +81,7 @@ class Sample:
     Attributes:
         key: sample key (``TAG_ROW``).
         tensors: ``input_ids`` [T] int64, ``loss_mask`` [T] uint8, ``aux_hidden_states`` [T, 3H]
-            and ``hidden_states`` [T, H] in the storage dtype.
+            and ``hidden_states`` [T, H] in the storage dtype (fp8: plus ``*_scale`` [T, G]).
         meta: the ``KEY.json`` metadata (index columns).
     """
     key: str
@@ -88,11 +89,23 @@ class Sample:
     meta: dict[str, Any]
 
 
-def to_samples(captured: Iterable[tuple[list[TokenizedSample], list[Captured]]], storage: torch.dtype,
-               source: str, tag: str, policy: ErrorPolicy) -> Iterator[list[Sample]]:
-    """Pair each tokenized sample with its states, per batch (a list, possibly empty).
+def store(x: torch.Tensor, dtype: torch.dtype, groups: int, name: str) -> dict[str, torch.Tensor]:
+    """``{name: x}`` cast to ``dtype``; float8_e4m3fn: the fp8 values and ``name + "_scale"``
+    [T, groups] (:func:`eagle_data.format.fp8.quantize`, ``x`` known finite)."""
+    if dtype != FP8_DTYPE:
+        return {name: x.to(dtype)}
+    q, scale = quantize(x, groups)
+    return {name: q, scale_name(name): scale}
 
-    Skips (``non_finite_hidden_states``) a sample with NaN/Inf states.
+
+def to_samples(captured: Iterable[tuple[list[TokenizedSample], list[Captured]]],
+               storage: tuple[torch.dtype, torch.dtype], source: str, tag: str, policy: ErrorPolicy
+               ) -> Iterator[list[Sample]]:
+    """Pair each tokenized sample with its states, per batch (a list, possibly empty); the aux and
+    final states are stored in ``storage = (aux dtype, final dtype)`` (fp8: with scales).
+
+    Skips (``non_finite_hidden_states``) a sample with NaN/Inf states (in the captured dtype, and
+    after the cast: a value beyond the storage dtype's range).
 
     Raises:
         RuntimeError: the backend returned samples out of order or a row count other than the
@@ -107,14 +120,16 @@ def to_samples(captured: Iterable[tuple[list[TokenizedSample], list[Captured]]],
             if c.hidden_states.shape[0] != s.num_tokens or c.aux_hidden_states.shape[0] != s.num_tokens:
                 raise RuntimeError(f"sample {s.key}: backend returned {c.hidden_states.shape[0]} rows "
                                    f"for {s.num_tokens} tokens")
-            aux, fin = c.aux_hidden_states.to(storage), c.hidden_states.to(storage)
-            if not (torch.isfinite(aux).all() and torch.isfinite(fin).all()):
+            aux, fin = c.aux_hidden_states, c.hidden_states
+            cast = [x.to(d) if d != FP8_DTYPE else x for x, d in zip((aux, fin), storage)]
+            if not all(torch.isfinite(x).all() for x in (aux, fin, *cast)):
                 policy.handle(Skip(s.row, s.source_id, "non_finite_hidden_states",
                                    f"NaN/Inf in the captured states of {s.key}"))
                 continue
+            states = {**store(cast[0], storage[0], aux.shape[1] // fin.shape[1], "aux_hidden_states"),
+                      **store(cast[1], storage[1], 1, "hidden_states")}
             meta = {"source_dataset": source, "dataset_tag": tag, "source_id": s.source_id,
                     "source_row": s.row, "num_turns": s.num_turns, "num_tokens": s.num_tokens,
                     "num_loss_tokens": int(s.loss_mask.sum()), "truncated": s.truncated}
-            out.append(Sample(s.key, {"input_ids": s.input_ids, "loss_mask": s.loss_mask,
-                                      "aux_hidden_states": aux, "hidden_states": fin}, meta))
+            out.append(Sample(s.key, {"input_ids": s.input_ids, "loss_mask": s.loss_mask, **states}, meta))
         yield out

@@ -21,7 +21,16 @@ name                 shape        dtype     meaning
                                             (low→high, concatenated on the last dim)
 ``hidden_states``    [T, H]       bf16/f32  final hidden state AFTER the final norm
                                             (what ``lm_head`` consumes)
+``*_scale``          [T, G]       f32       only beside a field stored as fp8: one scale per
+                                            token and layer group (3 for aux, 1 for final;
+                                            :mod:`eagle_data.format.fp8`)
 ==================== ============ ========= ==========================================
+
+Storage dtypes (:data:`STORAGE_DTYPES`): bfloat16, float16, float32, or ``float8_e4m3fn`` with
+per-(token, layer) scales; aux and final states may differ (``storage_dtype`` /
+``final_storage_dtype``; the manifest's ``dtype`` / ``final_dtype``). Readers hand fp8 fields out
+dequantised to bfloat16 (:func:`batch_dtype`). Schema version 2 added fp8 and ``final_dtype``;
+version-1 datasets (no fp8) read unchanged.
 
 Layer-id convention (:data:`LAYER_ID_CONVENTION`): aux id ``k`` is the output of decoder
 layer ``k`` (0-based), i.e. HF ``output_hidden_states[k + 1]``; this is what SGLang's
@@ -38,7 +47,11 @@ import pyarrow as pa
 import torch
 from safetensors.torch import load as st_load
 
-SCHEMA_VERSION = 1
+from eagle_data.format.fp8 import scale_name
+
+SCHEMA_VERSION = 2
+#: versions this code reads: 1 (before fp8 storage; same fields) and 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 LAYER_ID_CONVENTION = "output_of_decoder_layer_k=hf_hidden_states[k+1]"
 FINAL_STATE_NORM = "post"  # hidden_states are taken after the model's final norm
 
@@ -47,6 +60,10 @@ META_EXT = "json"
 TENSOR_FIELDS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
 INT_DTYPES = {"input_ids": torch.int64, "loss_mask": torch.uint8}
 HIDDEN_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+#: hidden-state dtypes a shard may store (the compute dtypes + fp8 with scales)
+STORAGE_DTYPES = {**HIDDEN_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
+#: layer groups of each hidden field (the width of its scale tensor when stored as fp8)
+HIDDEN_FIELDS = ("aux_hidden_states", "hidden_states")
 
 #: index.parquet columns: name -> (Arrow type, meaning)
 INDEX_FIELDS = {
@@ -85,6 +102,22 @@ def hidden_dtype(name: str, field: str = "dtype") -> torch.dtype:
     return HIDDEN_DTYPES[name]
 
 
+def storage_dtype_of(name: str, field: str = "storage_dtype") -> torch.dtype:
+    """The torch dtype of a storage dtype name (:data:`STORAGE_DTYPES`).
+
+    Raises:
+        ValueError: an unknown name, naming ``field``.
+    """
+    if name not in STORAGE_DTYPES:
+        raise ValueError(f"{field} must be one of {sorted(STORAGE_DTYPES)}, got {name!r}")
+    return STORAGE_DTYPES[name]
+
+
+def batch_dtype(stored: torch.dtype) -> torch.dtype:
+    """The dtype readers hand out for a stored dtype: fp8 is dequantised to bfloat16."""
+    return torch.bfloat16 if stored == torch.float8_e4m3fn else stored
+
+
 def sample_key(dataset_tag: str, row: int) -> str:
     """Stable sample key from (dataset, source row). Never contains '.'.
 
@@ -97,7 +130,7 @@ def sample_key(dataset_tag: str, row: int) -> str:
 
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64",
-              torch.uint8: "U8"}
+              torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 #: safetensors dtype name -> torch dtype, for readers that parse the header themselves
 ST_DTYPES_BY_NAME = {v: k for k, v in _ST_DTYPES.items()}
 
@@ -146,8 +179,8 @@ def encode_sample_parts(key: str, tensors: dict[str, torch.Tensor], meta: dict[s
     if "." in key or "/" in key:
         raise ValueError(f"sample key {key!r} must not contain '.' or '/'")
     validate_tensors(tensors, where=key)
-    return {TENSOR_EXT: safetensors_parts({k: tensors[k] for k in TENSOR_FIELDS},
-                                          {"schema_version": str(SCHEMA_VERSION)}),
+    names = [*TENSOR_FIELDS, *(scale_name(k) for k in HIDDEN_FIELDS if scale_name(k) in tensors)]
+    return {TENSOR_EXT: safetensors_parts({k: tensors[k] for k in names}, {"schema_version": str(SCHEMA_VERSION)}),
             META_EXT: [json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")]}
 
 
@@ -188,8 +221,26 @@ def validate_tensors(tensors: dict[str, torch.Tensor], where: str = "?") -> None
             f"aux_hidden_states {aux.shape[0]}, hidden_states {fin.shape[0]}")
     if aux.shape[1] % fin.shape[1] != 0:
         raise SampleError(where, f"aux width {aux.shape[1]} is not a multiple of H={fin.shape[1]}")
-    if aux.dtype != fin.dtype:
-        raise SampleError(where, f"aux dtype {aux.dtype} != final dtype {fin.dtype}")
+    for name, groups in (("aux_hidden_states", aux.shape[1] // fin.shape[1]), ("hidden_states", 1)):
+        _check_storage(tensors, name, groups, where)
+
+
+def _check_storage(tensors: dict[str, torch.Tensor], name: str, groups: int, where: str) -> None:
+    """A hidden field's dtype is a storage dtype; an fp8 field has its [T, groups] float32 scale
+    (finite, > 0), any other field none."""
+    x, sn = tensors[name], scale_name(name)
+    if x.dtype not in STORAGE_DTYPES.values():
+        raise SampleError(where, f"{name}: dtype {x.dtype} is not a storage dtype")
+    if x.dtype != torch.float8_e4m3fn:
+        if sn in tensors:
+            raise SampleError(where, f"{sn} given for {name} stored as {x.dtype} (only fp8 fields have scales)")
+        return
+    sc = tensors.get(sn)
+    if sc is None or sc.dtype != torch.float32 or tuple(sc.shape) != (x.shape[0], groups):
+        got = "missing" if sc is None else f"{tuple(sc.shape)} {sc.dtype}"
+        raise SampleError(where, f"{name} is fp8 but {sn} is {got}, expected [{x.shape[0]}, {groups}] float32")
+    if sc.numel() and not (torch.isfinite(sc).all() and (sc > 0).all()):
+        raise SampleError(where, f"{sn} holds a non-finite or non-positive scale")
 
 
 def check_manifest_compat(manifest: dict[str, Any], expect: dict[str, Any] | None = None,
@@ -204,8 +255,8 @@ def check_manifest_compat(manifest: dict[str, Any], expect: dict[str, Any] | Non
         ValueError: schema version, layer convention, final norm or an expected field differs.
     """
     v = manifest.get("schema_version")
-    if v != SCHEMA_VERSION:
-        raise ValueError(f"{where}: schema_version {v!r}, this eagle_data reads {SCHEMA_VERSION}")
+    if v not in READABLE_SCHEMA_VERSIONS:
+        raise ValueError(f"{where}: schema_version {v!r}, this eagle_data reads {list(READABLE_SCHEMA_VERSIONS)}")
     if manifest.get("layer_id_convention") != LAYER_ID_CONVENTION:
         raise ValueError(f"{where}: layer_id_convention {manifest.get('layer_id_convention')!r} "
                          f"!= {LAYER_ID_CONVENTION!r}")

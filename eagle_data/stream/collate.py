@@ -15,6 +15,7 @@ from typing import Any, Sequence, TypedDict
 
 import torch
 
+from eagle_data.format.fp8 import dequantize, scale_name
 
 #: the key of a filler row: when every sample of a batch was skipped (``on_error="skip"``) the
 #: batch holds one 2-token row of zeros with no supervised token instead of being empty, so every
@@ -28,8 +29,8 @@ class Batch(TypedDict, total=False):
     input_ids: torch.Tensor          #: [B, T] int64, 0 on padding
     attention_mask: torch.Tensor     #: [B, T] bool, True on the sample's tokens
     loss_mask: torch.Tensor          #: [B, T] bool, True on supervised (assistant) tokens, False on padding
-    aux_hidden_states: torch.Tensor  #: [B, T, 3H] stored dtype (bf16 bit-exact), aux layers low -> high
-    hidden_states: torch.Tensor      #: [B, T, H] stored dtype, final post-norm state; zeros on padding
+    aux_hidden_states: torch.Tensor  #: [B, T, 3H] stored dtype (bit-exact; fp8 dequantised to bf16), aux layers low -> high
+    hidden_states: torch.Tensor      #: [B, T, H] as aux; final post-norm state; zeros on padding
     keys: list[str]                  #: sample keys, row order (:data:`FILLER_KEY` for a filler row)
     skipped: int                     #: samples of this slot skipped (on_error="skip") since the previous
     #: batch; present only when > 0, taken out by :class:`~eagle_data.stream.loader.EagleDataLoader`
@@ -123,13 +124,17 @@ class SampleReadError(Exception):
         self.errors = errors
 
 
-def _fill_rows(dst: torch.Tensor, src: Any, n: int) -> BaseException | None:
+def _fill_rows(dst: torch.Tensor, src: Any, n: int, scale: torch.Tensor | None = None) -> BaseException | None:
     """``dst[:n] = src`` (a tensor, or a FileTensor read in place), ``dst[n:] = 0``; numpy and
-    ``preadv`` release the GIL, so several fills run in parallel threads. Returns a read error
-    (``OSError``, or ``ValueError`` for a shard that ends early) instead of raising it."""
+    ``preadv`` release the GIL, so several fills run in parallel threads. With ``scale`` (an fp8
+    field, :mod:`eagle_data.format.fp8`) the rows are dequantised into ``dst``'s dtype. Returns a
+    read error (``OSError``, or ``ValueError`` for a shard that ends early) instead of raising it."""
     d = _bits(dst)
     try:
-        if isinstance(src, torch.Tensor):
+        if scale is not None:
+            q = src if isinstance(src, torch.Tensor) else src.materialize()
+            dequantize(q[:n], scale[:n], out=dst[:n])
+        elif isinstance(src, torch.Tensor):
             d[:n] = _bits(src)
         else:
             src.read_into(d[:n])
@@ -162,6 +167,7 @@ def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size
         s = samples[0]
         h = {k: s[k] if isinstance(s[k], torch.Tensor) else s[k].materialize()
              for k in ("aux_hidden_states", "hidden_states")}
+        h = {k: dequantize(v, s[scale_name(k)], dtype) if scale_name(k) in s else v for k, v in h.items()}
         out = {"input_ids": s["input_ids"][None], "attention_mask": torch.ones(1, t, dtype=torch.bool),
                "loss_mask": s["loss_mask"].bool()[None],
                "aux_hidden_states": h["aux_hidden_states"][None], "hidden_states": h["hidden_states"][None]}
@@ -181,7 +187,7 @@ def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size
             out["attention_mask"][i, n:] = False
             out["loss_mask"][i, :n] = s["loss_mask"]
             out["loss_mask"][i, n:] = False
-            jobs += [(i, (out[k][i], s[k], n)) for k in ("aux_hidden_states", "hidden_states")]
+            jobs += [(i, (out[k][i], s[k], n, s.get(scale_name(k)))) for k in ("aux_hidden_states", "hidden_states")]
         fill = _pool(threads).map if threads > 1 and len(jobs) > 2 else map  # the pool re-raises others
         errors: dict[int, BaseException] = {}
         for (i, _), e in zip(jobs, fill(lambda j: _fill_rows(*j[1]), jobs)):

@@ -30,7 +30,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from eagle_data.stream import plan as B
 from eagle_data.stream import collate as C
 from eagle_data.checks import check_positive
-from eagle_data.format.schema import HIDDEN_DTYPES, SampleError, decode_tensors
+from eagle_data.format.fp8 import scale_name
+from eagle_data.format.schema import STORAGE_DTYPES, SampleError, batch_dtype, decode_tensors
 from eagle_data.format.layout import INDEX_NAME
 from eagle_data.stream.shards import check_compat, epoch_shard_order, resolve_sources, slot_sizes, slot_spans
 from eagle_data.format.payload import view_tensors
@@ -93,8 +94,8 @@ class EagleShardDataset(IterableDataset):
                        max_batch_size=max_batch_size)
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1 (or None: keep all), got {max_length}")
-        if dtype is not None and dtype not in HIDDEN_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(HIDDEN_DTYPES)} (or None: the manifest's), got {dtype!r}")
+        if dtype is not None and dtype not in STORAGE_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(STORAGE_DTYPES)} (or None: the manifest's), got {dtype!r}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.shards, manifests = resolve_sources(sources, manifest)
@@ -121,7 +122,11 @@ class EagleShardDataset(IterableDataset):
         self.num_samples = sum(s.num_samples for s in self.shards)
         self.hidden_size = int(self.facts["hidden_size"])
         self.aux_width = len(self.facts["aux_layer_ids"]) * self.hidden_size
-        self.dtype = HIDDEN_DTYPES[self.facts["dtype"]]
+        #: stored dtypes of the aux and final states (the manifest's); batches hold ``self.dtype``
+        #: (fp8 dequantised to bfloat16; one dtype for both fields: the wider of the two)
+        self.stored = {"aux_hidden_states": STORAGE_DTYPES[self.facts["dtype"]],
+                       "hidden_states": STORAGE_DTYPES[self.facts["final_dtype"]]}
+        self.dtype = max((batch_dtype(d) for d in self.stored.values()), key=lambda d: d.itemsize)
         self.epoch = 0
         self.num_workers = 1      # see set_topology (used by __len__; workers read get_worker_info)
         self.skip_batches = 0     # rank-level batches of ``epoch`` already consumed (resume)
@@ -237,12 +242,12 @@ class EagleShardDataset(IterableDataset):
     def _decode(self, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
         where = f"{raw['__url__']}:{raw['__key__']}"
         t = view_tensors(raw["safetensors"], where=where)
-        h = t["hidden_states"]
-        if h.shape[1] != self.hidden_size or t["aux_hidden_states"].shape[1] != self.aux_width \
-                or h.dtype != self.dtype:
-            raise SampleError(where, f"hidden {tuple(h.shape)} {h.dtype} / aux "
-                                     f"{tuple(t['aux_hidden_states'].shape)} disagree with the manifest "
-                                     f"(H={self.hidden_size}, {self.dtype})")
+        h, a = t["hidden_states"], t["aux_hidden_states"]
+        if h.shape[1] != self.hidden_size or a.shape[1] != self.aux_width \
+                or h.dtype != self.stored["hidden_states"] or a.dtype != self.stored["aux_hidden_states"]:
+            raise SampleError(where, f"hidden {tuple(h.shape)} {h.dtype} / aux {tuple(a.shape)} {a.dtype} disagree "
+                                     f"with the manifest (H={self.hidden_size}, aux {self.stored['aux_hidden_states']}, "
+                                     f"final {self.stored['hidden_states']}): a mixed-dtype dataset is refused")
         if self.max_length is not None:
             t = {k: v[:self.max_length] for k, v in t.items()}
         return t

@@ -30,8 +30,13 @@ from eagle_data.format.layout import MANIFEST_NAME
 from eagle_data.format.schema import check_manifest_compat
 
 #: manifest facts that must agree between all sources (and with the caller's expectations)
-COMPAT_KEYS = ("schema_version", "layer_id_convention", "final_state_norm", "hidden_size",
-               "aux_layer_ids", "dtype")
+COMPAT_KEYS = ("layer_id_convention", "final_state_norm", "hidden_size", "aux_layer_ids", "dtype",
+               "final_dtype")
+
+
+def manifest_fact(m: dict[str, Any], key: str) -> Any:
+    """``m[key]``; a schema-1 manifest (no ``final_dtype``) stores its final states in ``dtype``."""
+    return m.get("final_dtype") or m.get("dtype") if key == "final_dtype" else m.get(key)
 
 
 @dataclass(frozen=True)
@@ -177,10 +182,10 @@ def check_compat(manifests: list[tuple[str, dict[str, Any]]], expect: dict[str, 
     for where, m in manifests:
         check_manifest_compat(m, expect, where=where)
         for k in COMPAT_KEYS:
-            a, b = m.get(k), ref.get(k)
+            a, b = manifest_fact(m, k), manifest_fact(ref, k)
             if (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
                 raise ValueError(f"{where}: {k} is {a!r} but {ref_where} has {b!r}; refusing to mix datasets")
-    return {k: ref.get(k) for k in COMPAT_KEYS}
+    return {k: manifest_fact(ref, k) for k in COMPAT_KEYS}
 
 
 def epoch_shard_order(shards: Sequence[ShardInfo], seed: int, epoch: int, shuffle: bool = True) -> list[ShardInfo]:

@@ -1,0 +1,71 @@
+"""FP8 storage of hidden states: ``float8_e4m3fn`` values with one float32 scale per (token, layer).
+
+A stored fp8 field ``F`` ([T, G*H], ``G`` layer groups of width ``H``: 3 for the aux states, 1 for
+the final state) comes with ``F_scale`` [T, G] float32 in the same safetensors payload. Row ``t``,
+group ``g``: ``scale = max|x| / 448`` (1 when the group is all zeros), ``q = x / scale`` rounded to
+e4m3 with saturation at +-448; the reader computes ``q * scale``.
+
+Error bound (:func:`error_bound`), per element, of the float32 dequantisation: e4m3 keeps 3
+mantissa bits, so a value in the normal range (``|q| >= 2^-6``) is off by at most half a unit in
+the last place, ``2^-4 |x|``; below it the spacing is ``2^-9``, i.e. at most ``2^-10 * scale``
+absolute. The float32 division adds ``2^-23`` relative, covered by the slack below. Dequantising
+to bfloat16 rounds once more: ``+ 2^-8 |x|`` (:data:`BF16_REL`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+#: name of the scale tensor stored beside an fp8 field
+SCALE_SUFFIX = "_scale"
+REL = 2.0 ** -4            # half an ulp of a 3-bit mantissa, relative
+SUB = 2.0 ** -10           # half the subnormal spacing 2^-9, in units of the scale
+BF16_REL = 2.0 ** -8       # one more rounding to bfloat16 (8 significant bits; slack included)
+
+
+def scale_name(field: str) -> str:
+    return field + SCALE_SUFFIX
+
+
+def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [T, G*H] (any float dtype) -> ``(q [T, G*H] float8_e4m3fn, scale [T, G] float32)``.
+
+    Raises:
+        ValueError: ``x`` holds NaN or Inf, or its width is not a multiple of ``groups``.
+    """
+    t, w = x.shape
+    if groups < 1 or w % groups:
+        raise ValueError(f"width {w} is not a multiple of {groups} layer groups")
+    xf = x.float().view(t, groups, w // groups)
+    if not torch.isfinite(xf).all():
+        raise ValueError("NaN/Inf in hidden states: not quantised (fp8 storage refuses non-finite values)")
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(t, w), scale.view(t, groups)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``q`` [T, G*H] fp8, ``scale`` [T, G] -> [T, G*H] in ``dtype`` (into ``out`` when given)."""
+    t, w = q.shape
+    g = scale.shape[1]
+    x = q.view(t, g, w // g).float().mul_(scale.float().view(t, g, 1)).view(t, w)
+    if out is None:
+        return x.to(dtype)
+    out.copy_(x)
+    return out
+
+
+def error_bound(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-element bound [T, G*H] on ``|x - dequantize(quantize(x))|`` (module doc), for a
+    dequantisation to ``dtype`` (float32, or bfloat16: one more rounding)."""
+    t, w = x.shape
+    g = scale.shape[1]
+    ax = x.float().abs()
+    b = (ax.view(t, g, w // g) * REL + scale.float().view(t, g, 1) * SUB).view(t, w)
+    if dtype != torch.float32:
+        b = b * (1 + BF16_REL) + ax * BF16_REL
+    return b * (1 + 2.0 ** -20)

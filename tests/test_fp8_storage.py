@@ -1,0 +1,172 @@
+"""FP8 storage of hidden states (``--storage_dtype float8_e4m3fn``): the quantisation bound, the
+shard round trip, old shards, mixed datasets, verify."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eagle_data.format.fp8 import FP8_MAX, dequantize, error_bound, quantize
+
+finite_bf16 = st.floats(min_value=-3.38e38, max_value=3.38e38, allow_nan=False)  # bf16 max 3.3895e38
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 9), st.data())
+def test_dequantisation_error_is_within_the_stated_bound(rows, groups, width, data):
+    """Values spanning the bf16 range (random exponents), zeros, rows of one repeated value."""
+    kind = data.draw(st.sampled_from(["exponents", "floats", "zeros", "equal"]))
+    n = rows * groups * width
+    if kind == "exponents":
+        e = data.draw(st.lists(st.integers(-133, 127), min_size=n, max_size=n))
+        m = data.draw(st.lists(st.floats(-2, 2, allow_nan=False), min_size=n, max_size=n))
+        x = torch.tensor([a * 2.0 ** b for a, b in zip(m, e)], dtype=torch.float32)
+    elif kind == "floats":
+        x = torch.tensor(data.draw(st.lists(finite_bf16, min_size=n, max_size=n)), dtype=torch.float32)
+    elif kind == "zeros":
+        x = torch.zeros(n)
+    else:
+        x = torch.full((n,), data.draw(finite_bf16))
+    x = x.bfloat16().view(rows, groups * width)
+    assume_finite = torch.isfinite(x).all()  # a huge float rounds to inf in bf16: refused below
+    if not assume_finite:
+        with pytest.raises(ValueError, match="NaN/Inf"):
+            quantize(x, groups)
+        return
+    q, scale = quantize(x, groups)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (rows, groups) and (scale > 0).all()
+    for dt in (torch.float32, torch.bfloat16):
+        d = dequantize(q, scale, dt).float()
+        assert torch.isfinite(d).all()
+        assert ((d - x.float()).abs() <= error_bound(x, scale, dt)).all()
+    if kind == "zeros":
+        assert (dequantize(q, scale) == 0).all() and (scale == 1).all()
+    if kind == "equal" and float(x[0, 0]) != 0:
+        assert (q.float().abs() == FP8_MAX).all()  # the row maximum maps to +-448
+
+
+def test_the_bound_is_tight_and_saturation_keeps_the_maximum():
+    x = torch.linspace(-1, 1, 4097).view(1, -1)
+    q, s = quantize(x, 1)
+    assert q.float().abs().max() == FP8_MAX
+    worst = float(((dequantize(q, s, torch.float32) - x).abs() / error_bound(x, s)).max())
+    assert 0.5 < worst <= 1.0  # the bound is reached within a factor 2, never exceeded
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_values_are_refused(bad):
+    x = torch.ones(2, 8)
+    x[1, 3] = bad
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        quantize(x, 2)
+
+
+def _extract(kr, tiny, out, **kw):
+    from eagle_data.extract.run import run_extract
+
+    return run_extract(dataclasses.replace(kr.config(out, *tiny, shard_max_samples=5), **kw))
+
+
+def _by_key(path, **kw):
+    from eagle_data.stream.dataset import EagleShardDataset
+
+    out = {}
+    for b in EagleShardDataset(str(path), batch_size=3, shuffle=False, **kw):
+        for i, k in enumerate(b["keys"]):
+            n = int(b["attention_mask"][i].sum())
+            out[k] = (b["aux_hidden_states"][i, :n], b["hidden_states"][i, :n])
+    return out
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory, kr, tiny):
+    """The tiny chats extracted in float32 (reference), fp8 aux + bf16 final, fp8 both, bf16."""
+    root = tmp_path_factory.mktemp("fp8")
+    ms = {"f32": _extract(kr, tiny, root / "f32"),
+          "f8aux": _extract(kr, tiny, root / "f8aux", storage_dtype="float8_e4m3fn", final_storage_dtype="bfloat16"),
+          "f8": _extract(kr, tiny, root / "f8", storage_dtype="float8_e4m3fn"),
+          "bf16": _extract(kr, tiny, root / "bf16", storage_dtype="bfloat16")}
+    return root, ms
+
+
+def test_fp8_shards_round_trip_within_the_bound_and_are_smaller(datasets):
+    root, ms = datasets
+    assert (ms["f8aux"]["dtype"], ms["f8aux"]["final_dtype"]) == ("float8_e4m3fn", "bfloat16")
+    assert ms["f8"]["schema_version"] == 2 and ms["f8"]["num_samples"] == ms["f32"]["num_samples"] > 0
+    ref = _by_key(root / "f32")
+    for name in ("f8aux", "f8"):
+        got = _by_key(root / name)
+        assert set(got) == set(ref)
+        for k, (aux, fin) in got.items():
+            assert aux.dtype == fin.dtype == torch.bfloat16
+            for x, d, groups in ((ref[k][0], aux, 3), (ref[k][1], fin, 1)):
+                if name == "f8aux" and groups == 1:
+                    assert torch.equal(d, x.bfloat16())  # bf16 final states: a plain cast
+                    continue
+                t = x.shape[0]
+                amax = x.view(t, groups, -1).abs().amax(-1)
+                scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # what extraction stored
+                assert ((d.float() - x).abs() <= error_bound(x, scale, torch.bfloat16)).all(), k
+    per_tok = {n: ms[n]["total_bytes"] / ms[n]["num_tokens"] for n in ("f8", "f8aux", "bf16")}
+    h = ms["bf16"]["hidden_size"]
+    assert per_tok["f8"] < per_tok["f8aux"] < per_tok["bf16"]
+    assert math.isclose(per_tok["f8"], per_tok["bf16"] * (4 * h + 16) / (8 * h), rel_tol=0.15)  # values + scales
+
+
+def test_verify_recompute_reports_the_error_against_the_fp8_bound(datasets):
+    from eagle_data.tools.verify import verify_dataset
+
+    root, _ = datasets
+    rep = verify_dataset(str(root / "f8aux"), recompute=3)
+    assert rep.ok, rep.problems
+    assert set(rep.recompute_bound) == {"aux layer 1", "aux layer 3", "aux layer 5"}  # the fp8 layers only
+    assert all(0 < v <= 1.0 for v in rep.recompute_bound.values())  # float32 compute: exact up to the bound
+    assert rep.recompute["final (post-norm)"] == 0.0
+
+
+def test_schema_1_datasets_still_read_and_mix_with_schema_2_of_the_same_dtype(datasets, tmp_path):
+    import shutil
+
+    from eagle_data.stream.dataset import EagleShardDataset
+    from eagle_data.tools.verify import verify_dataset
+
+    root, ms = datasets
+    old = tmp_path / "old"
+    shutil.copytree(root / "bf16", old)
+    m = json.loads((old / "manifest.json").read_text())
+    m["schema_version"] = 1
+    m.pop("final_dtype")
+    (old / "manifest.json").write_text(json.dumps(m))
+    assert verify_dataset(str(old)).ok
+    assert _by_key(old).keys() == _by_key(root / "bf16").keys()
+    ds = EagleShardDataset([str(old), str(root / "bf16")], batch_size=4, shuffle=False)
+    assert ds.num_samples == 2 * ms["bf16"]["num_samples"]
+
+
+def test_mixed_dtype_datasets_are_refused_naming_the_field(datasets, tmp_path):
+    import shutil
+
+    from eagle_data.format.schema import SampleError
+    from eagle_data.stream.dataset import EagleShardDataset
+
+    root, _ = datasets
+    for a, b, field in (("bf16", "f8", "dtype"), ("f8aux", "f8", "final_dtype")):
+        with pytest.raises(ValueError, match=f"{field} is .*refusing to mix"):
+            EagleShardDataset([str(root / a), str(root / b)], batch_size=2)
+    lie = tmp_path / "lie"  # shards in fp8 under a manifest that says bf16
+    shutil.copytree(root / "f8", lie)
+    m = json.loads((lie / "manifest.json").read_text())
+    m["dtype"] = m["final_dtype"] = "bfloat16"
+    (lie / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SampleError, match="mixed-dtype dataset is refused"):
+        next(iter(EagleShardDataset(str(lie), batch_size=2)))
+
+
+def test_resume_with_another_final_storage_dtype_is_refused(datasets, kr, tiny):
+    root, _ = datasets
+    with pytest.raises(ValueError, match="final_storage_dtype"):
+        _extract(kr, tiny, root / "f8", storage_dtype="float8_e4m3fn", final_storage_dtype="bfloat16")
