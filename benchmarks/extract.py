@@ -116,7 +116,8 @@ def peers_run(be, batches: list, directory: Path, device: str) -> None:
 def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str = "bfloat16",
                   seq_len: int = 2048, batch_size: int = 4, num_batches: int = 12, repeats: int = 3,
                   writers: int = 2, out: str | None = None, peak_tflops: float = 989.0,
-                  write_queue: int | None = None, peers: bool = True, json_out: str | None = None) -> dict[str, Any]:
+                  write_queue: int | None = None, peers: bool = True, storage_dtype: str | None = None,
+                  json_out: str | None = None) -> dict[str, Any]:
     """Extraction tokens/s: (a) plain forward, (b) capture to host, (c) capture + shard writing, (d) raw disk rate,
     (e) the peers' method (output_hidden_states + one torch.save file per sample).
 
@@ -135,6 +136,8 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         peak_tflops: peak dense bf16 TFLOP/s for the MFU figure.
         write_queue: samples waiting for the writers at most in (c) (default 2 x batch_size; as
             ``extract --write_queue``).
+        storage_dtype: dtype of the stored states in (c) (default: ``dtype``); ``float8_e4m3fn``
+            quantises on the device with per-(token, layer) scales, as ``extract --storage_dtype``.
         peers: also run (e), the peers' method (HF ``output_hidden_states=True``, ``.cpu()``, one
             ``torch.save`` file per sample, no fsync) on the same batches and disk as (c).
         json_out: also write the figures to this JSON file.
@@ -143,20 +146,21 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
     from eagle_data.extract.backends.hf import HFBackend
     from eagle_data.extract.sink import ShardSink
 
-    from eagle_data.format.schema import hidden_dtype
+    from eagle_data.format.schema import hidden_dtype, storage_dtype_of
 
     dt = hidden_dtype(dtype)
     model = build_model(shape, dt, device)
     cfg = model.config
     L, H = cfg.num_hidden_layers, cfg.hidden_size
-    be = HFBackend(shape, None, dtype=dtype, device=device, model=model)
+    be = HFBackend(shape, None, dtype=dtype, device=device, model=model, out_dtype=storage_dtype)
+    sd = storage_dtype_of(storage_dtype or dtype)
     p_nonembed = sum(p.numel() for n, p in model.model.named_parameters() if "embed_tokens" not in n)
     flops_tok = 2 * p_nonembed + 2 * L * H * seq_len
     g = torch.Generator().manual_seed(0)
     batches = [[(f"s{b}_{i}", torch.randint(0, cfg.vocab_size, (seq_len,), generator=g)) for i in range(batch_size)]
                for b in range(num_batches)]
     tokens = num_batches * batch_size * seq_len
-    out_bytes_tok = 4 * H * 2 if dtype == "bfloat16" else 4 * H * 4
+    out_bytes_tok = 4 * H * sd.itemsize + (4 * 4 if sd == torch.float8_e4m3fn else 0)  # + 4 float32 scales
     temp_root = out is None
     root = Path(out or tempfile.mkdtemp(prefix="eagle-bench-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -176,8 +180,11 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
             if pending is not None:
                 for c, (_, ids) in zip(pending.result(), pending_batch):
                     if writer is not None:
+                        scales = {} if c.aux_scale is None else {"aux_hidden_states_scale": c.aux_scale,
+                                                                 "hidden_states_scale": c.hidden_scale}
                         writer.put(c.key, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
-                                           "aux_hidden_states": c.aux_hidden_states, "hidden_states": c.hidden_states},
+                                           "aux_hidden_states": c.aux_hidden_states, "hidden_states": c.hidden_states,
+                                           **scales},
                                    {"source_id": c.key, "source_row": 0, "num_turns": 2, "truncated": False})
             pending, pending_batch = nxt, batch
         _sync(device)
@@ -209,7 +216,8 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
     med = {k: statistics.median(v) for k, v in res.items()}
     out = {
         "shape": shape, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-        "dtype": dtype, "seq_len": seq_len, "batch_size": batch_size, "tokens_per_repeat": tokens,
+        "dtype": dtype, "storage_dtype": str(sd).replace("torch.", ""), "bytes_per_token": out_bytes_tok,
+        "seq_len": seq_len, "batch_size": batch_size, "tokens_per_repeat": tokens,
         "writers": writers, "write_queue": write_queue or 2 * batch_size, **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
         "mfu_a": round(med["a_plain"] * flops_tok / (peak_tflops * 1e12), 4),
         "output_GB_s_at_a": round(med["a_plain"] * out_bytes_tok / 1e9, 3),

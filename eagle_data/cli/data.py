@@ -30,10 +30,10 @@ def extract(cfg: ExtractConfig) -> None:
         sys.exit(2)
     if "schema_version" in res:
         bpt = res["total_bytes"] / max(res["num_tokens"], 1)
-        raw = 4 * res["hidden_size"] * (2 if res["dtype"] in ("bfloat16", "float16") else 4)
+        raw = 4 * res["hidden_size"] * 2
         con.print(f"dataset: {res['num_samples']} samples, {res['num_tokens']} tokens, "
                   f"{len(res['shards'])} shard(s), {res['total_bytes'] / 2**20:.1f} MiB "
-                  f"({bpt:.0f} B/token vs {raw} B/token of raw hidden states)")
+                  f"({bpt:.0f} B/token = {bpt / raw:.3f} x the {raw} B/token of raw bf16 hidden states)")
     print(out)
 
 

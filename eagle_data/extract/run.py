@@ -98,9 +98,11 @@ def _run(cfg: ExtractConfig, out: Path, backend: Backend | None, tokenizer) -> d
     tag = cfg.dataset_tag or resolve(cfg.data)[2]
     sample_key(tag, 0)  # validates the tag (ValueError) before any work
     if backend is None:
-        remote = {"trust_remote_code": True} if cfg.trust_remote_code and cfg.backend == "hf" else {}
+        extra = {"trust_remote_code": True} if cfg.trust_remote_code and cfg.backend == "hf" else {}
+        if cfg.backend == "hf":  # cast / quantise on the device: less to copy to the host
+            extra.update(out_dtype=storage_dtype(cfg), final_out_dtype=final_storage_dtype(cfg))
         backend = make_backend(cfg.backend, model_path=model_path, aux_layer_ids=cfg.aux_layer_ids,
-                               dtype=cfg.dtype, device=cfg.device, **remote, **cfg.backend_kwargs)
+                               dtype=cfg.dtype, device=cfg.device, **{**extra, **cfg.backend_kwargs})
     sigs = Signals()
     try:
         run_cfg, facts = _run_facts(cfg, backend, renderer, model_path, tag)

@@ -98,6 +98,30 @@ def store(x: torch.Tensor, dtype: torch.dtype, groups: int, name: str) -> dict[s
     return {name: q, scale_name(name): scale}
 
 
+def _stored_states(c: Captured, storage: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The hidden-state tensors of a sample in the storage dtypes (fp8 with scales; a backend may
+    have cast or quantised on its device already), or None when a state is not finite (in the
+    captured dtype, after the cast, or a non-finite fp8 scale)."""
+    out: dict[str, torch.Tensor] = {}
+    groups = c.aux_hidden_states.shape[1] // max(1, c.hidden_states.shape[1])
+    for name, x, sc, dtype, g in (("aux_hidden_states", c.aux_hidden_states, c.aux_scale, storage[0], groups),
+                                  ("hidden_states", c.hidden_states, c.hidden_scale, storage[1], 1)):
+        if sc is not None:  # quantised by the backend
+            if x.dtype != dtype or not torch.isfinite(sc).all():
+                return None if x.dtype == dtype else _mismatch(name, x.dtype, dtype)
+            out.update({name: x, scale_name(name): sc})
+            continue
+        cast = x.to(dtype) if dtype != FP8_DTYPE else x
+        if not (torch.isfinite(x).all() and torch.isfinite(cast).all()):
+            return None
+        out.update(store(cast, dtype, g, name))
+    return out
+
+
+def _mismatch(name: str, got: torch.dtype, want: torch.dtype):
+    raise RuntimeError(f"backend returned {name} as {got}, the run stores {want}")
+
+
 def to_samples(captured: Iterable[tuple[list[TokenizedSample], list[Captured]]],
                storage: tuple[torch.dtype, torch.dtype], source: str, tag: str, policy: ErrorPolicy
                ) -> Iterator[list[Sample]]:
@@ -120,14 +144,11 @@ def to_samples(captured: Iterable[tuple[list[TokenizedSample], list[Captured]]],
             if c.hidden_states.shape[0] != s.num_tokens or c.aux_hidden_states.shape[0] != s.num_tokens:
                 raise RuntimeError(f"sample {s.key}: backend returned {c.hidden_states.shape[0]} rows "
                                    f"for {s.num_tokens} tokens")
-            aux, fin = c.aux_hidden_states, c.hidden_states
-            cast = [x.to(d) if d != FP8_DTYPE else x for x, d in zip((aux, fin), storage)]
-            if not all(torch.isfinite(x).all() for x in (aux, fin, *cast)):
+            states = _stored_states(c, storage)
+            if states is None:
                 policy.handle(Skip(s.row, s.source_id, "non_finite_hidden_states",
                                    f"NaN/Inf in the captured states of {s.key}"))
                 continue
-            states = {**store(cast[0], storage[0], aux.shape[1] // fin.shape[1], "aux_hidden_states"),
-                      **store(cast[1], storage[1], 1, "hidden_states")}
             meta = {"source_dataset": source, "dataset_tag": tag, "source_id": s.source_id,
                     "source_row": s.row, "num_turns": s.num_turns, "num_tokens": s.num_tokens,
                     "num_loss_tokens": int(s.loss_mask.sum()), "truncated": s.truncated}

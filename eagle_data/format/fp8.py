@@ -29,22 +29,27 @@ def scale_name(field: str) -> str:
     return field + SCALE_SUFFIX
 
 
-def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [T, G*H] (any float dtype) -> ``(q [T, G*H] float8_e4m3fn, scale [T, G] float32)``.
+def quantize(x: torch.Tensor, groups: int, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [..., G*H] (any float dtype, any device) -> ``(q [..., G*H] float8_e4m3fn, scale [..., G]
+    float32)``.
+
+    Args:
+        check: refuse non-finite input. ``False`` (a device that should not wait for the answer):
+            a NaN/Inf in a group makes its scale NaN/Inf instead, for the caller to check there.
 
     Raises:
-        ValueError: ``x`` holds NaN or Inf, or its width is not a multiple of ``groups``.
+        ValueError: ``x`` holds NaN or Inf (``check``), or its width is not a multiple of ``groups``.
     """
-    t, w = x.shape
+    *lead, w = x.shape
     if groups < 1 or w % groups:
         raise ValueError(f"width {w} is not a multiple of {groups} layer groups")
-    xf = x.float().view(t, groups, w // groups)
-    if not torch.isfinite(xf).all():
+    xf = x.float().reshape(-1, groups, w // groups)
+    if check and not torch.isfinite(xf).all():
         raise ValueError("NaN/Inf in hidden states: not quantised (fp8 storage refuses non-finite values)")
     amax = xf.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(t, w), scale.view(t, groups)
+    return q.view(*lead, w), scale.view(*lead, groups)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,

@@ -67,10 +67,15 @@ class Captured:
         key: the sample key it belongs to.
         aux_hidden_states: [T, 3*H], aux layers concatenated low -> high, on CPU.
         hidden_states: [T, H], final post-norm hidden state, on CPU.
+        aux_scale, hidden_scale: [T, 3] / [T, 1] float32 when the backend already stored the field
+            as fp8 on the device (:mod:`eagle_data.format.fp8`; a non-finite state gives a
+            non-finite scale), else None.
     """
     key: str
     aux_hidden_states: torch.Tensor
     hidden_states: torch.Tensor
+    aux_scale: torch.Tensor | None = None
+    hidden_scale: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -18,7 +18,8 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from eagle_data.format.schema import hidden_dtype
+from eagle_data.format.fp8 import FP8_DTYPE, quantize
+from eagle_data.format.schema import hidden_dtype, storage_dtype_of
 from eagle_data.extract.backends.base import BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,11 @@ class HFBackend:
         attn_implementation: ``"sdpa"`` (default) or ``"eager"``.
         trust_remote_code: off by default.
         model: an already-built model (tests); ``model_path`` is then only recorded.
-        out_dtype: dtype of returned states (default: ``dtype``); cast on the device, so
-            fp32 compute with bf16 storage halves the device-to-host traffic.
+        out_dtype: dtype of returned aux states, and of final states unless ``final_out_dtype``
+            (default: ``dtype``); cast on the device, so fp32 compute with bf16 storage halves the
+            device-to-host traffic. ``"float8_e4m3fn"``: quantised on the device, with scales
+            (:attr:`Captured.aux_scale` / ``hidden_scale``).
+        final_out_dtype: dtype of returned final states (default: ``out_dtype``).
 
     On CUDA, :meth:`capture_async` overlaps: the device-to-host copy of batch ``i`` runs on a
     side stream into pinned host memory (torch's caching host allocator) while batch ``i+1``
@@ -76,7 +80,8 @@ class HFBackend:
 
     def __init__(self, model_path: str | Path, aux_layer_ids: Sequence[int] | None = None,
                  dtype: str = "bfloat16", device: str = "cpu", attn_implementation: str = "sdpa",
-                 trust_remote_code: bool = False, model=None, out_dtype: str | None = None):
+                 trust_remote_code: bool = False, model=None, out_dtype: str | None = None,
+                 final_out_dtype: str | None = None):
         compute = hidden_dtype(dtype)
         self.device = torch.device(device)
         if model is None:
@@ -89,7 +94,8 @@ class HFBackend:
         self.info = BackendInfo("hf", str(model_path), int(cfg.hidden_size), n, int(cfg.vocab_size),
                                 dtype, ids, {"attn_implementation": attn_implementation,
                                              "device": str(self.device)})
-        self.out_dtype = hidden_dtype(out_dtype or dtype, "out_dtype")
+        self.out_dtype = storage_dtype_of(out_dtype or dtype, "out_dtype")
+        self.final_out_dtype = storage_dtype_of(final_out_dtype or out_dtype or dtype, "final_out_dtype")
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._store: dict[str, torch.Tensor] = {}
         self._handles = [layers[k].register_forward_hook(self._hook(f"aux{j}")) for j, k in enumerate(ids)]
@@ -139,26 +145,23 @@ class HFBackend:
         missing = {"aux0", "aux1", "aux2", "final"} - set(self._store)
         if missing:
             raise RuntimeError(f"forward hooks did not fire for {sorted(missing)}")
-        # [B, T, 3H] and [B, T, H] in the output dtype, still on the device
-        aux = torch.cat([self._store["aux0"], self._store["aux1"], self._store["aux2"]], dim=-1).to(self.out_dtype)
-        fin = self._store["final"].to(self.out_dtype)
+        # [B, T, 3H] and [B, T, H] in the output dtypes (fp8: + scales [B, T, 3] / [B, T, 1]), still on the device
+        aux, aux_s = _cast(torch.cat([self._store["aux0"], self._store["aux1"], self._store["aux2"]], dim=-1),
+                           self.out_dtype, 3)
+        fin, fin_s = _cast(self._store["final"], self.final_out_dtype, 1)
         self._store.clear()
         if aux.shape[:2] != (b, t) or fin.shape[:2] != (b, t):
             raise RuntimeError(f"the model returned states {tuple(aux.shape)} / {tuple(fin.shape)} for a "
                                f"[{b}, {t}] batch (keys {[k for k, _ in batch][:4]})")
+        keys = [k for k, _ in batch]
         if not on_gpu:
-            return PendingCapture([k for k, _ in batch], lens, aux, fin, None)
+            return PendingCapture(keys, lens, aux, fin, None, aux_s, fin_s)
         done = torch.cuda.Event()
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
-            aux_h = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)
-            fin_h = torch.empty(fin.shape, dtype=fin.dtype, pin_memory=True)
-            aux_h.copy_(aux, non_blocking=True)
-            fin_h.copy_(fin, non_blocking=True)
-            aux.record_stream(self._copy_stream)
-            fin.record_stream(self._copy_stream)
+            host = [_to_host(x, self._copy_stream) for x in (aux, fin, aux_s, fin_s)]
             done.record(self._copy_stream)
-        return PendingCapture([k for k, _ in batch], lens, aux_h, fin_h, done)
+        return PendingCapture(keys, lens, host[0], host[1], done, host[2], host[3])
 
     def close(self) -> None:
         for h in self._handles:
@@ -166,19 +169,42 @@ class HFBackend:
         self._handles = []
 
 
+def _cast(x: torch.Tensor, dtype: torch.dtype, groups: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` [B, T, G*H] in ``dtype`` on its device; fp8: quantised, with scales [B, T, G] (not
+    checked here: a non-finite value gives a non-finite scale, checked on the host)."""
+    if dtype == FP8_DTYPE:
+        return quantize(x, groups, check=False)
+    return x.to(dtype), None
+
+
+def _to_host(x: torch.Tensor | None, stream) -> torch.Tensor | None:
+    """Launch the copy of ``x`` into pinned host memory on ``stream`` (None stays None)."""
+    if x is None:
+        return None
+    h = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    h.copy_(x, non_blocking=True)
+    x.record_stream(stream)
+    return h
+
+
 class PendingCapture:
     """States of one batch on their way to host memory.
 
     ``result()`` waits for the copy and returns per-sample :class:`Captured` whose tensors
-    are views ``[T_i, 3H]`` / ``[T_i, H]`` of the batch's host buffers (padding rows dropped).
+    are views ``[T_i, 3H]`` / ``[T_i, H]`` (scales ``[T_i, G]``) of the batch's host buffers
+    (padding rows dropped).
     """
 
-    def __init__(self, keys, lens, aux, fin, event):
+    def __init__(self, keys, lens, aux, fin, event, aux_s=None, fin_s=None):
         self.keys, self.lens, self.aux, self.fin, self.event = keys, lens, aux, fin, event
+        self.aux_s, self.fin_s = aux_s, fin_s
 
     def result(self) -> list[Captured]:
         if self.event is not None:
             self.event.synchronize()
-        if len(self.keys) == 1:
-            return [Captured(self.keys[0], self.aux[0], self.fin[0])]
-        return [Captured(k, self.aux[i, :n], self.fin[i, :n]) for i, (k, n) in enumerate(zip(self.keys, self.lens))]
+
+        def rows(x, i, n):
+            return None if x is None else (x[i] if len(self.keys) == 1 else x[i, :n])
+
+        return [Captured(k, rows(self.aux, i, n), rows(self.fin, i, n), rows(self.aux_s, i, n), rows(self.fin_s, i, n))
+                for i, (k, n) in enumerate(zip(self.keys, self.lens))]

