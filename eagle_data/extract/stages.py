@@ -100,16 +100,23 @@ def store(x: torch.Tensor, dtype: torch.dtype, groups: int, name: str) -> dict[s
 
 def _stored_states(c: Captured, storage: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """The hidden-state tensors of a sample in the storage dtypes (fp8 with scales; a backend may
-    have cast or quantised on its device already), or None when a state is not finite (in the
-    captured dtype, after the cast, or a non-finite fp8 scale)."""
+    have cast or quantised on its device already, and checked finiteness there), or None when a
+    state is not finite (in the captured dtype, after the cast, or a non-finite fp8 scale)."""
+    if c.finite is False:
+        return None
     out: dict[str, torch.Tensor] = {}
     groups = c.aux_hidden_states.shape[1] // max(1, c.hidden_states.shape[1])
     for name, x, sc, dtype, g in (("aux_hidden_states", c.aux_hidden_states, c.aux_scale, storage[0], groups),
                                   ("hidden_states", c.hidden_states, c.hidden_scale, storage[1], 1)):
         if sc is not None:  # quantised by the backend
-            if x.dtype != dtype or not torch.isfinite(sc).all():
-                return None if x.dtype == dtype else _mismatch(name, x.dtype, dtype)
+            if x.dtype != dtype:
+                _mismatch(name, x.dtype, dtype)
+            if c.finite is None and not torch.isfinite(sc).all():
+                return None
             out.update({name: x, scale_name(name): sc})
+            continue
+        if c.finite and x.dtype == dtype:  # cast and checked on the device
+            out[name] = x
             continue
         cast = x.to(dtype) if dtype != FP8_DTYPE else x
         if not (torch.isfinite(x).all() and torch.isfinite(cast).all()):

@@ -47,7 +47,7 @@ def quantize(x: torch.Tensor, groups: int, check: bool = True) -> tuple[torch.Te
     if check and not torch.isfinite(xf).all():
         raise ValueError("NaN/Inf in hidden states: not quantised (fp8 storage refuses non-finite values)")
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)  # NaN/Inf stay in the scale
     q = (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(*lead, w), scale.view(*lead, groups)
 

@@ -70,12 +70,15 @@ class Captured:
         aux_scale, hidden_scale: [T, 3] / [T, 1] float32 when the backend already stored the field
             as fp8 on the device (:mod:`eagle_data.format.fp8`; a non-finite state gives a
             non-finite scale), else None.
+        finite: whether every stored value is finite, when the backend checked on its device
+            (None: not checked; the host checks).
     """
     key: str
     aux_hidden_states: torch.Tensor
     hidden_states: torch.Tensor
     aux_scale: torch.Tensor | None = None
     hidden_scale: torch.Tensor | None = None
+    finite: bool | None = None
 
 
 @runtime_checkable

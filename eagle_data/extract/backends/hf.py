@@ -150,18 +150,21 @@ class HFBackend:
                            self.out_dtype, 3)
         fin, fin_s = _cast(self._store["final"], self.final_out_dtype, 1)
         self._store.clear()
+        # [B, T] every stored value of the token finite (fp8: its scales), checked here, not on the host
+        ok = torch.stack([x.isfinite().all(-1) for x in (aux_s if aux_s is not None else aux,
+                                                          fin_s if fin_s is not None else fin)]).all(0)
         if aux.shape[:2] != (b, t) or fin.shape[:2] != (b, t):
             raise RuntimeError(f"the model returned states {tuple(aux.shape)} / {tuple(fin.shape)} for a "
                                f"[{b}, {t}] batch (keys {[k for k, _ in batch][:4]})")
         keys = [k for k, _ in batch]
         if not on_gpu:
-            return PendingCapture(keys, lens, aux, fin, None, aux_s, fin_s)
+            return PendingCapture(keys, lens, aux, fin, None, aux_s, fin_s, ok)
         done = torch.cuda.Event()
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
-            host = [_to_host(x, self._copy_stream) for x in (aux, fin, aux_s, fin_s)]
+            host = [_to_host(x, self._copy_stream) for x in (aux, fin, aux_s, fin_s, ok)]
             done.record(self._copy_stream)
-        return PendingCapture(keys, lens, host[0], host[1], done, host[2], host[3])
+        return PendingCapture(keys, lens, host[0], host[1], done, host[2], host[3], host[4])
 
     def close(self) -> None:
         for h in self._handles:
@@ -195,9 +198,9 @@ class PendingCapture:
     (padding rows dropped).
     """
 
-    def __init__(self, keys, lens, aux, fin, event, aux_s=None, fin_s=None):
+    def __init__(self, keys, lens, aux, fin, event, aux_s=None, fin_s=None, ok=None):
         self.keys, self.lens, self.aux, self.fin, self.event = keys, lens, aux, fin, event
-        self.aux_s, self.fin_s = aux_s, fin_s
+        self.aux_s, self.fin_s, self.ok = aux_s, fin_s, ok
 
     def result(self) -> list[Captured]:
         if self.event is not None:
@@ -206,5 +209,6 @@ class PendingCapture:
         def rows(x, i, n):
             return None if x is None else (x[i] if len(self.keys) == 1 else x[i, :n])
 
-        return [Captured(k, rows(self.aux, i, n), rows(self.fin, i, n), rows(self.aux_s, i, n), rows(self.fin_s, i, n))
+        return [Captured(k, rows(self.aux, i, n), rows(self.fin, i, n), rows(self.aux_s, i, n), rows(self.fin_s, i, n),
+                         None if self.ok is None else bool(rows(self.ok, i, n).all()))
                 for i, (k, n) in enumerate(zip(self.keys, self.lens))]
