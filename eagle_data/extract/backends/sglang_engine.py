@@ -56,7 +56,7 @@ SGLANG_HARMLESS = (("Only CUDA", "sglang.srt.layers.quantization.awq.awq"),
                    # the engine's processes leave one semaphore to the tracker, which cleans it up
                    ("resource_tracker", "multiprocessing.resource_tracker"))
 #: sglang loggers whose INFO lines describe its own start-up (plugins, the full server_args)
-SGLANG_CHATTY = ("sglang.srt.plugins", "sglang.srt.entrypoints.engine")
+SGLANG_CHATTY = ("sglang.srt.plugins", "sglang.srt.entrypoints.engine", "sglang.srt.utils.common")
 
 
 def quiet_sglang() -> None:
