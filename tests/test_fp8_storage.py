@@ -199,3 +199,22 @@ def test_the_hf_backend_checks_finiteness_on_its_device_and_the_sample_is_skippe
     policy = ErrorPolicy("skip")
     (out,) = to_samples([(batch, caps)], (STORAGE_DTYPES[storage],) * 2, "src", "t", policy)
     assert [s.key for s in out] == ["k0", "k2"] and policy.counter.as_dict() == {"non_finite_hidden_states": 1}
+
+
+def test_every_reader_hands_out_dequantised_states(datasets):
+    """read_samples (eval, serve-check) and the HF-datasets row decoder give bf16 values equal to
+    the streaming dataset's, never the raw fp8 values without their scales."""
+    import datasets as hf_datasets
+
+    from eagle_data.stream.dataset import decode_hf_example
+    from eagle_data.tools.read_samples import read_samples
+
+    root, _ = datasets
+    streamed = _by_key(root / "f8")
+    got = read_samples(root / "f8", sorted(streamed))
+    rows = hf_datasets.load_dataset("webdataset", data_files=str(root / "f8" / "*.tar"), split="train")
+    hf = {r["key"]: r for r in map(decode_hf_example, rows)}
+    for k, (aux, fin) in streamed.items():
+        for t in (got[k], hf[k]):
+            assert not any(name.endswith("_scale") for name in t)
+            assert torch.equal(t["aux_hidden_states"], aux) and torch.equal(t["hidden_states"], fin)

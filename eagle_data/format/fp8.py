@@ -74,3 +74,14 @@ def error_bound(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
     if dtype != torch.float32:
         b = b * (1 + BF16_REL) + ax * BF16_REL
     return b * (1 + 2.0 ** -20)
+
+
+def dequantize_fields(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """A decoded sample with every fp8 field (one with a ``*_scale`` beside it) dequantised to
+    ``dtype`` and the scales dropped: what readers hand out, so no caller ever sees the raw fp8
+    values without their scales. Other fields are returned as they are."""
+    out = {k: v for k, v in tensors.items() if not k.endswith(SCALE_SUFFIX)}
+    for k in out:
+        if scale_name(k) in tensors:
+            out[k] = dequantize(tensors[k], tensors[scale_name(k)], dtype)
+    return out

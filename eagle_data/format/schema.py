@@ -91,26 +91,28 @@ class SampleError(ValueError):
         self.where = where
 
 
+def _dtype_named(name: str, table: dict[str, torch.dtype], field: str) -> torch.dtype:
+    if name not in table:
+        raise ValueError(f"{field} must be one of {sorted(table)}, got {name!r}")
+    return table[name]
+
+
 def hidden_dtype(name: str, field: str = "dtype") -> torch.dtype:
-    """The torch dtype of a hidden-state dtype name (:data:`HIDDEN_DTYPES`).
+    """The torch dtype of a hidden-state (compute) dtype name (:data:`HIDDEN_DTYPES`).
 
     Raises:
         ValueError: an unknown name, naming ``field``.
     """
-    if name not in HIDDEN_DTYPES:
-        raise ValueError(f"{field} must be one of {sorted(HIDDEN_DTYPES)}, got {name!r}")
-    return HIDDEN_DTYPES[name]
+    return _dtype_named(name, HIDDEN_DTYPES, field)
 
 
 def storage_dtype_of(name: str, field: str = "storage_dtype") -> torch.dtype:
-    """The torch dtype of a storage dtype name (:data:`STORAGE_DTYPES`).
+    """The torch dtype of a storage dtype name (:data:`STORAGE_DTYPES`: the compute dtypes + fp8).
 
     Raises:
         ValueError: an unknown name, naming ``field``.
     """
-    if name not in STORAGE_DTYPES:
-        raise ValueError(f"{field} must be one of {sorted(STORAGE_DTYPES)}, got {name!r}")
-    return STORAGE_DTYPES[name]
+    return _dtype_named(name, STORAGE_DTYPES, field)
 
 
 def batch_dtype(stored: torch.dtype) -> torch.dtype:

@@ -30,7 +30,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from eagle_data.stream import plan as B
 from eagle_data.stream import collate as C
 from eagle_data.checks import check_positive
-from eagle_data.format.fp8 import scale_name
+from eagle_data.format.fp8 import dequantize_fields
 from eagle_data.format.schema import STORAGE_DTYPES, SampleError, batch_dtype, decode_tensors
 from eagle_data.format.layout import INDEX_NAME
 from eagle_data.stream.shards import check_compat, epoch_shard_order, resolve_sources, slot_sizes, slot_spans
@@ -331,7 +331,8 @@ def decode_hf_example(example: dict[str, Any]) -> dict[str, Any]:
 
     HF's webdataset builder yields ``{"__key__", "__url__", "safetensors": bytes, "json": dict}``
     (it decodes nothing else; no pickle). Returns ``{"key", "input_ids" [T] int64,
-    "loss_mask" [T] uint8, "aux_hidden_states" [T, 3H], "hidden_states" [T, H], "meta"}``.
+    "loss_mask" [T] uint8, "aux_hidden_states" [T, 3H], "hidden_states" [T, H] (fp8 storage:
+    dequantised to bfloat16), "meta"}``.
 
     Raises:
         ValueError: missing or undecodable ``safetensors`` member.
@@ -339,5 +340,5 @@ def decode_hf_example(example: dict[str, Any]) -> dict[str, Any]:
     data = example.get("safetensors")
     if data is None:
         raise ValueError(f"sample {example.get('__key__')}: no safetensors member")
-    t = decode_tensors(bytes(data), where=str(example.get("__key__")))
+    t = dequantize_fields(decode_tensors(bytes(data), where=str(example.get("__key__"))))
     return {"key": example.get("__key__"), **t, "meta": example.get("json")}
