@@ -115,7 +115,7 @@ def _method(items, level: int, split: bool, repeats: int) -> dict[str, Any]:
 
 
 def _rate(raw: dict[str, int], seconds: float) -> float:
-    return round(sum(raw.values()) / max(seconds, 1e-12) / 1e9, 3)
+    return float(f"{sum(raw.values()) / max(seconds, 1e-12) / 1e9:.4g}")  # 4 significant digits: tiny inputs stay > 0
 
 
 def bench_codec(path: str = "random", num_tokens: int = 2048, hidden_size: int = 4096, scale: float = 1.0,

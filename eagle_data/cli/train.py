@@ -134,10 +134,10 @@ def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_v
 def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_keys: Optional[str] = None,
                 num_prompts: int = 8, max_prompt_tokens: int = 384, max_new_tokens: int = 64, steps: int = 7,
                 dtype: str = "float32", device: str = "cpu", out: str = "out/serve-check") -> None:
-    """Serve an exported drafter with SGLang's EAGLE-3 speculative decoding (chain drafting) and
-    compare the engine's tau with the offline tau of the same drafter on the same text.
+    """Serve an exported drafter with SGLang's EAGLE-3 speculative decoding: engine tau vs offline tau.
 
-    Three greedy runs over held-out prompts: the target alone (plain SGLang), target + drafter
+    Chain drafting; the engine's tau is compared with the offline tau of the same drafter on the
+    same text. Three greedy runs over held-out prompts: the target alone (plain SGLang), target + drafter
     (speculative SGLang: the engine counts verify steps and accepted drafts), and the offline
     replay of the same chains with the folder read back into the project's drafter. Prints and
     writes OUT/serve_check.json: engine and offline tau with per-position acceptance, how many
