@@ -202,7 +202,10 @@ def load_exported_drafter(folder: str | Path, target_model_path: str | Path):
     for name in ("d2t", "t2d"):
         if name not in sd:
             raise ValueError(f"{d}/model.safetensors: no {name} tensor")
-    embed = load_target_tensors(target_model_path, ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+    try:
+        embed = load_target_tensors(target_model_path, ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+    except KeyError as e:  # not a (safetensors) model folder: a setting, not a bug
+        raise ValueError(f"target {target_model_path}: {e.args[0] if e.args else e}") from None
     if tuple(embed.shape) != (dc.vocab_size, dc.hidden_size):
         raise ValueError(f"{d}: drafter for a target with vocab {dc.vocab_size} x hidden {dc.hidden_size}, but "
                          f"{target_model_path} embeds {tuple(embed.shape)}: another target")

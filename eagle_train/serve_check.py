@@ -87,6 +87,32 @@ def engine_generate(engine, prompts: list[list[int]], max_new_tokens: int) -> li
     return res
 
 
+def _engine_run(kw: dict[str, Any], prompts: list[list[int]], max_new_tokens: int) -> tuple[list[dict], float, float]:
+    """Start an engine, generate, shut it down: ``(results, start seconds, generate seconds)``."""
+    from eagle_data.extract.backends.sglang_engine import start_engine
+
+    t0 = time.perf_counter()
+    engine = start_engine(kw)
+    started = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        return engine_generate(engine, prompts, max_new_tokens), started, time.perf_counter() - t0
+    finally:
+        engine.shutdown()
+
+
+def run_engine_apart(kw: dict[str, Any], prompts: list[list[int]], max_new_tokens: int) -> tuple[list[dict], float, float]:
+    """:func:`_engine_run` in a fresh (spawned) process. SGLang's shutdown kills every child of
+    the process that started the engine, this process's multiprocessing resource tracker included;
+    a later semaphore (tqdm's lock while loading the HF target) then unregisters with a new tracker,
+    which prints a ``KeyError`` traceback at exit. Apart, the engine's process tree is its own."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(_engine_run, kw, prompts, max_new_tokens).result()
+
+
 def acceptance_summary(accepted_per_step: list[int], steps: int) -> dict[str, Any]:
     """tau = 1 + mean accepted per verify step; ``accept_at_least[i - 1]`` = P(a >= i), i = 1..K."""
     n = len(accepted_per_step)
@@ -122,8 +148,7 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
     :func:`compare_runs`'s summary plus ``seconds`` per phase and the settings."""
     from eagle_data.checks import check_positive
     from eagle_data.extract.backends.hf import HFBackend
-    from eagle_data.extract.backends.sglang_engine import (CPU_SPEC_ATTENTION, base_engine_kwargs,
-                                                           spec_engine_kwargs, start_engine)
+    from eagle_data.extract.backends.sglang_engine import CPU_SPEC_ATTENTION, base_engine_kwargs, spec_engine_kwargs
     from eagle_train.evaluate import load_target
     from eagle_train.export import load_exported_drafter
 
@@ -138,15 +163,7 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
     runs = {}
     for name, kw in (("plain", base_engine_kwargs(target, dtype, device, **extra)),
                      ("speculative", spec_engine_kwargs(target, drafter_dir, dtype, device, steps=steps, **extra))):
-        t0 = time.perf_counter()
-        engine = start_engine(kw)
-        seconds[f"{name}_start"] = time.perf_counter() - t0
-        try:
-            t0 = time.perf_counter()
-            runs[name] = engine_generate(engine, prompts, max_new_tokens)
-            seconds[f"{name}_generate"] = time.perf_counter() - t0
-        finally:
-            engine.shutdown()
+        runs[name], seconds[f"{name}_start"], seconds[f"{name}_generate"] = run_engine_apart(kw, prompts, max_new_tokens)
     t0 = time.perf_counter()
     hf = HFBackend(model=load_target(target, device), model_path=str(target), dtype="float32", aux_layer_ids=aux_ids,
                    device=device)

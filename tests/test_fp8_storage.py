@@ -168,7 +168,7 @@ def test_mixed_dtype_datasets_are_refused_naming_the_field(datasets, tmp_path):
 
 def test_resume_with_another_final_storage_dtype_is_refused(datasets, kr, tiny):
     root, _ = datasets
-    with pytest.raises(ValueError, match="final_storage_dtype"):
+    with pytest.raises(ValueError, match="final_storage_dtype: existing 'float8_e4m3fn' != this run 'bfloat16'"):
         _extract(kr, tiny, root / "f8", storage_dtype="float8_e4m3fn", final_storage_dtype="bfloat16")
 
 

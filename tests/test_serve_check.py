@@ -102,7 +102,18 @@ def test_export_reads_back_and_refuses_other_folders(tmp_path):
 
 def test_cli_refuses_bad_input_before_starting_anything(tmp_path, capsys):
     from eagle_data.cli.main import main
+    from eagle_data.tools.synthetic import write_synthetic
 
+    data = tmp_path / "syn"
+    write_synthetic(data, [2])  # its manifest names the model "synthetic": no model folder
+    bad = [(["serve-check", str(tmp_path / "none"), str(data)], "is not a model folder"),
+           (["serve-check", str(tmp_path / "none"), str(data), "--target", str(tmp_path)], "is not a model folder")]
+    if not torch.cuda.is_available():
+        bad.append((["serve-check", "d", str(data), "--device", "cuda"], "no CUDA GPU"))
+    for argv, msg in bad:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err, argv
     for argv, msg in ((["serve-check", str(tmp_path / "none"), str(tmp_path / "nodata")], "does not exist"),
                       (["serve-check", "d", "x", "--steps", "0"], "steps must be an integer >= 1"),
                       (["serve-check", "d", "x", "--dtype", "float16"], "float32 or bfloat16")):

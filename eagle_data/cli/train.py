@@ -174,6 +174,9 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    from eagle_data.checks import check_device
+
+    check_device(device)  # "cuda" without a GPU: refused here, not by the engine's scheduler
     import importlib.util
 
     if importlib.util.find_spec("sglang") is None:
@@ -184,6 +187,9 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
 
     manifest = read_manifest(data)
     target_path = str(resolve_model_path(target or manifest["model_path"]))
+    if not (Path(target_path) / "config.json").is_file():
+        raise ValueError(f"target {target_path!r} is not a model folder (no config.json); give the HF folder of "
+                         f"the target with --target")
     load_exported_drafter(drafter, target_path)  # refuses a bad folder before anything is read or started
     keys = read_key_list(heldout_keys, "--heldout_keys") if heldout_keys else heldout_split(data)
     prompts, used = heldout_prompts(data, keys, max_prompt_tokens, num_prompts)

@@ -129,9 +129,8 @@ def _run_facts(cfg: ExtractConfig, backend: Backend, renderer: ChatRenderer, mod
     info = backend.info
     tok_json = Path(model_path) / "tokenizer.json"
     fin = final_storage_dtype(cfg)
-    run_cfg = {**asdict(cfg), "model_path": model_path, "dataset_tag": tag, "storage_dtype": storage_dtype(cfg),
-               # None when equal to storage_dtype: progress files written before the field existed resume
-               "final_storage_dtype": fin if fin != storage_dtype(cfg) else None,
+    run_cfg: dict[str, Any] = {**asdict(cfg), "model_path": model_path, "dataset_tag": tag, "storage_dtype": storage_dtype(cfg),
+               "final_storage_dtype": fin,
                "aux_layer_ids": list(info.aux_layer_ids),
                "weights_fingerprint": weights_fingerprint(model_path),
                "tokenizer_sha256": hashlib.sha256(tok_json.read_bytes()).hexdigest() if tok_json.exists() else None,
