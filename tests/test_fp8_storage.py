@@ -71,11 +71,11 @@ def _extract(kr, tiny, out, **kw):
     return run_extract(dataclasses.replace(kr.config(out, *tiny, shard_max_samples=5), **kw))
 
 
-def _by_key(path, **kw):
+def _by_key(path, batch_size=3, **kw):
     from eagle_data.stream.dataset import EagleShardDataset
 
     out = {}
-    for b in EagleShardDataset(str(path), batch_size=3, shuffle=False, **kw):
+    for b in EagleShardDataset(str(path), batch_size=batch_size, shuffle=False, **kw):
         for i, k in enumerate(b["keys"]):
             n = int(b["attention_mask"][i].sum())
             out[k] = (b["aux_hidden_states"][i, :n], b["hidden_states"][i, :n])
@@ -89,7 +89,8 @@ def datasets(tmp_path_factory, kr, tiny):
     ms = {"f32": _extract(kr, tiny, root / "f32"),
           "f8aux": _extract(kr, tiny, root / "f8aux", storage_dtype="float8_e4m3fn", final_storage_dtype="bfloat16"),
           "f8": _extract(kr, tiny, root / "f8", storage_dtype="float8_e4m3fn"),
-          "bf16": _extract(kr, tiny, root / "bf16", storage_dtype="bfloat16")}
+          "bf16": _extract(kr, tiny, root / "bf16", storage_dtype="bfloat16"),
+          "bf16f32": _extract(kr, tiny, root / "bf16f32", storage_dtype="bfloat16", final_storage_dtype="float32")}
     return root, ms
 
 
@@ -218,3 +219,15 @@ def test_every_reader_hands_out_dequantised_states(datasets):
         for t in (got[k], hf[k]):
             assert not any(name.endswith("_scale") for name in t)
             assert torch.equal(t["aux_hidden_states"], aux) and torch.equal(t["hidden_states"], fin)
+
+
+def test_aux_and_final_in_different_plain_dtypes_read_in_the_wider_one(datasets):
+    """bf16 aux + float32 final: batches are float32, aux equal to its bf16 values, final exact."""
+    root, _ = datasets
+    ref, got = _by_key(root / "f32"), _by_key(root / "bf16f32")
+    assert got.keys() == ref.keys()
+    for k, (aux, fin) in got.items():
+        assert aux.dtype == fin.dtype == torch.float32
+        assert torch.equal(aux, ref[k][0].bfloat16().float()) and torch.equal(fin, ref[k][1])
+    single = _by_key(root / "bf16f32", batch_size=1)  # one sample per batch: the no-copy path
+    assert all(torch.equal(single[k][0], got[k][0]) and single[k][1].dtype == torch.float32 for k in got)

@@ -127,13 +127,16 @@ class SampleReadError(Exception):
 def _fill_rows(dst: torch.Tensor, src: Any, n: int, scale: torch.Tensor | None = None) -> BaseException | None:
     """``dst[:n] = src`` (a tensor, or a FileTensor read in place), ``dst[n:] = 0``; numpy and
     ``preadv`` release the GIL, so several fills run in parallel threads. With ``scale`` (an fp8
-    field, :mod:`eagle_data.format.fp8`) the rows are dequantised into ``dst``'s dtype. Returns a
+    field, :mod:`eagle_data.format.fp8`) the rows are dequantised into ``dst``'s dtype, and a field
+    stored narrower than the batch is converted. Returns a
     read error (``OSError``, or ``ValueError`` for a shard that ends early) instead of raising it."""
     d = _bits(dst)
     try:
         if scale is not None:
             q = src if isinstance(src, torch.Tensor) else src.materialize()
             dequantize(q[:n], scale[:n], out=dst[:n])
+        elif src.dtype != dst.dtype:  # aux and final stored in different dtypes: the wider one is the batch's
+            dst[:n].copy_(src if isinstance(src, torch.Tensor) else src.materialize())
         elif isinstance(src, torch.Tensor):
             d[:n] = _bits(src)
         else:
@@ -167,7 +170,7 @@ def collate(samples: list[dict[str, torch.Tensor]], keys: list[str], hidden_size
         s = samples[0]
         h = {k: s[k] if isinstance(s[k], torch.Tensor) else s[k].materialize()
              for k in ("aux_hidden_states", "hidden_states")}
-        h = {k: dequantize(v, s[scale_name(k)], dtype) if scale_name(k) in s else v for k, v in h.items()}
+        h = {k: dequantize(v, s[scale_name(k)], dtype) if scale_name(k) in s else v.to(dtype) for k, v in h.items()}
         out = {"input_ids": s["input_ids"][None], "attention_mask": torch.ones(1, t, dtype=torch.bool),
                "loss_mask": s["loss_mask"].bool()[None],
                "aux_hidden_states": h["aux_hidden_states"][None], "hidden_states": h["hidden_states"][None]}
