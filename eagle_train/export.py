@@ -188,17 +188,26 @@ def load_exported_drafter(folder: str | Path, target_model_path: str | Path):
     for name in ("config.json", "model.safetensors"):
         if not (d / name).is_file():
             raise ValueError(f"{d}: no {name} (give the folder `eagle-data export` wrote)")
-    cfg = json.loads((d / "config.json").read_text())
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{d}/config.json is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{d}/config.json must hold a JSON object, got {type(cfg).__name__}")
     if cfg.get("speculators_model_type"):
         raise ValueError(f"{d}: a speculators (vLLM) export; SGLang serves the default format "
                          f"(`eagle-data export CKPT DIR`)")
     try:
         ids = [int(i) for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
         dc = DraftConfig.from_target(cfg, int(cfg["draft_vocab_size"]))
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{d}/config.json: missing or malformed field {e} (not an eagle-data export?)") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{d}/config.json: missing or malformed field ({type(e).__name__}: {e}); not an eagle-data "
+                         f"export?") from None
     dc.target_hidden_size = int(cfg.get("target_hidden_size") or cfg["hidden_size"])
-    sd = load_file(str(d / "model.safetensors"))
+    try:
+        sd = load_file(str(d / "model.safetensors"))
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise ValueError(f"{d}/model.safetensors is unreadable ({type(e).__name__}: {e})") from None
     for name in ("d2t", "t2d"):
         if name not in sd:
             raise ValueError(f"{d}/model.safetensors: no {name} tensor")

@@ -90,7 +90,8 @@ def datasets(tmp_path_factory, kr, tiny):
           "f8aux": _extract(kr, tiny, root / "f8aux", storage_dtype="float8_e4m3fn", final_storage_dtype="bfloat16"),
           "f8": _extract(kr, tiny, root / "f8", storage_dtype="float8_e4m3fn"),
           "bf16": _extract(kr, tiny, root / "bf16", storage_dtype="bfloat16"),
-          "bf16f32": _extract(kr, tiny, root / "bf16f32", storage_dtype="bfloat16", final_storage_dtype="float32")}
+          "bf16f32": _extract(kr, tiny, root / "bf16f32", storage_dtype="bfloat16", final_storage_dtype="float32"),
+          "f8f16": _extract(kr, tiny, root / "f8f16", storage_dtype="float8_e4m3fn", final_storage_dtype="float16")}
     return root, ms
 
 
@@ -222,7 +223,8 @@ def test_every_reader_hands_out_dequantised_states(datasets):
 
 
 def test_aux_and_final_in_different_plain_dtypes_read_in_the_wider_one(datasets):
-    """bf16 aux + float32 final: batches are float32, aux equal to its bf16 values, final exact."""
+    """bf16 aux + float32 final: batches are float32, aux equal to its bf16 values, final exact;
+    fp8 aux + float16 final: float32 too (float16 and bfloat16 do not hold each other)."""
     root, _ = datasets
     ref, got = _by_key(root / "f32"), _by_key(root / "bf16f32")
     assert got.keys() == ref.keys()
@@ -231,3 +233,6 @@ def test_aux_and_final_in_different_plain_dtypes_read_in_the_wider_one(datasets)
         assert torch.equal(aux, ref[k][0].bfloat16().float()) and torch.equal(fin, ref[k][1])
     single = _by_key(root / "bf16f32", batch_size=1)  # one sample per batch: the no-copy path
     assert all(torch.equal(single[k][0], got[k][0]) and single[k][1].dtype == torch.float32 for k in got)
+    mixed = _by_key(root / "f8f16")  # fp8 (read as bf16) + float16: neither holds the other, so float32
+    assert all(a.dtype == f.dtype == torch.float32 and torch.equal(f, ref[k][1].half().float())
+               for k, (a, f) in mixed.items())

@@ -91,6 +91,16 @@ def test_export_reads_back_and_refuses_other_folders(tmp_path):
     save_file(w, str(other / "model.safetensors"))
     with pytest.raises(ValueError, match="another target"):
         load_exported_drafter(tmp_path / "sglang", other)
+    import shutil
+
+    for name, damage, msg in (("trunc", lambda d: (d / "model.safetensors").write_bytes(
+                                  (d / "model.safetensors").read_bytes()[:-16]), "model.safetensors is unreadable"),
+                              ("list", lambda d: (d / "config.json").write_text("[]"), "must hold a JSON object"),
+                              ("bad", lambda d: (d / "config.json").write_text("{"), "config.json is not valid JSON")):
+        shutil.copytree(tmp_path / "sglang", tmp_path / name)
+        damage(tmp_path / name)
+        with pytest.raises(ValueError, match=msg):
+            load_exported_drafter(tmp_path / name, tgt)
     with pytest.raises(ValueError, match="no config.json"):
         load_exported_drafter(tmp_path / "nothing", tgt)
     cfg = json.loads((tmp_path / "sglang" / "config.json").read_text())
@@ -110,6 +120,15 @@ def test_cli_refuses_bad_input_before_starting_anything(tmp_path, capsys):
            (["serve-check", str(tmp_path / "none"), str(data), "--target", str(tmp_path)], "is not a model folder")]
     if not torch.cuda.is_available():
         bad.append((["serve-check", "d", str(data), "--device", "cuda"], "no CUDA GPU"))
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty.json").write_text("[]")
+    from eagle_train.export import export_drafter
+
+    mod = tiny_module(tmp_path)  # a valid export + its target, to reach the key list
+    exp = export_drafter(mod.drafter, mod.target_config, TINY_AUX, tmp_path / "exp", dtype="float32")
+    bad += [(["serve-check", "d", str(data), "--out", str(tmp_path / "file")], "is not a directory"),
+            (["serve-check", str(exp), str(data), "--target", str(tiny_target_dir(tmp_path)), "--heldout_keys",
+              str(tmp_path / "empty.json")], "holds no keys")]
     for argv, msg in bad:
         with pytest.raises(SystemExit) as e:
             main(argv)

@@ -177,6 +177,8 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
     from eagle_data.checks import check_device
 
     check_device(device)  # "cuda" without a GPU: refused here, not by the engine's scheduler
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out {out!r} exists and is not a directory (serve_check.json is written into it)")
     import importlib.util
 
     if importlib.util.find_spec("sglang") is None:
@@ -192,6 +194,8 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
                          f"the target with --target")
     load_exported_drafter(drafter, target_path)  # refuses a bad folder before anything is read or started
     keys = read_key_list(heldout_keys, "--heldout_keys") if heldout_keys else heldout_split(data)
+    if not keys:
+        raise ValueError(f"--heldout_keys {heldout_keys!r} holds no keys")
     prompts, used = heldout_prompts(data, keys, max_prompt_tokens, num_prompts)
     if not prompts:
         raise ValueError(f"{data}: none of the {len(keys)} held-out samples has an assistant reply starting "

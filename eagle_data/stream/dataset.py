@@ -123,10 +123,11 @@ class EagleShardDataset(IterableDataset):
         self.hidden_size = int(self.facts["hidden_size"])
         self.aux_width = len(self.facts["aux_layer_ids"]) * self.hidden_size
         #: stored dtypes of the aux and final states (the manifest's); batches hold ``self.dtype``
-        #: (fp8 dequantised to bfloat16; one dtype for both fields: the wider of the two)
+        #: (fp8 dequantised to bfloat16; one dtype for both fields: theirs when equal, else float32)
         self.stored = {"aux_hidden_states": STORAGE_DTYPES[self.facts["dtype"]],
                        "hidden_states": STORAGE_DTYPES[self.facts["final_dtype"]]}
-        self.dtype = max((batch_dtype(d) for d in self.stored.values()), key=lambda d: d.itemsize)
+        both = {batch_dtype(d) for d in self.stored.values()}
+        self.dtype = both.pop() if len(both) == 1 else torch.float32
         self.epoch = 0
         self.num_workers = 1      # see set_topology (used by __len__; workers read get_worker_info)
         self.skip_batches = 0     # rank-level batches of ``epoch`` already consumed (resume)
