@@ -174,7 +174,8 @@ class HFBackend:
 
 def _cast(x: torch.Tensor, dtype: torch.dtype, groups: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x`` [B, T, G*H] in ``dtype`` on its device; fp8: quantised, with scales [B, T, G] (not
-    checked here: a non-finite value gives a non-finite scale, checked on the host)."""
+    checked by ``quantize``: a non-finite value gives a non-finite scale, which the per-token
+    finiteness flag of :meth:`HFBackend.capture_async` catches)."""
     if dtype == FP8_DTYPE:
         return quantize(x, groups, check=False)
     return x.to(dtype), None
