@@ -133,12 +133,17 @@ def acceptance(drafter, target, samples: dict[str, dict[str, torch.Tensor]], ste
                 a += 1
             accepted.append(a)
             chain_keys.append(key)
+    return {**accept_stats(accepted, steps), "tau_ci95": tau_interval(accepted, chain_keys),
+            "num_chains": len(accepted), "accepted": accepted, "chain_keys": chain_keys}
+
+
+def accept_stats(accepted: list[int], steps: int) -> dict[str, Any]:
+    """From accepted draft counts per chain: ``tau`` = 1 + their mean (NaN for none),
+    ``accept_at_least[i - 1]`` = P(a >= i) and ``accept_cond[i - 1]`` = P(a >= i | a >= i - 1), i = 1..K."""
     acc = torch.tensor(accepted, dtype=torch.float64)
-    at_least = [float((acc >= i).double().mean()) for i in range(1, steps + 1)]
-    cond = [float((acc >= i).sum() / max(int((acc >= i - 1).sum()), 1)) for i in range(1, steps + 1)]
     return {"tau": float(1 + acc.mean()) if len(accepted) else float("nan"),
-            "tau_ci95": tau_interval(accepted, chain_keys), "accept_at_least": at_least,
-            "accept_cond": cond, "num_chains": len(accepted), "accepted": accepted, "chain_keys": chain_keys}
+            "accept_at_least": [float((acc >= i).double().mean()) for i in range(1, steps + 1)],
+            "accept_cond": [float((acc >= i).sum() / max(int((acc >= i - 1).sum()), 1)) for i in range(1, steps + 1)]}
 
 
 def tau_interval(accepted: list[int], keys: list[str], resamples: int = 2000, seed: int = 0) -> list[float] | None:

@@ -114,11 +114,13 @@ def run_engine_apart(kw: dict[str, Any], prompts: list[list[int]], max_new_token
 
 
 def acceptance_summary(accepted_per_step: list[int], steps: int) -> dict[str, Any]:
-    """tau = 1 + mean accepted per verify step; ``accept_at_least[i - 1]`` = P(a >= i), i = 1..K."""
-    n = len(accepted_per_step)
-    acc = torch.tensor(accepted_per_step, dtype=torch.float64)
-    return {"tau": float(1 + acc.mean()) if n else float("nan"), "verify_steps": n, "accepted": int(acc.sum()),
-            "accept_at_least": [float((acc >= i).double().mean()) if n else float("nan") for i in range(1, steps + 1)]}
+    """tau = 1 + mean accepted per verify step; ``accept_at_least[i - 1]`` = P(a >= i), i = 1..K
+    (:func:`eagle_train.evaluate.accept_stats`)."""
+    from eagle_train.evaluate import accept_stats
+
+    st = accept_stats(accepted_per_step, steps)
+    return {"tau": st["tau"], "verify_steps": len(accepted_per_step), "accepted": int(sum(accepted_per_step)),
+            "accept_at_least": st["accept_at_least"]}
 
 
 def histogram_steps(histogram: list[int]) -> list[int]:
@@ -143,9 +145,10 @@ def compare_runs(plain: list[dict], spec: list[dict], replays: list[list[int]], 
 
 def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, steps: int = 7,
                     max_new_tokens: int = 64, dtype: str = "float32", device: str = "cpu",
-                    engine_kw: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                    engine_kw: Optional[dict[str, Any]] = None, exported: Optional[tuple] = None) -> dict[str, Any]:
     """Plain and speculative SGLang runs + the offline replay (module doc); returns
-    :func:`compare_runs`'s summary plus ``seconds`` per phase and the settings."""
+    :func:`compare_runs`'s summary plus ``seconds`` per phase and the settings. ``exported``: the
+    ``(drafter, aux_layer_ids)`` of ``drafter_dir`` when the caller has read it already."""
     from eagle_data.checks import check_positive
     from eagle_data.extract.backends.hf import HFBackend
     from eagle_data.extract.backends.sglang_engine import CPU_SPEC_ATTENTION, base_engine_kwargs, spec_engine_kwargs
@@ -155,7 +158,7 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
     check_positive(steps=steps, max_new_tokens=max_new_tokens, num_prompts=len(prompts) or None)
     if not prompts:
         raise ValueError("serve-check needs at least one prompt")
-    drafter, aux_ids = load_exported_drafter(drafter_dir, target)  # checked before any engine starts
+    drafter, aux_ids = exported or load_exported_drafter(drafter_dir, target)  # checked before any engine starts
     extra = dict(engine_kw or {})
     if device == "cpu":
         extra.setdefault("attention_backend", CPU_SPEC_ATTENTION)  # plain runs the same attention as speculative

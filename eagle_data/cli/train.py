@@ -192,7 +192,7 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
     if not (Path(target_path) / "config.json").is_file():
         raise ValueError(f"target {target_path!r} is not a model folder (no config.json); give the HF folder of "
                          f"the target with --target")
-    load_exported_drafter(drafter, target_path)  # refuses a bad folder before anything is read or started
+    exported = load_exported_drafter(drafter, target_path)  # refuses a bad folder before anything is read or started
     keys = read_key_list(heldout_keys, "--heldout_keys") if heldout_keys else heldout_split(data)
     if not keys:
         raise ValueError(f"--heldout_keys {heldout_keys!r} holds no keys")
@@ -201,7 +201,7 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
         raise ValueError(f"{data}: none of the {len(keys)} held-out samples has an assistant reply starting "
                          f"within max_prompt_tokens={max_prompt_tokens}")
     res = run_serve_check(target_path, drafter, prompts, steps=steps, max_new_tokens=max_new_tokens,
-                          dtype=dtype, device=device)
+                          dtype=dtype, device=device, exported=exported)
     res["prompt_keys"] = used
     o = Path(out)
     o.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from eagle_data.extract.backends.base import Backend, Captured
 from eagle_data.extract.chat import TokenizedSample
 from eagle_data.extract.fault import ErrorPolicy, Skip
 from eagle_data.extract.signals import Signals
-from eagle_data.format.fp8 import FP8_DTYPE, quantize, scale_name
+from eagle_data.format.fp8 import FP8_DTYPE, scale_name, to_storage
 from eagle_data.packing import pack_window
 
 
@@ -92,10 +92,8 @@ class Sample:
 def store(x: torch.Tensor, dtype: torch.dtype, groups: int, name: str) -> dict[str, torch.Tensor]:
     """``{name: x}`` cast to ``dtype``; float8_e4m3fn: the fp8 values and ``name + "_scale"``
     [T, groups] (:func:`eagle_data.format.fp8.quantize`, ``x`` known finite)."""
-    if dtype != FP8_DTYPE:
-        return {name: x.to(dtype)}
-    q, scale = quantize(x, groups)
-    return {name: q, scale_name(name): scale}
+    values, scale = to_storage(x, dtype, groups)
+    return {name: values} if scale is None else {name: values, scale_name(name): scale}
 
 
 def _stored_states(c: Captured, storage: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor] | None:

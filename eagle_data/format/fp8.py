@@ -52,6 +52,15 @@ def quantize(x: torch.Tensor, groups: int, check: bool = True) -> tuple[torch.Te
     return q.view(*lead, w), scale.view(*lead, groups)
 
 
+def to_storage(x: torch.Tensor, dtype: torch.dtype, groups: int,
+               check: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` [..., G*H] in a storage dtype, on its device: ``(x.to(dtype), None)``, or for fp8
+    ``quantize(x, groups, check)`` (values and scales [..., G])."""
+    if dtype == FP8_DTYPE:
+        return quantize(x, groups, check)
+    return x.to(dtype), None
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """``q`` [T, G*H] fp8, ``scale`` [T, G] -> [T, G*H] in ``dtype`` (into ``out`` when given)."""

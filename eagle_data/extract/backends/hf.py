@@ -18,7 +18,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from eagle_data.format.fp8 import FP8_DTYPE, quantize
+from eagle_data.format.fp8 import to_storage
 from eagle_data.format.schema import hidden_dtype, storage_dtype_of
 from eagle_data.extract.backends.base import BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
 
@@ -146,9 +146,10 @@ class HFBackend:
         if missing:
             raise RuntimeError(f"forward hooks did not fire for {sorted(missing)}")
         # [B, T, 3H] and [B, T, H] in the output dtypes (fp8: + scales [B, T, 3] / [B, T, 1]), still on the device
-        aux, aux_s = _cast(torch.cat([self._store["aux0"], self._store["aux1"], self._store["aux2"]], dim=-1),
-                           self.out_dtype, 3)
-        fin, fin_s = _cast(self._store["final"], self.final_out_dtype, 1)
+        # (fp8 not checked by quantize: a non-finite value gives a non-finite scale, caught by `ok` below)
+        aux, aux_s = to_storage(torch.cat([self._store["aux0"], self._store["aux1"], self._store["aux2"]], dim=-1),
+                                self.out_dtype, 3, check=False)
+        fin, fin_s = to_storage(self._store["final"], self.final_out_dtype, 1, check=False)
         self._store.clear()
         # [B, T] every stored value of the token finite (fp8: its scales), checked here, not on the host
         ok = torch.stack([x.isfinite().all(-1) for x in (aux_s if aux_s is not None else aux,
@@ -170,15 +171,6 @@ class HFBackend:
         for h in self._handles:
             h.remove()
         self._handles = []
-
-
-def _cast(x: torch.Tensor, dtype: torch.dtype, groups: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``x`` [B, T, G*H] in ``dtype`` on its device; fp8: quantised, with scales [B, T, G] (not
-    checked by ``quantize``: a non-finite value gives a non-finite scale, which the per-token
-    finiteness flag of :meth:`HFBackend.capture_async` catches)."""
-    if dtype == FP8_DTYPE:
-        return quantize(x, groups, check=False)
-    return x.to(dtype), None
 
 
 def _to_host(x: torch.Tensor | None, stream) -> torch.Tensor | None:
