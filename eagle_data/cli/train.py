@@ -1,8 +1,9 @@
-"""``eagle-data vocab|train|eval|export``: EAGLE-3 drafter training (package ``eagle_train``)."""
+"""``eagle-data vocab|train|eval|export|demo|serve-check``: drafter training and serving checks (``eagle_train``)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Literal, Optional, Union
 
 
@@ -200,6 +201,9 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
     if not prompts:
         raise ValueError(f"{data}: none of the {len(keys)} held-out samples has an assistant reply starting "
                          f"within max_prompt_tokens={max_prompt_tokens}")
+    if len(prompts) < num_prompts:
+        print(f"serve-check: {len(prompts)} prompt(s) of the {num_prompts} asked for: the other held-out samples have "
+              f"no assistant reply starting within max_prompt_tokens={max_prompt_tokens}", file=sys.stderr)
     res = run_serve_check(target_path, drafter, prompts, steps=steps, max_new_tokens=max_new_tokens,
                           dtype=dtype, device=device, exported=exported)
     res["prompt_keys"] = used
