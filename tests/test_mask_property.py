@@ -259,3 +259,54 @@ def test_property_run_covered_every_template_with_2000_conversations():
     if len(RUN) < len(TEMPLATES):
         pytest.skip("run together with the whole module")
     assert len(TEMPLATES) >= 31 and sum(RUN.values()) >= 2000, RUN
+
+
+@pytest.mark.parametrize("stem", ["qwen3", "llama3_1_instruct", "gemma3_it", "deepseek_v3", "gpt_oss"])
+def test_grouped_tokenisation_equals_one_call_per_conversation(stem, monkeypatch):
+    """The pipeline's stage tokenises a group of conversations in one tokenizer call: over
+    generated conversations, some with a special token typed into a user message and some cut
+    by ``max_length``, it yields exactly the samples (ids, mask, truncation) and skips (reasons,
+    in row order) of encoding each conversation alone."""
+    import eagle_data.extract.chat as chat
+    from eagle_data.extract.conversations import Conversation
+    from eagle_data.extract.fault import ErrorPolicy
+
+    if not any(p.stem == stem for p in TEMPLATES):
+        pytest.skip(f"no template {stem}")
+    r, system_ok, tools_ok = renderer(stem)
+    special = r._specials[0]
+
+    @settings(max_examples=12, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st.lists(st.tuples(conversations(system_ok, tools_ok), st.integers(0, 4)), min_size=1, max_size=9),
+           st.integers(1, 4), st.integers(2, 60))
+    def prop(items, group, max_length):
+        convs = []
+        for row, ((msgs, _), poison) in enumerate(items):
+            if poison == 0:  # a special token's string typed by the user
+                msgs = [dict(m, content=m["content"] + special) if m["role"] == "user" else m for m in msgs]
+            convs.append(Conversation(row, f"id{row}", msgs))
+        want_samples, want_skips = [], []
+        for c in convs:
+            try:
+                enc = r.encode_normalized(c.messages)
+            except MaskError as e:
+                want_skips.append((c.row, e.reason))
+                continue
+            except Exception:
+                want_skips.append((c.row, "template_error"))
+                continue
+            ids, mask = enc.input_ids[:max_length], enc.loss_mask[:max_length]
+            if int(mask.sum()) == 0:
+                want_skips.append((c.row, "no_loss_tokens"))
+            else:
+                want_samples.append((c.row, ids.tolist(), mask.tolist(), enc.input_ids.shape[0] > max_length))
+        got_skips = []
+        policy = ErrorPolicy("skip", listener=lambda s, note: None if note else got_skips.append((s.row, s.reason)))
+        monkeypatch.setattr(chat, "ENCODE_GROUP", group)
+        got = [(s.row, s.input_ids.tolist(), s.loss_mask.tolist(), s.truncated)
+               for s in chat.tokenize(iter(convs), r, "t", max_length, policy)]
+        assert got == want_samples and got_skips == want_skips
+        assert any(p == 0 for _, p in items) <= any(k == "special_token_in_text" for _, k in got_skips)
+
+    prop()

@@ -34,8 +34,10 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from itertools import islice
 from typing import Any, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from eagle_data.extract.conversations import Conversation, normalize_message
@@ -325,17 +327,41 @@ class ChatRenderer:
 
     def encode_normalized(self, messages: list[dict[str, Any]]) -> Encoded:
         """:meth:`encode` of messages already normalised (the pipeline's conversations)."""
-        self.check_text(messages)
-        msgs = self._for_template(messages)
-        text = self._apply(msgs)
-        spans, notes = self._locate(text, msgs)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = torch.tensor(enc["input_ids"], dtype=torch.int64)
-        off = torch.tensor(enc["offset_mapping"], dtype=torch.int64).reshape(-1, 2)
-        mask = torch.zeros(ids.shape[0], dtype=torch.bool)
-        for s, e in spans:
-            mask |= (off[:, 0] < e) & (off[:, 1] > s)
-        return Encoded(ids, mask.to(torch.uint8), notes)
+        out = self.encode_batch([messages])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def encode_batch(self, batch: list[list[dict[str, Any]]]) -> list[Encoded | Exception]:
+        """:meth:`encode_normalized` of several conversations, with ONE tokenizer call for all of
+        them (a fast tokenizer encodes a list on all cores with the GIL released; the result is
+        the same as one call per text). A conversation that cannot be rendered or masked has its
+        exception in its place (:class:`MaskError`, or what the template raised)."""
+        prepared: list[tuple[str, list[tuple[int, int]], list[str]] | Exception] = []
+        for messages in batch:
+            try:
+                self.check_text(messages)
+                msgs = self._for_template(messages)
+                text = self._apply(msgs)
+                prepared.append((text, *self._locate(text, msgs)))
+            except Exception as e:  # handed back in place: the caller names the reason
+                prepared.append(e)
+        texts = [p[0] for p in prepared if not isinstance(p, Exception)]
+        enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else None
+        out: list[Encoded | Exception] = []
+        j = 0
+        for p in prepared:
+            if isinstance(p, Exception):
+                out.append(p)
+                continue
+            ids = np.asarray(enc["input_ids"][j], dtype=np.int64)
+            off = np.asarray(enc["offset_mapping"][j], dtype=np.int64).reshape(-1, 2)
+            j += 1
+            mask = np.zeros(ids.shape[0], dtype=bool)
+            for s, e in p[1]:  # a token overlapping an assistant span is supervised
+                mask |= (off[:, 0] < e) & (off[:, 1] > s)
+            out.append(Encoded(torch.from_numpy(ids), torch.from_numpy(mask.view(np.uint8)), p[2]))
+        return out
 
     def tokenize(self, messages: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids [T] int64, loss_mask [T] uint8)`` of :meth:`encode`."""
@@ -343,9 +369,14 @@ class ChatRenderer:
         return e.input_ids, e.loss_mask
 
 
+#: conversations rendered, then tokenised in one call, at a time by :func:`tokenize`
+ENCODE_GROUP = 64
+
+
 def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag: str,
              max_length: int, policy: ErrorPolicy) -> Iterator[TokenizedSample]:
-    """Stage: conversations -> :class:`TokenizedSample` (truncated to ``max_length``).
+    """Stage: conversations -> :class:`TokenizedSample` (truncated to ``max_length``), in source
+    order; :data:`ENCODE_GROUP` conversations share one tokenizer call (:meth:`ChatRenderer.encode_batch`).
 
     Skips (counted in ``policy``): ``template_error`` (the template raised), the
     :class:`~eagle_data.extract.mask.MaskError` reasons (``mask_unaligned``, ``message_not_rendered``,
@@ -354,23 +385,30 @@ def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag:
     """
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
-    for c in convs:
-        try:
-            enc = renderer.encode_normalized(c.messages)  # normalize() made them
-        except MaskError as e:
-            policy.handle(Skip(c.row, c.source_id, e.reason, str(e)))
-            continue
-        except Exception as e:  # jinja2 TemplateError / raise_exception from the template
-            policy.handle(Skip(c.row, c.source_id, "template_error", f"{type(e).__name__}: {e}"))
-            continue
-        ids, mask = enc.input_ids, enc.loss_mask
-        for n in enc.notes:
-            policy.note(Skip(c.row, c.source_id, n, "the template does not render the last turn's reasoning"))
-        truncated = ids.shape[0] > max_length
-        ids, mask = ids[:max_length], mask[:max_length]
-        if int(mask.sum()) == 0:
-            policy.handle(Skip(c.row, c.source_id, "no_loss_tokens",
-                               f"{ids.shape[0]} tokens, none supervised" + (" after truncation" if truncated else "")))
-            continue
-        yield TokenizedSample(sample_key(dataset_tag, c.row), c.row, c.source_id, len(c.messages),
-                              ids.contiguous(), mask.contiguous(), truncated)
+    it = iter(convs)
+    while group := list(islice(it, ENCODE_GROUP)):
+        for c, enc in zip(group, renderer.encode_batch([c.messages for c in group])):  # normalize() made them
+            if isinstance(enc, MaskError):
+                policy.handle(Skip(c.row, c.source_id, enc.reason, str(enc)))
+                continue
+            if isinstance(enc, Exception):  # jinja2 TemplateError / raise_exception from the template
+                policy.handle(Skip(c.row, c.source_id, "template_error", f"{type(enc).__name__}: {enc}"))
+                continue
+            if (s := _sample(c, enc, dataset_tag, max_length, policy)) is not None:
+                yield s
+
+
+def _sample(c: Conversation, enc: Encoded, dataset_tag: str, max_length: int, policy: ErrorPolicy
+            ) -> TokenizedSample | None:
+    """The sample of one encoded conversation, truncated; None (skipped) when nothing is supervised."""
+    ids, mask = enc.input_ids, enc.loss_mask
+    for n in enc.notes:
+        policy.note(Skip(c.row, c.source_id, n, "the template does not render the last turn's reasoning"))
+    truncated = ids.shape[0] > max_length
+    ids, mask = ids[:max_length], mask[:max_length]
+    if int(mask.sum()) == 0:
+        policy.handle(Skip(c.row, c.source_id, "no_loss_tokens",
+                           f"{ids.shape[0]} tokens, none supervised" + (" after truncation" if truncated else "")))
+        return None
+    return TokenizedSample(sample_key(dataset_tag, c.row), c.row, c.source_id, len(c.messages),
+                           ids.contiguous(), mask.contiguous(), truncated)

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from eagle_data.extract.writeback import WriteBehind
 from eagle_data.format.layout import INDEX_DIR, index_part, shard_name
 from eagle_data.format.records import ShardRecord
 from eagle_data.format.schema import INDEX_SCHEMA, encode_sample_parts
@@ -82,18 +83,24 @@ def _fsync_dir(d: Path) -> None:
 
 
 class _HashingFile:
-    """Write-only file wrapper computing sha256 and byte count on the fly."""
+    """Write-only file wrapper computing sha256 and byte count on the fly; the disk write of
+    each full chunk starts while the shard is still being filled (:class:`WriteBehind`)."""
 
     def __init__(self, path: str):
         self.f = open(path, "wb")
         self.h = hashlib.sha256()
         self.n = 0
         self.discarded = False
+        self.behind = WriteBehind(self.f.fileno())
 
     def write(self, b) -> int:
         self.h.update(b)
-        self.n += len(b)
-        return self.f.write(b)
+        k = self.f.write(b)
+        self.n += k
+        if self.behind.due(self.n):
+            self.f.flush()
+            self.behind.written(self.n)
+        return k
 
     def discard(self) -> None:
         """Close without fsync, ignoring errors (a full disk fails again)."""
