@@ -1,4 +1,4 @@
-"""``python -m benchmarks loader|extract|codec|pipeline|train|train_step|sglang|tar_walk``: benchmarks that print numbers.
+"""``python -m benchmarks loader|extract|stages|codec|pipeline|train|train_step|sglang|tar_walk``: benchmarks that print numbers.
 
 Run from a checkout (this folder is not installed). Each command is the benchmark function
 itself: its signature and docstring make the command line (jsonargparse); ``--help`` lists
@@ -12,6 +12,7 @@ from benchmarks.extract import bench_extract
 from benchmarks.loader import bench_loader
 from benchmarks.pipeline import bench_pipeline
 from benchmarks.sglang import bench_sglang
+from benchmarks.stages import bench_stages
 from benchmarks.tar_walk import bench_tar_walk
 from benchmarks.train import bench_train
 from benchmarks.train_step import bench_train_step
@@ -19,7 +20,7 @@ from eagle_data.cli.main import run_cli
 
 COMMANDS = {"loader": bench_loader, "extract": bench_extract, "train": bench_train, "sglang": bench_sglang,
             "train_step": bench_train_step, "tar_walk": bench_tar_walk,
-            "pipeline": bench_pipeline, "codec": bench_codec}
+            "pipeline": bench_pipeline, "codec": bench_codec, "stages": bench_stages}
 
 
 def main(argv: list[str] | None = None) -> None:

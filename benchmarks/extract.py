@@ -8,6 +8,8 @@ batches carry no padding):
     stream, one batch in flight (:meth:`HFBackend.capture_async`);
 (c) (b) + shard writing to local disk by background writer threads (safetensors + tar +
     sha256 + fsync + rename, the production :class:`ShardSink`);
+(c0) (c) with write-behind off (:mod:`eagle_data.extract.writeback`: the page cache then holds
+    the output until the closing fsync), with ``compare_write_behind``;
 (d) the disk's raw write rate for the same bytes (files of shard size, fsync'd), same run;
 (e) the peers' method (NVIDIA ModelOpt's ``compute_hidden_states_hf.py``, the EAGLE repo's
     ``ge_data`` scripts): the base forward with ``output_hidden_states=True`` (no hooks of its
@@ -117,7 +119,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
                   seq_len: int = 2048, batch_size: int = 4, num_batches: int = 12, repeats: int = 3,
                   writers: int = 2, out: str | None = None, peak_tflops: float = 989.0,
                   write_queue: int | None = None, peers: bool = True, storage_dtype: str | None = None,
-                  json_out: str | None = None) -> dict[str, Any]:
+                  compare_write_behind: bool = True, json_out: str | None = None) -> dict[str, Any]:
     """Extraction tokens/s: (a) plain forward, (b) capture to host, (c) capture + shard writing, (d) raw disk rate,
     (e) the peers' method (output_hidden_states + one torch.save file per sample).
 
@@ -140,8 +142,10 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
             quantises on the device with per-(token, layer) scales, as ``extract --storage_dtype``.
         peers: also run (e), the peers' method (HF ``output_hidden_states=True``, ``.cpu()``, one
             ``torch.save`` file per sample, no fsync) on the same batches and disk as (c).
+        compare_write_behind: also run (c) with write-behind off (c0).
         json_out: also write the figures to this JSON file.
     """
+    import eagle_data.extract.writeback as wb
     from eagle_data.extract.async_sink import AsyncShardWriter
     from eagle_data.extract.backends.hf import HFBackend
     from eagle_data.extract.sink import ShardSink
@@ -198,9 +202,18 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         w.close()
         shutil.rmtree(d, ignore_errors=True)
 
+    def write_run_no_write_behind():
+        real, wb._sync_file_range = wb._sync_file_range, None
+        try:
+            write_run()
+        finally:
+            wb._sync_file_range = real
+
     plain()  # warm-up (kernels, allocator, pinned pool)
     capture()
     runs = [("a_plain", plain), ("b_capture_host", capture), ("c_capture_write", write_run)]
+    if compare_write_behind:
+        runs.append(("c0_no_write_behind", write_run_no_write_behind))
     if peers:
         peers_run(be, batches[:1], root / "peers", device)  # warm-up (HF's output-capturing hooks, torch.save)
         runs.append(("e_peers", lambda: peers_run(be, batches, root / "peers", device)))
@@ -224,6 +237,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         "disk_GB_s_1writer": round(disk1, 3), f"disk_GB_s_{writers}writers": round(diskw, 3),
         "ratio_b_over_a": round(med["b_capture_host"] / med["a_plain"], 4),
         "ratio_c_over_a": round(med["c_capture_write"] / med["a_plain"], 4),
+        **({"ratio_c0_over_a": round(med["c0_no_write_behind"] / med["a_plain"], 4)} if compare_write_behind else {}),
         **({"ratio_e_over_a": round(med["e_peers"] / med["a_plain"], 4),
             "ratio_c_over_e": round(med["c_capture_write"] / med["e_peers"], 4)} if peers else {}),
         "bound_c_over_a": round(min(1.0, max(disk1, diskw) / (med["a_plain"] * out_bytes_tok / 1e9)), 4),

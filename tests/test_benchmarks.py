@@ -51,7 +51,7 @@ def test_bench_extract_runs_from_its_command_line(tmp_path):
     res = json.loads(out.read_text())
     assert res["repeats"]["a_plain"][0] > 0 and res["c_capture_write_tok_s"] > 0 and res["seq_len"] == 16
     assert res["e_peers_tok_s"] > 0 and res["repeats"]["e_peers"][0] > 0  # (e), the peers' method, same run
-    assert res["ratio_e_over_a"] > 0 and res["ratio_c_over_e"] > 0
+    assert res["ratio_e_over_a"] > 0 and res["ratio_c_over_e"] > 0 and res["ratio_c0_over_a"] > 0  # (c0): no write-behind
     assert not (tmp_path / "d" / "peers").exists()  # its per-sample files are removed
 
 
@@ -152,3 +152,23 @@ def test_loader_benchmark_leaves_the_page_cache_alone_by_default():
     from benchmarks.loader import bench_loader
 
     assert inspect.signature(bench_loader).parameters["cold"].default is False
+
+
+def test_bench_stages_measures_every_stage_on_the_same_rows(tmp_path, tiny):
+    """Each stage alone, the whole pipeline and the disk, on the same rows: the end-to-end run
+    extracts exactly the tokens the front produced, and the figures are all there."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"id": str(i), "conversations": [
+        {"from": "human", "value": f"question {i} " * (i + 1)}, {"from": "gpt", "value": f"answer number {i}"}]})
+        for i in range(6)) + "\n")
+    out = tmp_path / "s.json"
+    main(["stages", "--model", str(tiny[0]), "--data", str(data), "--num_samples", "null", "--device", "cpu",
+          "--dtype", "float32", "--max_length", "1024", "--batch_tokens", "256", "--out", str(tmp_path / "disk"),
+          "--json_out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["samples"] == 6 and r["c_tokens"] == r["tokens"] > 0
+    assert all(r[k] > 0 for k in ("f_front_tok_s", "a_plain_tok_s", "b_capture_tok_s", "w_writers_tok_s",
+                                  "c_pipeline_tok_s", "c_GB_s", "d_disk_GB_s_1", "d_disk_GB_s_2"))
+    assert r["bytes_per_token"] == 4 * 64 * 4 + 8 + 1  # 3 + 1 states of H=64 in float32, int64 id, uint8 mask
+    assert r["bound"] in ("f_front_tok_s", "a_plain_tok_s", "b_capture_tok_s", "w_writers_tok_s")
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == []  # the measured folder is left empty

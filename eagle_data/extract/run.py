@@ -36,18 +36,17 @@ from tqdm.auto import tqdm
 
 from eagle_data.extract.async_sink import AsyncShardWriter
 from eagle_data.extract.backends.base import Backend
-from eagle_data.extract.chat import ChatRenderer, tokenize
+from eagle_data.extract.chat import ChatRenderer
 from eagle_data.background import background
 from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage_dtype, model_dir, rows_to_read,
                                        storage_dtype)
-from eagle_data.extract.conversations import normalize
 from eagle_data.extract.fault import ErrorPolicy
 from eagle_data.extract.manifest import load_progress, merge, open_out, weights_fingerprint
 from eagle_data.extract.rank_state import RankState
 from eagle_data.extract.signals import ExtractionInterrupted, Signals, interruptible_iter
 from eagle_data.extract.sink import ShardSink
 from eagle_data.extract.sources import resolve
-from eagle_data.extract.stages import capture, check_vocab, to_samples, token_budget_batches
+from eagle_data.extract.stages import capture, front, to_samples
 from eagle_data.format.schema import sample_key, storage_dtype_of
 
 log = logging.getLogger(__name__)
@@ -175,12 +174,11 @@ def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRend
              state: RankState, sigs: Signals) -> dict[str, Any]:
     """The pipeline of one rank: source rows not extracted yet -> shards; returns the run stats."""
     policy = ErrorPolicy(cfg.on_bad_sample, listener=state.remember)
-    samples = check_vocab(tokenize(normalize(state.fresh_records(), policy), renderer, tag, cfg.max_length, policy),
-                          backend.info.vocab_size, policy)
     # the front (read, chat template, tokens + mask, batching) runs in a thread beside the capture and
     # the writers (the tokenizer releases the GIL): a small target is otherwise bound by it
-    batches = interruptible_iter(background(token_budget_batches(samples, cfg.batch_tokens, cfg.max_batch_size,
-                                                                 cfg.sort_window), FRONT_AHEAD), sigs)
+    batches = interruptible_iter(background(front(state.fresh_records(), renderer, tag, backend.info.vocab_size,
+                                                  cfg.max_length, cfg.batch_tokens, cfg.max_batch_size,
+                                                  cfg.sort_window, policy), FRONT_AHEAD), sigs)
     extracted = to_samples(capture(batches, backend, sigs), (storage_dtype_of(storage_dtype(cfg)),
                                                              storage_dtype_of(final_storage_dtype(cfg))),
                            cfg.data, tag, policy)

@@ -2,7 +2,7 @@
 
 ``TokenizedSample -> check_vocab -> token_budget_batches -> capture -> to_samples -> sink``
 (records -> conversations -> tokens + mask are :mod:`sources`, :mod:`conversations`,
-:mod:`chat`). A stage that drops an item reports it to the :class:`ErrorPolicy` (counted by
+:mod:`chat`; :func:`front` chains them up to the batches). A stage that drops an item reports it to the :class:`ErrorPolicy` (counted by
 reason, logged, recorded in the skip log); nothing is dropped silently.
 """
 
@@ -15,11 +15,21 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from eagle_data.extract.backends.base import Backend, Captured
-from eagle_data.extract.chat import TokenizedSample
+from eagle_data.extract.chat import ChatRenderer, TokenizedSample, tokenize
+from eagle_data.extract.conversations import normalize
 from eagle_data.extract.fault import ErrorPolicy, Skip
 from eagle_data.extract.signals import Signals
 from eagle_data.format.fp8 import FP8_DTYPE, scale_name, to_storage
 from eagle_data.packing import pack_window
+
+
+def front(records: Iterable[tuple[int, Any]], renderer: ChatRenderer, tag: str, vocab_size: int, max_length: int,
+          batch_tokens: int, max_batch_size: int, sort_window: int, policy: ErrorPolicy
+          ) -> Iterator[list[TokenizedSample]]:
+    """Source rows ``(row, record)`` -> batches for the engine: normalise, render + tokenise + mask
+    (:func:`~eagle_data.extract.chat.tokenize`), :func:`check_vocab`, :func:`token_budget_batches`."""
+    samples = check_vocab(tokenize(normalize(records, policy), renderer, tag, max_length, policy), vocab_size, policy)
+    return token_budget_batches(samples, batch_tokens, max_batch_size, sort_window)
 
 
 def check_vocab(samples: Iterable[TokenizedSample], vocab_size: int, policy: ErrorPolicy

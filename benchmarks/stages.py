@@ -1,0 +1,161 @@
+"""``python -m benchmarks stages``: what bounds extraction with a real model on real data.
+
+Each stage of ``eagle-data extract`` alone, then the whole pipeline, then the disk, in one run,
+on the same rows (the target loaded once, excluded from every figure):
+
+(f) the front alone: records -> conversations -> chat template + tokens + loss mask -> batches
+    (:func:`eagle_data.extract.stages.front`), in this thread;
+(a) the plain prefill forward of those batches (padded as the backend pads them), no capture;
+(b) capture to host memory: hooks, cast/quantise on the device, device-to-host copy, the
+    per-sample split and finiteness (:func:`~eagle_data.extract.stages.capture` +
+    :func:`~eagle_data.extract.stages.to_samples`), nothing written;
+(w) the shard writers alone: samples already in host memory (b's first batches, cycled under
+    new keys to the bytes of the whole run) through :class:`AsyncShardWriter` to the disk,
+    published (fsync) at the end;
+(c) ``run_extract`` end to end (front thread, capture, writers) into a fresh folder on the disk;
+(d) the disk's raw write rate (fsync'd files of shard size; 1 and ``writers`` threads).
+
+The pipeline is as fast as its slowest stage when the stages overlap: (c) far below
+min(f, a, b, w) says they interfere (the GIL); (c)'s bytes/s against (d) is the issue's
+"GB/s vs the disk" figure.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from itertools import cycle
+from pathlib import Path
+from typing import Any
+
+
+def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: int | None = 1000,
+                 device: str = "cuda", dtype: str = "bfloat16", storage_dtype: str | None = None,
+                 max_length: int = 2048, batch_tokens: int = 65536, writers: int = 2, write_queue: int = 16,
+                 out: str | None = None, keep_gib: float = 2.0, json_out: str | None = None) -> dict[str, Any]:
+    """Tokens/s of each extraction stage alone and of the whole pipeline, and the disk's rate.
+
+    Args:
+        model: "smollm2" (the embedded default, from PyPI) or a local HF model folder.
+        data: as ``eagle-data extract --data``.
+        num_samples: source rows (None: all).
+        device: "cuda" or "cpu".
+        dtype: compute dtype.
+        storage_dtype: stored dtype (default: ``dtype``), e.g. ``float8_e4m3fn``.
+        max_length: tokens per sample at most.
+        batch_tokens: padded tokens per forward (as ``extract --batch_tokens``).
+        writers: shard-writer threads (as ``extract --writers``).
+        write_queue: samples waiting for the writers at most (as ``extract --write_queue``).
+        out: a folder on the disk to measure (default: a temporary folder).
+        keep_gib: host memory of captured samples kept for (w).
+        json_out: also write the figures to this JSON file.
+    """
+    import torch
+
+    from eagle_data.extract.async_sink import AsyncShardWriter
+    from eagle_data.extract.backends import make_backend
+    from eagle_data.extract.chat import ChatRenderer
+    from eagle_data.extract.config import ExtractConfig, final_storage_dtype, model_dir, rows_to_read
+    from eagle_data.extract.config import storage_dtype as stored
+    from eagle_data.extract.fault import ErrorPolicy
+    from eagle_data.extract.run import load_tokenizer, run_extract
+    from eagle_data.extract.signals import Signals
+    from eagle_data.extract.sink import ShardSink
+    from eagle_data.extract.sources import iter_records
+    from eagle_data.extract.stages import Sample, capture, front, to_samples
+    from eagle_data.format.schema import storage_dtype_of
+    from benchmarks.extract import disk_write_rate
+
+    root = Path(out or tempfile.mkdtemp(prefix="eagle-stages-"))
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = ExtractConfig(out=str(root / "c"), model=model, data=data, num_samples=num_samples, device=device,
+                        dtype=dtype, storage_dtype=storage_dtype, max_length=max_length, batch_tokens=batch_tokens,
+                        writers=writers, write_queue=write_queue, progress=False)
+    path = model_dir(model)
+    tok = load_tokenizer(path, False)
+    renderer = ChatRenderer.from_path(tok, None)
+    be = make_backend("hf", model_path=path, aux_layer_ids=None, dtype=dtype, device=device,
+                      out_dtype=stored(cfg), final_out_dtype=final_storage_dtype(cfg))
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    res: dict[str, Any] = {"model": model, "data": data, "device": torch.cuda.get_device_name() if device.startswith("cuda")
+                           else "cpu", "dtype": dtype, "storage_dtype": stored(cfg), "batch_tokens": batch_tokens,
+                           "writers": writers}
+
+    t0 = time.perf_counter()
+    policy = ErrorPolicy("skip")
+    batches = list(front(iter_records(data, num_samples=rows_to_read(cfg)), renderer, "x", be.info.vocab_size,
+                         max_length, batch_tokens, cfg.max_batch_size, cfg.sort_window, policy))
+    tokens = sum(s.num_tokens for b in batches for s in b)
+    res.update(samples=sum(map(len, batches)), tokens=tokens, f_front_tok_s=round(tokens / (time.perf_counter() - t0)))
+
+    @torch.inference_mode()
+    def plain():
+        for b in batches:
+            lens = [s.num_tokens for s in b]
+            ids = torch.zeros(len(b), max(lens), dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for i, s in enumerate(b):
+                ids[i, :lens[i]], attn[i, :lens[i]] = s.input_ids, 1
+            be.base(input_ids=ids.to(device, non_blocking=True), use_cache=False,
+                    attention_mask=attn.to(device, non_blocking=True) if min(lens) < max(lens) else None)
+            be._store.clear()
+        sync()
+
+    storage = (storage_dtype_of(stored(cfg)), storage_dtype_of(final_storage_dtype(cfg)))
+    kept: list[Sample] = []
+
+    def captured(keep: bool):
+        for out_batch in to_samples(capture(iter(batches), be, Signals()), storage, data, "x", policy):
+            if keep and sum(s.meta["num_tokens"] for s in kept) * bytes_tok < keep_gib * 2**30:
+                kept.extend(out_batch)
+        sync()
+
+    plain()  # warm-up: kernels, allocator
+    for name, fn in (("a_plain_tok_s", plain), ("b_capture_tok_s", lambda: captured(False))):
+        t0 = time.perf_counter()
+        fn()
+        res[name] = round(tokens / (time.perf_counter() - t0))
+    bytes_tok = 4 * be.info.hidden_size * storage[0].itemsize  # approximate, for the keep budget only
+    captured(True)
+    one = {k: v.nbytes for k, v in kept[0].tensors.items()}
+    bytes_tok = sum(one.values()) / kept[0].meta["num_tokens"]
+    res["bytes_per_token"] = round(bytes_tok, 1)
+
+    total = tokens * bytes_tok
+    d = root / "w"
+    shutil.rmtree(d, ignore_errors=True)
+    sinks = [ShardSink(d, 0, w, cfg.shard_max_samples, cfg.shard_max_bytes, shard_step=writers) for w in range(writers)]
+    w = AsyncShardWriter(sinks, max_queue=write_queue)
+    t0, n = time.perf_counter(), 0
+    for i, s in enumerate(cycle(kept)):
+        if n >= tokens:
+            break
+        w.put(f"x_{i}", s.tensors, s.meta)
+        n += s.meta["num_tokens"]
+    w.close()
+    res["w_writers_tok_s"] = round(n / (time.perf_counter() - t0))
+    shutil.rmtree(d, ignore_errors=True)
+    kept.clear()
+
+    res["d_disk_GB_s_1"] = round(disk_write_rate(root, int(total), int(cfg.shard_max_bytes), 1), 3)
+    res[f"d_disk_GB_s_{writers}"] = round(disk_write_rate(root, int(total), int(cfg.shard_max_bytes), writers), 3)
+    disk = max(res["d_disk_GB_s_1"], res[f"d_disk_GB_s_{writers}"])
+
+    stats = run_extract(cfg, backend=be, tokenizer=tok)["run_stats"]
+    written = sum(p.stat().st_size for p in Path(cfg.out).glob("*.tar"))
+    res.update(c_pipeline_tok_s=round(stats["tokens_per_s"]), c_tokens=stats["new_tokens"], c_seconds=stats["seconds"],
+               c_GB_s=round(written / stats["seconds"] / 1e9, 3))
+    res["c_over_disk"] = round(res["c_GB_s"] / disk, 3)
+    res["c_over_a"] = round(res["c_pipeline_tok_s"] / res["a_plain_tok_s"], 3)
+    res["bound"] = min(("f_front_tok_s", "a_plain_tok_s", "b_capture_tok_s", "w_writers_tok_s"), key=res.get)
+    if out is None:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        shutil.rmtree(cfg.out, ignore_errors=True)
+    for k, v in res.items():
+        print(f"{k:>18}: {v}")
+    if json_out:
+        Path(json_out).write_text(json.dumps(res, indent=1))
+    return res
