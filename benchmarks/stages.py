@@ -34,7 +34,8 @@ from typing import Any
 def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: int | None = 1000,
                  device: str = "cuda", dtype: str = "bfloat16", storage_dtype: str | None = None,
                  max_length: int = 2048, batch_tokens: int = 65536, writers: int = 2, write_queue: int = 16,
-                 out: str | None = None, keep_gib: float = 2.0, json_out: str | None = None) -> dict[str, Any]:
+                 out: str | None = None, keep_gib: float = 2.0, switch_interval: float | None = None,
+                 json_out: str | None = None) -> dict[str, Any]:
     """Tokens/s of each extraction stage alone and of the whole pipeline, and the disk's rate.
 
     Args:
@@ -50,8 +51,12 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         write_queue: samples waiting for the writers at most (as ``extract --write_queue``).
         out: a folder on the disk to measure (default: a temporary folder).
         keep_gib: host memory of captured samples kept for (w).
+        switch_interval: ``sys.setswitchinterval`` for (w) and (c) (default: Python's, 5 ms): how
+            long a thread back from a GIL-free call (hashing, a write) may wait for the GIL.
         json_out: also write the figures to this JSON file.
     """
+    import sys
+
     import torch
 
     from eagle_data.extract.async_sink import AsyncShardWriter
@@ -124,6 +129,9 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     res["bytes_per_token"] = round(bytes_tok, 1)
 
     total = tokens * bytes_tok
+    if switch_interval is not None:
+        res["switch_interval"] = switch_interval
+        sys.setswitchinterval(switch_interval)
     d = root / "w"
     shutil.rmtree(d, ignore_errors=True)
     sinks = [ShardSink(d, 0, w, cfg.shard_max_samples, cfg.shard_max_bytes, shard_step=writers) for w in range(writers)]
