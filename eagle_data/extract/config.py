@@ -74,8 +74,9 @@ class ExtractConfig:
     """samples per shard at most"""
     shard_max_bytes: float = 2e9
     """bytes per shard (approximate upper bound)"""
-    write_queue: int = 16
-    """captured samples waiting for the background shard writers at most (bounds host memory)"""
+    write_queue_gib: float = 2.0
+    """GiB of captured states waiting for the background shard writers at most (bounds host memory;
+    a larger sample goes through alone). Below a forward batch's bytes, the GPU waits for the writers"""
     writers: int = 2
     """shard-writer threads (each fills its own shards of this rank's series)"""
     rank: Optional[int] = None
@@ -100,7 +101,7 @@ class ExtractConfig:
         check_run_fields(self)
         if self.dataset_tag is not None and not self.dataset_tag.strip():
             raise ValueError("dataset_tag must be non-empty (or null: derived from the data name)")
-        for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window", "writers", "write_queue",
+        for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window", "writers", "write_queue_gib",
                      "shard_max_bytes", "max_length"):
             v, lo = getattr(self, name), (2 if name == "max_length" else 1)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo:

@@ -186,7 +186,7 @@ def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRend
     # forward runs while writer threads hash and write (bounded queue).
     writer = AsyncShardWriter([ShardSink(out, cfg.rank, state.next_shard + w, cfg.shard_max_samples,
                                          cfg.shard_max_bytes, state.on_publish, shard_step=cfg.writers)
-                               for w in range(cfg.writers)], max_queue=cfg.write_queue)
+                               for w in range(cfg.writers)], max_bytes=int(cfg.write_queue_gib * 2**30))
     bar = tqdm(desc=f"extract rank {cfg.rank}", unit="sample", disable=not cfg.progress, dynamic_ncols=True)
     t0, n_tok, n_new = time.perf_counter(), 0, 0
     with sigs:

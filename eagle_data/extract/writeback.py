@@ -7,8 +7,9 @@ while the GPU computes, then the closing ``fsync`` writes it all while the GPU w
 on the H200: ``python -m benchmarks extract``, BENCHMARKS.md "Write-behind"). Linux's
 ``sync_file_range(2)`` (through libc; Python's ``os`` lacks it) starts the write of a byte
 range without waiting (``SYNC_FILE_RANGE_WRITE``) and waits for an earlier range
-(``WAIT_BEFORE | WRITE | WAIT_AFTER``), so each writer keeps about two chunks in flight and the
-disk works at its own pace beside the capture. Where the call does not exist (not Linux/glibc)
+(``WAIT_BEFORE | WRITE | WAIT_AFTER``), so each writer keeps :data:`IN_FLIGHT` chunks on their
+way to the disk (enough to keep it busy, little dirty memory) and the disk works at its own pace
+beside the capture. Where the call does not exist (not Linux/glibc)
 or the file does not support it, nothing happens: ``fsync`` at the end still makes the shard
 durable; write-behind only changes when the bytes go.
 """
@@ -19,10 +20,13 @@ import ctypes
 import ctypes.util
 import errno
 import os
+from collections import deque
 
 SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 #: bytes a writer lets collect before starting their write to disk
 CHUNK_BYTES = 32 << 20
+#: chunks started and not yet waited for, per file
+IN_FLIGHT = 4
 
 
 def _load():
@@ -58,12 +62,12 @@ def sync_range(fd: int, offset: int, nbytes: int, flags: int) -> bool:
 class WriteBehind:
     """Tracks one file being appended to: :meth:`written` after each write (the bytes must have
     reached the OS, i.e. the Python buffer flushed) starts the disk write of every full
-    :data:`CHUNK_BYTES` and waits for the chunk before it."""
+    :data:`CHUNK_BYTES` and waits for the oldest chunk once more than :data:`IN_FLIGHT` are started."""
 
     def __init__(self, fd: int, chunk: int | None = None):
         self.fd, self.chunk = fd, chunk or CHUNK_BYTES
         self.started = 0  # bytes [0, started) have had their write started
-        self.prev: tuple[int, int] | None = None  # the last range started, not waited for
+        self.inflight: deque[tuple[int, int]] = deque()  # ranges started, not waited for
         self.enabled = _sync_file_range is not None
 
     def due(self, size: int) -> bool:
@@ -78,7 +82,8 @@ class WriteBehind:
         if not sync_range(self.fd, *rng, SYNC_FILE_RANGE_WRITE):
             self.enabled = False
             return
-        if self.prev is not None:
-            sync_range(self.fd, *self.prev, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE
+        self.inflight.append(rng)
+        self.started = size
+        while len(self.inflight) > IN_FLIGHT:
+            sync_range(self.fd, *self.inflight.popleft(), SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE
                        | SYNC_FILE_RANGE_WAIT_AFTER)
-        self.prev, self.started = rng, size

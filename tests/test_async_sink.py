@@ -1,0 +1,75 @@
+"""The writers' queue (:class:`AsyncShardWriter`) is bounded in bytes: never more queued than the
+bound (a larger sample alone), every sample written exactly once, a writer's error reaches the
+producer without a hang."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from eagle_data.extract.async_sink import AsyncShardWriter
+
+
+class SlowSink:
+    def __init__(self, writer_ref, fail_at=None):
+        self.got, self.ref, self.fail_at = [], writer_ref, fail_at
+
+    def write(self, key, tensors, meta):
+        w = self.ref[0]
+        with w.cv:  # what is queued while this sample is being written
+            self.ref[1].append((w.queued, len(w.q)))
+        if self.fail_at is not None and key == self.fail_at:
+            raise OSError(28, "No space left on device")
+        time.sleep(0.0005)
+        self.got.append(key)
+
+    def close(self):
+        pass
+
+    def abort(self):
+        pass
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=40), bound=st.integers(1, 8000),
+       writers=st.integers(1, 3))
+def test_queue_bounded_in_bytes_and_every_sample_written_once(sizes, bound, writers):
+    ref: list = [None, []]
+    sinks = [SlowSink(ref) for _ in range(writers)]
+    w = AsyncShardWriter(sinks, max_bytes=bound)
+    ref[0] = w
+    for i, n in enumerate(sizes):
+        w.put(f"k{i}", {"x": torch.zeros(n, dtype=torch.uint8)}, {})
+        with w.cv:
+            assert w.queued <= bound or len(w.q) == 1  # over the bound only a single sample, alone
+    w.close()
+    assert sorted(k for s in sinks for k in s.got) == sorted(f"k{i}" for i in range(len(sizes)))
+    assert all(q <= bound or n <= 1 for q, n in ref[1])
+
+
+def test_a_writer_error_reaches_the_producer_without_a_hang():
+    ref: list = [None, []]
+    sinks = [SlowSink(ref, fail_at="k3"), SlowSink(ref, fail_at="k3")]
+    w = AsyncShardWriter(sinks, max_bytes=100)
+    ref[0] = w
+    done = threading.Event()
+
+    def produce():
+        try:
+            for i in range(200):
+                w.put(f"k{i}", {"x": torch.zeros(60, dtype=torch.uint8)}, {})
+            w.close()
+        except OSError:
+            done.set()
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    t.join(20)
+    assert done.is_set()
+    w.abort()  # after an error: drops what is queued, never hangs
+    with pytest.raises(OSError):
+        w.close()
