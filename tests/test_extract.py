@@ -165,8 +165,10 @@ def test_bad_key_and_row_mismatch_refused(tmp_path):
             "aux_hidden_states": torch.zeros(2, 6), "hidden_states": torch.zeros(2, 2)}
     with pytest.raises(ValueError, match="must not contain"):
         sink.write("a.b", good, {})
-    with pytest.raises(ValueError, match="row mismatch"):
+    with pytest.raises(ValueError, match="hidden_states has 3 rows"):
         sink.write("ab", {**good, "hidden_states": torch.zeros(3, 2)}, {})
+    with pytest.raises(ValueError, match="row mismatch"):
+        sink.write("ab", {**good, "aux_hidden_states": torch.zeros(3, 6)}, {})
     sink.close()
     assert sink.published == [] and not list(tmp_path.glob("*.tar*"))
 

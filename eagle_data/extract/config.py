@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from eagle_data.checks import check_device
+from eagle_data.format.final_rows import FINAL_ROWS
 from eagle_data.format.schema import HIDDEN_DTYPES, STORAGE_DTYPES
 
 #: rows of the embedded ShareGPT demo taken when ``num_samples`` is not given
@@ -61,6 +62,10 @@ class ExtractConfig:
     bf16; readers hand it out dequantised to bfloat16"""
     final_storage_dtype: Optional[Literal["bfloat16", "float32", "float16", "float8_e4m3fn"]] = None
     """dtype of the stored final hidden states (the teacher; default: storage_dtype)"""
+    final_rows: Literal["all", "taught"] = "all"
+    """"all": the final hidden state of every token; "taught": only where the next token is
+    supervised (loss_mask[t+1] == 1), the only rows EAGLE-3 training reads as teacher; readers
+    scatter them back (zeros elsewhere). Saves (1 - that share) of the final states' bytes"""
     aux_layer_ids: Optional[list[int]] = None
     """three layer ids low/mid/high; id k = output of decoder layer k = HF hidden_states[k+1]
     (SGLang's eagle_aux_hidden_state_layer_ids). Default [1, L//2-1, L-4]"""
@@ -103,14 +108,15 @@ class ExtractConfig:
             raise ValueError("dataset_tag must be non-empty (or null: derived from the data name)")
         for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window", "writers", "write_queue_gib",
                      "shard_max_bytes", "max_length"):
-            v, lo = getattr(self, name), (2 if name == "max_length" else 1)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo:
-                raise ValueError(f"{name} must be >= {lo}, got {v!r}")
+            v, lo = getattr(self, name), {"max_length": 2, "write_queue_gib": 0}.get(name, 1)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo or (lo == 0 and not v > 0):
+                raise ValueError(f"{name} must be {'> 0' if lo == 0 else f'>= {lo}'}, got {v!r}")
         if self.num_samples is not None and (not _is_int(self.num_samples) or self.num_samples < 1):
             raise ValueError(f"num_samples must be >= 1 (or null for all rows), got {self.num_samples!r}")
         for name, allowed in (("dtype", HIDDEN_DTYPES), ("storage_dtype", STORAGE_DTYPES),
                               ("final_storage_dtype", STORAGE_DTYPES),
-                              ("backend", ("hf", "sglang")), ("on_bad_sample", ("skip", "raise"))):
+                              ("backend", ("hf", "sglang")), ("on_bad_sample", ("skip", "raise")),
+                              ("final_rows", FINAL_ROWS)):
             v = getattr(self, name)
             if (v is not None or not name.endswith("storage_dtype")) and v not in allowed:
                 raise ValueError(f"{name} must be one of {sorted(allowed)}, got {v!r}")

@@ -44,14 +44,16 @@ log = logging.getLogger(__name__)
 #: config fields that must be equal for a resume or a merge to mix outputs (``num_samples`` is
 #: not one: rerunning with more rows of the same source extends a finished run)
 RESUME_KEYS = ("model_path", "weights_fingerprint", "tokenizer_sha256", "template", "dtype", "storage_dtype",
-               "final_storage_dtype", "aux_layer_ids", "max_length", "data", "dataset_tag", "split", "world_size")
+               "final_storage_dtype", "final_rows", "aux_layer_ids", "max_length", "data", "dataset_tag", "split", "world_size")
 
 
 def resume_value(cfg: dict[str, Any], key: str) -> Any:
     """``cfg[key]`` as a resume compares it: a run recorded before ``final_storage_dtype`` existed
-    stored its final states in ``storage_dtype``."""
+    stored its final states in ``storage_dtype``, one before ``final_rows`` stored every row."""
     if key == "final_storage_dtype":
         return cfg.get(key) or cfg.get("storage_dtype")
+    if key == "final_rows":  # recorded before the option existed: every row
+        return cfg.get(key) or "all"
     return cfg.get(key)
 
 

@@ -139,6 +139,7 @@ def _run_facts(cfg: ExtractConfig, backend: Backend, renderer: ChatRenderer, mod
     facts = {"model_path": model_path, "backend": info.name, "hidden_size": info.hidden_size,
              "num_layers": info.num_layers, "vocab_size": info.vocab_size,
              "aux_layer_ids": list(info.aux_layer_ids), "dtype": storage_dtype(cfg), "final_dtype": fin,
+             "final_rows": cfg.final_rows,
              "compute_dtype": info.dtype,
              "backend_extra": info.extra}
     return run_cfg, facts
@@ -181,7 +182,7 @@ def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRend
                                                   cfg.sort_window, policy), FRONT_AHEAD), sigs)
     extracted = to_samples(capture(batches, backend, sigs), (storage_dtype_of(storage_dtype(cfg)),
                                                              storage_dtype_of(final_storage_dtype(cfg))),
-                           cfg.data, tag, policy)
+                           cfg.data, tag, policy, cfg.final_rows)
     # Writer w of W fills shards next_shard + w, + W, ... of this rank's series; the next batch's
     # forward runs while writer threads hash and write (bounded queue).
     writer = AsyncShardWriter([ShardSink(out, cfg.rank, state.next_shard + w, cfg.shard_max_samples,

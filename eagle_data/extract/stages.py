@@ -19,6 +19,7 @@ from eagle_data.extract.chat import ChatRenderer, TokenizedSample, tokenize
 from eagle_data.extract.conversations import normalize
 from eagle_data.extract.fault import ErrorPolicy, Skip
 from eagle_data.extract.signals import Signals
+from eagle_data.format.final_rows import select as select_taught
 from eagle_data.format.fp8 import FP8_DTYPE, scale_name, to_storage
 from eagle_data.packing import pack_window
 
@@ -138,10 +139,12 @@ def _mismatch(name: str, got: torch.dtype, want: torch.dtype):
 
 
 def to_samples(captured: Iterable[tuple[list[TokenizedSample], list[Captured]]],
-               storage: tuple[torch.dtype, torch.dtype], source: str, tag: str, policy: ErrorPolicy
-               ) -> Iterator[list[Sample]]:
+               storage: tuple[torch.dtype, torch.dtype], source: str, tag: str, policy: ErrorPolicy,
+               final_rows: str = "all") -> Iterator[list[Sample]]:
     """Pair each tokenized sample with its states, per batch (a list, possibly empty); the aux and
-    final states are stored in ``storage = (aux dtype, final dtype)`` (fp8: with scales).
+    final states are stored in ``storage = (aux dtype, final dtype)`` (fp8: with scales), the final
+    states at every row or (``final_rows="taught"``) only where they teach
+    (:mod:`eagle_data.format.final_rows`).
 
     Skips (``non_finite_hidden_states``) a sample with NaN/Inf states (in the captured dtype, and
     after the cast: a value beyond the storage dtype's range).
@@ -167,5 +170,6 @@ def to_samples(captured: Iterable[tuple[list[TokenizedSample], list[Captured]]],
             meta = {"source_dataset": source, "dataset_tag": tag, "source_id": s.source_id,
                     "source_row": s.row, "num_turns": s.num_turns, "num_tokens": s.num_tokens,
                     "num_loss_tokens": int(s.loss_mask.sum()), "truncated": s.truncated}
-            out.append(Sample(s.key, {"input_ids": s.input_ids, "loss_mask": s.loss_mask, **states}, meta))
+            tensors = {"input_ids": s.input_ids, "loss_mask": s.loss_mask, **states}
+            out.append(Sample(s.key, tensors if final_rows == "all" else select_taught(tensors), meta))
         yield out

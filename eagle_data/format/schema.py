@@ -20,7 +20,9 @@ name                 shape        dtype     meaning
 ``aux_hidden_states``[T, 3*H]     bf16/f32  outputs of decoder layers ``aux_layer_ids``
                                             (low→high, concatenated on the last dim)
 ``hidden_states``    [T, H]       bf16/f32  final hidden state AFTER the final norm
-                                            (what ``lm_head`` consumes)
+                     or [n, H]              (what ``lm_head`` consumes); ``final_rows =
+                                            "taught"``: only the n rows whose next token is
+                                            supervised (:mod:`eagle_data.format.final_rows`)
 ``*_scale``          [T, G]       f32       only beside a field stored as fp8: one scale per
                                             token and layer group (3 for aux, 1 for final;
                                             :mod:`eagle_data.format.fp8`)
@@ -30,7 +32,8 @@ Storage dtypes (:data:`STORAGE_DTYPES`): bfloat16, float16, float32, or ``float8
 per-(token, layer) scales; aux and final states may differ (``storage_dtype`` /
 ``final_storage_dtype``; the manifest's ``dtype`` / ``final_dtype``). Readers hand fp8 fields out
 dequantised to bfloat16 (:func:`batch_dtype`). Schema version 2 added fp8 and ``final_dtype``;
-version-1 datasets (no fp8) read unchanged.
+version 3 the ``final_rows`` layout (manifest ``final_rows``: ``"all"``, the default, or
+``"taught"``); version-1 and -2 datasets read unchanged.
 
 Layer-id convention (:data:`LAYER_ID_CONVENTION`): aux id ``k`` is the output of decoder
 layer ``k`` (0-based), i.e. HF ``output_hidden_states[k + 1]``; this is what SGLang's
@@ -47,11 +50,12 @@ import pyarrow as pa
 import torch
 from safetensors.torch import load as st_load
 
+from eagle_data.format import final_rows
 from eagle_data.format.fp8 import scale_name
 
-SCHEMA_VERSION = 2
-#: versions this code reads: 1 (before fp8 storage; same fields) and 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+#: versions this code reads: 1 (before fp8 storage; same fields), 2 (fp8) and 3 (``final_rows``)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 LAYER_ID_CONVENTION = "output_of_decoder_layer_k=hf_hidden_states[k+1]"
 FINAL_STATE_NORM = "post"  # hidden_states are taken after the model's final norm
 
@@ -201,7 +205,8 @@ def decode_tensors(data: bytes, where: str = "?") -> dict[str, torch.Tensor]:
 
 
 def validate_tensors(tensors: dict[str, torch.Tensor], where: str = "?") -> None:
-    """Check fields, dtypes and ``rows == len(input_ids) == len(loss_mask)``.
+    """Check fields, dtypes and ``rows == len(input_ids) == len(loss_mask)`` (``hidden_states``:
+    that, or the taught rows of :mod:`eagle_data.format.final_rows`).
 
     Raises:
         ValueError: naming the sample ``where`` and the offending field.
@@ -217,10 +222,14 @@ def validate_tensors(tensors: dict[str, torch.Tensor], where: str = "?") -> None
     aux, fin = tensors["aux_hidden_states"], tensors["hidden_states"]
     if fin.dim() != 2 or aux.dim() != 2:
         raise SampleError(where, "hidden states must be 2-D [T, *]")
-    if not (tensors["loss_mask"].shape[0] == aux.shape[0] == fin.shape[0] == t):
+    if not (tensors["loss_mask"].shape[0] == aux.shape[0] == t):
         raise SampleError(
             where, f"row mismatch: input_ids {t}, loss_mask {tensors['loss_mask'].shape[0]}, "
             f"aux_hidden_states {aux.shape[0]}, hidden_states {fin.shape[0]}")
+    if final_rows.layout(fin.shape[0], tensors["loss_mask"]) is None:
+        raise SampleError(
+            where, f"hidden_states has {fin.shape[0]} rows: neither every token's ({t}) nor one per "
+            f"supervised next token ({int((tensors['loss_mask'][1:] != 0).sum())}, final_rows='taught')")
     if aux.shape[1] % fin.shape[1] != 0:
         raise SampleError(where, f"aux width {aux.shape[1]} is not a multiple of H={fin.shape[1]}")
     for name, groups in (("aux_hidden_states", aux.shape[1] // fin.shape[1]), ("hidden_states", 1)):

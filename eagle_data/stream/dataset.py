@@ -34,6 +34,7 @@ from eagle_data.format.fp8 import dequantize_fields
 from eagle_data.format.schema import STORAGE_DTYPES, SampleError, batch_dtype, decode_tensors
 from eagle_data.format.layout import INDEX_NAME
 from eagle_data.stream.shards import check_compat, epoch_shard_order, resolve_sources, slot_sizes, slot_spans
+from eagle_data.format.final_rows import expand as expand_final_rows
 from eagle_data.format.payload import view_tensors
 from eagle_data.stream.reader import read_span
 
@@ -249,6 +250,7 @@ class EagleShardDataset(IterableDataset):
             raise SampleError(where, f"hidden {tuple(h.shape)} {h.dtype} / aux {tuple(a.shape)} {a.dtype} disagree "
                                      f"with the manifest (H={self.hidden_size}, aux {self.stored['aux_hidden_states']}, "
                                      f"final {self.stored['hidden_states']}): a mixed-dtype dataset is refused")
+        t = expand_final_rows(t)  # final_rows="taught": the rows scattered back before any cut
         if self.max_length is not None:
             t = {k: v[:self.max_length] for k, v in t.items()}
         return t
@@ -341,5 +343,5 @@ def decode_hf_example(example: dict[str, Any]) -> dict[str, Any]:
     data = example.get("safetensors")
     if data is None:
         raise ValueError(f"sample {example.get('__key__')}: no safetensors member")
-    t = dequantize_fields(decode_tensors(bytes(data), where=str(example.get("__key__"))))
+    t = dequantize_fields(expand_final_rows(decode_tensors(bytes(data), where=str(example.get("__key__")))))
     return {"key": example.get("__key__"), **t, "meta": example.get("json")}

@@ -80,7 +80,8 @@ def inspect_dataset(path: str, sample: int | None = None, max_chars: int = 3000,
             raise ValueError(f"--key {key!r}: no such sample in {path} ({len(idx)} samples, e.g. {idx['key'][0]!r})")
         sample = pos[key]
     t = Table(title=f"{path}", show_header=False)
-    for k in ("schema_version", "model_path", "backend", "dtype", "compute_dtype", "hidden_size", "num_layers",
+    for k in ("schema_version", "model_path", "backend", "dtype", "final_dtype", "final_rows", "compute_dtype",
+              "hidden_size", "num_layers",
               "aux_layer_ids", "layer_id_convention", "final_state_norm", "num_samples", "num_tokens",
               "total_bytes", "skip_counts", "note_counts"):
         t.add_row(k, escape(str(m.get(k))))

@@ -8,6 +8,7 @@ from typing import Collection, Iterable
 import torch
 
 from eagle_data.format.records import read_manifest
+from eagle_data.format.final_rows import expand
 from eagle_data.format.fp8 import dequantize_fields
 from eagle_data.format.schema import META_EXT, TENSOR_EXT, decode_tensors
 from eagle_data.format.tar import TarWalk
@@ -44,7 +45,8 @@ def read_samples(dataset_dir: str | Path, keys: Iterable[str]) -> dict[str, dict
     Returns:
         ``{key: tensors}``: ``input_ids`` [T] int64, ``loss_mask`` [T] uint8,
         ``aux_hidden_states`` [T, A*H] and ``hidden_states`` [T, H] in the stored dtype (fp8:
-        dequantised to bfloat16, scales dropped).
+        dequantised to bfloat16, scales dropped; ``final_rows="taught"``: zeros where the next
+        token is not supervised).
 
     Raises:
         ValueError: a key is in no shard (up to 5 named), or a sample or shard is unreadable.
@@ -56,7 +58,7 @@ def read_samples(dataset_dir: str | Path, keys: Iterable[str]) -> dict[str, dict
             break
         found = shard_payloads(Path(dataset_dir) / sh["name"], want - set(out), (TENSOR_EXT,))
         for key, payload in found.items():
-            out[key] = dequantize_fields(decode_tensors(payload[TENSOR_EXT], where=f"{sh['name']}:{key}"))
+            out[key] = dequantize_fields(expand(decode_tensors(payload[TENSOR_EXT], where=f"{sh['name']}:{key}")))
     missing = want - set(out)
     if missing:
         raise ValueError(f"{dataset_dir}: samples not found: {sorted(missing)[:5]}")

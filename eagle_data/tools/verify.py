@@ -38,6 +38,7 @@ from typing import Any, Iterator
 import torch
 
 from eagle_data.format.records import read_manifest
+from eagle_data.format.final_rows import layout as final_rows_layout, taught as taught_rows
 from eagle_data.format.fp8 import dequantize, error_bound, scale_name
 from eagle_data.format.schema import (META_EXT, STORAGE_DTYPES, TENSOR_EXT, check_manifest_compat, decode_tensors,
                                       sample_key)
@@ -160,6 +161,10 @@ def _check_sample(key, tb, jb, m, shard, rank, world, rep) -> dict[str, Any] | N
     if fin.shape[1] != h or aux.shape[1] != len(m.get("aux_layer_ids", ())) * h:
         rep.add("samples", where, f"widths aux {aux.shape[1]} / final {fin.shape[1]} do not match "
                                   f"H={h} x {len(m.get('aux_layer_ids', ()))} aux layers")
+    rows = final_rows_layout(fin.shape[0], t["loss_mask"])
+    if rows != (m.get("final_rows") or "all"):
+        rep.add("samples", where, f"hidden_states holds {rows!r} rows ({fin.shape[0]} of {n} tokens), manifest "
+                                  f"says final_rows {m.get('final_rows') or 'all'!r}")
     for name in ("aux_hidden_states", "hidden_states"):
         if not torch.isfinite(stored_values(t, name)).all():
             rep.add("samples", where, f"{name} contains NaN/Inf")
@@ -321,6 +326,8 @@ def _recompute_pairs(t: dict[str, torch.Tensor], c, aux_ids: list[int]):
     for field, cols in (("aux_hidden_states", [(f"aux layer {lid}", j) for j, lid in enumerate(aux_ids)]),
                         ("hidden_states", [("final (post-norm)", 0)])):
         a_all, b_all = stored_values(t, field), getattr(c, field).float()
+        if a_all.shape[0] != b_all.shape[0]:  # final_rows="taught": the stored rows only
+            b_all = b_all[taught_rows(t["loss_mask"])]
         for name, j in cols:
             a, b = a_all[:, j * h:(j + 1) * h], b_all[:, j * h:(j + 1) * h]
             if scale_name(field) in t:
