@@ -194,3 +194,18 @@ def test_resume_with_another_final_rows_is_refused(pair, kr, tiny):
         _extract(kr, tiny, root / "all", final_rows="taught")
     with pytest.raises(ValueError, match="final_rows must be one of"):
         _extract(kr, tiny, root / "x", final_rows="some")
+
+
+@pytest.mark.parametrize("storage,name", [("bfloat16", "bf16"), ("float8_e4m3fn", "fp8")])
+def test_bytes_benchmark_formula_equals_what_extraction_stores(tmp_path, kr, tiny, storage, name):
+    """``python -m benchmarks final_rows`` computes bytes/token from the schema without a model;
+    they equal the tensor bytes an extraction of the same rows stores, for both layouts."""
+    from benchmarks.final_rows import bench_final_rows
+
+    res = bench_final_rows(model=str(tiny[0]), data=str(tiny[1]), num_samples=None, max_length=4096)
+    for layout in ("all", "taught"):
+        m = _extract(kr, tiny, tmp_path / layout, storage_dtype=storage, final_rows=layout)
+        got, _, _ = kr.read_dataset(tmp_path / layout)
+        stored = sum(v.nbytes for t, _ in got.values() for v in t.values())
+        assert m["num_tokens"] == res["tokens"]
+        assert stored / m["num_tokens"] == pytest.approx(res[f"{name}_{layout}_bytes_per_token"], abs=0.06)
