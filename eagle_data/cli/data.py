@@ -21,7 +21,8 @@ def extract(cfg: ExtractConfig) -> None:
     con = Console(stderr=True)
     st = res["run_stats"]
     con.print(f"[bold]extracted[/] {st['new_samples']} samples, {st['new_tokens']} tokens in {st['seconds']} s "
-              f"({st['tokens_per_s']} tok/s); skipped in this run: {st['skip_counts'] or 'none'}")
+              f"({st['tokens_per_s']} tok/s); rows skipped in this run (rows an earlier run skipped are decided "
+              f"again): {st['skip_counts'] or 'none'}")
     if res.get("num_samples") == 0:
         why = (f"every source row was skipped ({res.get('skip_counts')})" if res.get("skip_counts")
                else f"the source {data!r} has no rows")

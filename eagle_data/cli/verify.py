@@ -27,9 +27,9 @@ def print_report(rep: VerifyReport, max_problems: int = 30, console: Console | N
     counts = Counter(c for c, _, _ in rep.problems)
     t = Table(title=f"eagle-data verify {rep.path}: {rep.num_shards} shard(s), {rep.num_samples} sample(s), "
                     f"{rep.num_tokens} token(s)")
-    t.add_column("check")
-    t.add_column("result")
-    t.add_column("what is checked")
+    t.add_column("check", no_wrap=True)
+    t.add_column("result", no_wrap=True)
+    t.add_column("what is checked", overflow="fold")
     for c in CATEGORIES:
         if c == "recompute" and not rep.recompute and not counts[c]:
             continue
@@ -53,7 +53,7 @@ def print_report(rep: VerifyReport, max_problems: int = 30, console: Console | N
                       f"(relative): a recompute in the same dtype and batch reproduces the stored values "
                       f"(0); another batch composition in bf16 differs by 1-8 % per token (cosine > 0.99)")
     for c, where, what in rep.problems[:max_problems]:
-        con.print(f"[red]{c}[/] {where}: {what}", markup=True, highlight=False)
+        con.print(f"[red]{c}[/] {where}: {what}", markup=True, highlight=False, soft_wrap=True)  # whole, never cut
     if len(rep.problems) > max_problems:
         con.print(f"... and {len(rep.problems) - max_problems} more problem(s)")
     con.print("[bold green]OK[/]" if rep.ok else f"[bold red]FAILED[/]: {len(rep.problems)} problem(s)")
