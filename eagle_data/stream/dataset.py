@@ -172,14 +172,13 @@ class EagleShardDataset(IterableDataset):
     def _sizes(self, world: int, workers: int) -> tuple[list[int], list[list[int]] | None]:
         """``(samples per slot, batch sizes per slot)`` in slot order (rank-major); the batch sizes
         only in fixed mode, where they are planned per rank and dealt to its workers
-        (:func:`eagle_data.stream.plan.rank_fixed_sizes`), so they do not depend on ``workers``."""
+        (:func:`eagle_data.stream.plan.rank_fixed_sizes`), so they do not depend on ``workers``.
+        Token mode reads whole rank parts (:meth:`plan`): one slot per rank."""
         n = self.num_samples
-        if self.batch_size is None:  # token mode: ranks get n // world or one more, split evenly over workers
-            if n < world * workers:
-                raise ValueError(f"{n} samples cannot feed {world * workers} rank x worker slots; use fewer workers")
-            return [m for r in slot_sizes(n, world) for m in slot_sizes(r, workers)], None
         if n < world:
             raise ValueError(f"{n} samples cannot feed {world} ranks")
+        if self.batch_size is None:  # token mode: ranks get n // world or one more
+            return slot_sizes(n, world), None
         if self.batch_size == 1 and n % world and not self._warned_drop:
             self._warned_drop = True
             log.warning("batch_size=1: dropping the last %d positions of epoch's permuted stream so all "
@@ -211,22 +210,27 @@ class EagleShardDataset(IterableDataset):
         return random.Random(f"{self.seed}:{epoch}:{slot}")
 
     def plan(self, epoch: int, world: int, workers: int, slot: int):
-        """``(spans, batches)`` of one slot: ``batches`` is a list of batch sizes (fixed mode: the
-        slot's share ``j % workers == worker`` of its rank's batches) or of lists of slot-local
-        positions (token mode: equal length for every slot)."""
+        """``(spans, batches)`` of one slot (``slot = rank * workers + worker``).
+
+        Fixed mode: the spans of the slot's own samples and its share ``j % workers == worker`` of
+        its rank's batch sizes. Token mode: the batches of the rank are planned once over the
+        rank's part of the stream (:func:`eagle_data.stream.plan.token_plan`, then split until
+        every rank has as many), and the slot gets its share ``j % workers == worker`` of them as
+        lists of rank-local positions, with the spans of the whole rank part (the worker reads it
+        and keeps its positions): so the batches are the same whatever the number of workers."""
         sizes, fixed = self._sizes(world, workers)
         order = epoch_shard_order(self.shards, self.seed, epoch, self.shuffle)
-        spans = slot_spans(order, sizes, slot)
         if fixed is not None:
-            return spans, fixed[slot]
+            return slot_spans(order, sizes, slot), fixed[slot]
+        rank, worker = divmod(slot, workers)
         plans = []
-        for s in range(len(sizes)):
-            lens = [n for sp in slot_spans(order, sizes, s)
+        for r in range(world):
+            lens = [n for sp in slot_spans(order, sizes, r)
                     for n in self._lengths()[(sp.shard.manifest, sp.shard.name)][sp.start:sp.stop]]
-            plans.append((lens, B.token_plan(lens, self._buf(), self._rng(epoch, s), self.bucket_window,
+            plans.append((lens, B.token_plan(lens, self._buf(), self._rng(epoch, r), self.bucket_window,
                                              self.max_tokens, self.max_batch_size, self.shuffle_initial)))
         target = max(len(p) for _, p in plans)
-        return spans, B.split_to(plans[slot][1], target, plans[slot][0])
+        return slot_spans(order, sizes, rank), B.deal(B.split_to(plans[rank][1], target, plans[rank][0]), workers, worker)
 
     def _buf(self) -> int:
         return self.shuffle_buffer if self.shuffle else 0
@@ -318,13 +322,13 @@ class EagleShardDataset(IterableDataset):
                 if j >= skip:
                     yield self._collate(group)
             return
-        drop = {i for b in batches[:skip] for i in b}
+        need = {i for b in batches[skip:] for i in b}  # this worker's positions still to serve
         pending: dict[int, Any] = {}
         pos = enumerate(raw)
         for b in batches[skip:]:
             while any(i not in pending for i in b):
                 i, r = next(pos)
-                if i not in drop:
+                if i in need:
                     pending[i] = r
             yield self._collate([pending.pop(i) for i in b])
 

@@ -11,10 +11,13 @@ never wait for a rank that ran out of data.
   samples. No sample is dropped or repeated, except when ``B == 1`` and ``N % ranks != 0``:
   then the last ``N % ranks`` positions of the epoch's permuted stream are dropped (warned;
   they differ each epoch).
-* token budget: batches are planned per rank x worker *slot* from per-sample lengths
-  (``index.parquet`` ``num_tokens``, read once) by :func:`token_plan`; slots with fewer
-  batches than the largest split their largest batches (never exceeding the budget) until
-  counts are equal (so here the count depends on the number of workers).
+* token budget: batches are planned per rank from per-sample lengths (``index.parquet``
+  ``num_tokens``, read once) by :func:`token_plan`; ranks with fewer batches than the largest
+  split their largest batches (never exceeding the budget) until counts are equal; then they
+  are dealt to the rank's workers like fixed-size batches. So the batches (count, sizes and
+  samples) do not depend on the number of workers; each worker reads its rank's part of the
+  stream and keeps the samples of its batches (a local shard's other samples cost a header
+  read; a streamed shard is read by each worker).
 """
 
 from __future__ import annotations

@@ -1,0 +1,68 @@
+"""Token-budget batching does not depend on the number of DataLoader workers (issue 14, item 5):
+a rank's batches are planned once per rank and dealt to its workers, so the batch count, the
+batch sizes and the batches themselves are the same for 0, 1, 2 or 3 workers, under DDP, every
+sample once per epoch, and after a resume."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from eagle_data.stream.collate import FILLER_KEY
+from eagle_data.stream.dataset import EagleShardDataset
+from eagle_data.stream.loader import EagleDataLoader
+from eagle_data.tools.synthetic import write_synthetic
+
+
+def loader(src, rank, world, workers, **kw):
+    return EagleDataLoader(EagleShardDataset(str(src), rank=rank, world_size=world, batch_size=None, **kw),
+                           num_workers=workers)
+
+
+def epoch(src, rank, world, workers, **kw):
+    dl = loader(src, rank, world, workers, **kw)
+    return [b["keys"] for b in dl], dl
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shards=st.lists(st.integers(1, 9), min_size=1, max_size=4), world=st.integers(1, 2),
+       max_tokens=st.integers(12, 40), seed=st.integers(0, 3), shuffle_buffer=st.sampled_from([0, 5, 100]))
+def test_batches_are_the_same_for_any_number_of_workers(tmp_path_factory, shards, world, max_tokens, seed,
+                                                        shuffle_buffer):
+    src = tmp_path_factory.mktemp("tp")
+    write_synthetic(src, shards, length=lambda g: 3 + (g * 7) % 9)
+    n = sum(shards)
+    if n < world:
+        return
+    ref = None
+    for workers in (0, 1, 2, 3):
+        per_rank = [epoch(src, r, world, workers, max_tokens=max_tokens, seed=seed, shuffle_buffer=shuffle_buffer)
+                    for r in range(world)]
+        got = [b for b, _ in per_rank]
+        assert len({len(b) for b in got}) == 1  # equal step counts on every rank
+        assert all(len(dl) == len(got[0]) for _, dl in per_rank)
+        keys = [k for b in got for batch in b for k in batch if k != FILLER_KEY]
+        assert Counter(keys) == Counter(f"syn_{g:09d}" for g in range(n))  # every sample once
+        if ref is None:
+            ref = got
+        assert got == ref, f"{workers} workers batch otherwise than 0"
+
+
+@pytest.mark.parametrize("workers", [0, 2, 3])
+def test_resume_mid_epoch_in_token_mode_gives_the_rest_of_the_same_batches(tmp_path, workers):
+    write_synthetic(tmp_path, [7, 9, 6], length=lambda g: 3 + (g * 5) % 11)
+    full, _ = epoch(tmp_path, 0, 1, 0, max_tokens=30)
+    for stop in (1, 2, 5):
+        dl = loader(tmp_path, 0, 1, workers, max_tokens=30)
+        seen = []
+        for i, b in enumerate(dl):
+            seen.append(b["keys"])
+            if i + 1 == stop:
+                break
+        state = json.loads(json.dumps(dl.state_dict()))
+        dl2 = loader(tmp_path, 0, 1, workers, max_tokens=30)
+        dl2.load_state_dict(state)
+        assert seen + [b["keys"] for b in dl2] == full
