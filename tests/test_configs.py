@@ -131,3 +131,12 @@ def test_shipped_train_configs_write_nothing_into_the_dataset():
         m = yaml.safe_load(Path(f).read_text())["model"]
         if m.get("draft_vocab") and m.get("dataset_dir"):
             assert Path(m["dataset_dir"]) not in Path(m["draft_vocab"]).parents, f
+
+
+@pytest.mark.parametrize("args,msg", [(["--write_queue_gib", "0"], "write_queue_gib must be a finite number > 0, got 0"),
+                                      (["--write_queue_gib", "-2"], "write_queue_gib must be a finite number > 0, got -2"),
+                                      (["--final_rows", "some"], "final_rows")])
+def test_cli_refuses_bad_queue_and_final_rows_settings(capsys, tmp_path, args, msg):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["extract", "--out", str(tmp_path / "o"), *args])
+    assert e.value.code == 2 and msg in capsys.readouterr().err

@@ -4,6 +4,7 @@ under each field) and the YAML schema of ``configs/extract_*.yaml``."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,8 +110,8 @@ class ExtractConfig:
         for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window", "writers", "write_queue_gib",
                      "shard_max_bytes", "max_length"):
             v, lo = getattr(self, name), {"max_length": 2, "write_queue_gib": 0}.get(name, 1)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo or (lo == 0 and not v > 0):
-                raise ValueError(f"{name} must be {'> 0' if lo == 0 else f'>= {lo}'}, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo or (lo == 0 and not 0 < v < math.inf):
+                raise ValueError(f"{name} must be {'a finite number > 0' if lo == 0 else f'>= {lo}'}, got {v!r}")
         if self.num_samples is not None and (not _is_int(self.num_samples) or self.num_samples < 1):
             raise ValueError(f"num_samples must be >= 1 (or null for all rows), got {self.num_samples!r}")
         for name, allowed in (("dtype", HIDDEN_DTYPES), ("storage_dtype", STORAGE_DTYPES),
