@@ -2,8 +2,9 @@
 
 ``TokenizedSample -> check_vocab -> token_budget_batches -> capture -> to_samples -> sink``
 (records -> conversations -> tokens + mask are :mod:`sources`, :mod:`conversations`,
-:mod:`chat`; :func:`front` chains them up to the batches). A stage that drops an item reports it to the :class:`ErrorPolicy` (counted by
-reason, logged, recorded in the skip log); nothing is dropped silently.
+:mod:`chat`; :func:`front` chains them up to the batches). A stage that drops an item reports it
+to the :class:`ErrorPolicy` (counted by reason, logged, recorded in the skip log); nothing is
+dropped silently.
 """
 
 from __future__ import annotations
