@@ -30,15 +30,22 @@ def bench_final_rows(model: str = "smollm2", data: str = "sharegpt", num_samples
         max_length: tokens per sample at most.
         json_out: also write the figures to this JSON file.
     """
+    import tempfile
+
     from eagle_data.extract.chat import ChatRenderer
-    from eagle_data.extract.config import model_dir
+    from eagle_data.extract.config import ExtractConfig, check_paths, model_dir
     from eagle_data.extract.fault import ErrorPolicy
     from eagle_data.extract.run import load_tokenizer
     from eagle_data.extract.sources import iter_records
     from eagle_data.extract.stages import front
     from eagle_data.format.final_rows import taught
 
+    # the settings and paths as extract checks them (a clear error naming the option, exit 2)
+    check_paths(ExtractConfig(out=tempfile.gettempdir(), model=model, data=data, num_samples=num_samples,
+                              max_length=max_length, progress=False))
     path = model_dir(model)
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"model {model!r} is not a model folder (a local HF folder with config.json)")
     cfg = json.loads((Path(path) / "config.json").read_text())
     h, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
     renderer = ChatRenderer.from_path(load_tokenizer(path, False), None)
@@ -50,6 +57,8 @@ def bench_final_rows(model: str = "smollm2", data: str = "sharegpt", num_samples
             tokens += s.num_tokens
             supervised += int(s.loss_mask.sum())
             rows += int(taught(s.loss_mask).sum())
+    if not tokens:
+        raise ValueError(f"no sample of {data!r} (first {num_samples} rows) has a supervised token: nothing to measure")
     share = rows / tokens
     res: dict[str, Any] = {"model": model, "data": data, "hidden_size": h, "samples": samples, "tokens": tokens,
                            "supervised_share": round(supervised / tokens, 4), "taught_share": round(share, 4)}

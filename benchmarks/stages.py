@@ -62,7 +62,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     from eagle_data.extract.async_sink import AsyncShardWriter
     from eagle_data.extract.backends import make_backend
     from eagle_data.extract.chat import ChatRenderer
-    from eagle_data.extract.config import ExtractConfig, final_storage_dtype, model_dir, rows_to_read
+    from eagle_data.extract.config import ExtractConfig, check_paths, final_storage_dtype, model_dir, rows_to_read
     from eagle_data.extract.config import storage_dtype as stored
     from eagle_data.extract.fault import ErrorPolicy
     from eagle_data.extract.run import load_tokenizer, run_extract
@@ -78,6 +78,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     cfg = ExtractConfig(out=str(root / "c"), model=model, data=data, num_samples=num_samples, device=device,
                         dtype=dtype, storage_dtype=storage_dtype, max_length=max_length, batch_tokens=batch_tokens,
                         writers=writers, write_queue_gib=write_queue_gib, progress=False)
+    check_paths(cfg)  # device, model folder, data: a clear error before any work
     path = model_dir(model)
     tok = load_tokenizer(path, False)
     renderer = ChatRenderer.from_path(tok, None)

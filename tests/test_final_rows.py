@@ -116,6 +116,9 @@ def test_extraction_stores_exactly_the_taught_rows_and_every_reader_restores_the
 
     root, ms = pair
     assert ms["taught"]["final_rows"] == "taught" and ms["all"]["final_rows"] == "all"
+    # the dataset card says so to whoever reads the shards with stock tools
+    assert "final_rows: taught" in (root / "taught" / "README.md").read_text()
+    assert "final_rows" not in (root / "all" / "README.md").read_text()
     assert ms["taught"]["num_samples"] == ms["all"]["num_samples"] > 0
     full, _, _ = kr.read_dataset(root / "all")
     part, _, _ = kr.read_dataset(root / "taught")
@@ -209,3 +212,36 @@ def test_bytes_benchmark_formula_equals_what_extraction_stores(tmp_path, kr, tin
         stored = sum(v.nbytes for t, _ in got.values() for v in t.values())
         assert m["num_tokens"] == res["tokens"]
         assert stored / m["num_tokens"] == pytest.approx(res[f"{name}_{layout}_bytes_per_token"], abs=0.06)
+
+
+def test_verify_names_an_undecodable_sample_once_and_not_again_in_the_index(pair, tmp_path):
+    """A stored sample whose hidden_states has a row count of neither layout: one problem naming
+    shard:key (not twice), and its index row is not reported as a sample that does not exist."""
+    import io
+    import shutil
+    import tarfile
+
+    from safetensors.torch import load, save
+
+    from eagle_data.tools.verify import verify_dataset
+
+    root, _ = pair
+    bad = tmp_path / "bad"
+    shutil.copytree(root / "taught", bad)
+    shard = sorted(bad.glob("*.tar"))[0]
+    with tarfile.open(shard) as tf:
+        members = [(m, tf.extractfile(m).read()) for m in tf.getmembers()]
+    name = next(m.name for m, _ in members if m.name.endswith(".safetensors"))
+    key = name.split(".")[0]
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for m, data in members:
+            if m.name == name:
+                t = load(data)
+                t["hidden_states"] = t["hidden_states"][:-1] if t["hidden_states"].shape[0] else torch.zeros(5, 64)
+                data = save(t)
+                m.size = len(data)
+            tf.addfile(m, io.BytesIO(data))
+    rep = verify_dataset(str(bad))
+    mine = [(c, w, what) for c, w, what in rep.problems if key in w or key in what]
+    assert [(c, w) for c, w, _ in mine] == [("samples", f"{shard.name}:{key}")], rep.problems
+    assert "hidden_states has" in mine[0][2] and not mine[0][2].startswith("sample ")

@@ -51,8 +51,9 @@ def test_batches_are_the_same_for_any_number_of_workers(tmp_path_factory, shards
         assert got == ref, f"{workers} workers batch otherwise than 0"
 
 
-@pytest.mark.parametrize("workers", [0, 2, 3])
-def test_resume_mid_epoch_in_token_mode_gives_the_rest_of_the_same_batches(tmp_path, workers):
+@pytest.mark.parametrize("workers,again", [(0, 0), (2, 2), (3, 3), (2, 0), (0, 3)])
+def test_resume_mid_epoch_in_token_mode_gives_the_rest_of_the_same_batches(tmp_path, workers, again):
+    """Also with another number of workers after the resume: the batches do not depend on it."""
     write_synthetic(tmp_path, [7, 9, 6], length=lambda g: 3 + (g * 5) % 11)
     full, _ = epoch(tmp_path, 0, 1, 0, max_tokens=30)
     for stop in (1, 2, 5):
@@ -63,6 +64,17 @@ def test_resume_mid_epoch_in_token_mode_gives_the_rest_of_the_same_batches(tmp_p
             if i + 1 == stop:
                 break
         state = json.loads(json.dumps(dl.state_dict()))
-        dl2 = loader(tmp_path, 0, 1, workers, max_tokens=30)
+        dl2 = loader(tmp_path, 0, 1, again, max_tokens=30)
         dl2.load_state_dict(state)
         assert seen + [b["keys"] for b in dl2] == full
+
+
+def test_fixed_batch_size_still_refuses_a_resume_with_other_workers(tmp_path):
+    """With a fixed batch_size a worker reads its own contiguous slot, so the batches' samples
+    depend on the worker count: a resume with another count is refused naming it."""
+    write_synthetic(tmp_path, [6, 6])
+    dl = EagleDataLoader(EagleShardDataset(str(tmp_path), batch_size=2), num_workers=2)
+    next(iter(dl))
+    state = dl.state_dict()
+    with pytest.raises(ValueError, match="saved num_workers=2, now 0"):
+        EagleDataLoader(EagleShardDataset(str(tmp_path), batch_size=2), num_workers=0).load_state_dict(state)

@@ -41,7 +41,8 @@ def run_cli(commands: dict[str, Any], argv: list[str] | None, prog: str,
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        res = CLI(commands, args=argv if argv is not None else sys.argv[1:], prog=prog)
+        # no abbreviated options: a removed flag (e.g. --write_queue) must not silently mean a longer one
+        res = CLI(commands, args=argv if argv is not None else sys.argv[1:], prog=prog, allow_abbrev=False)
         if type(res) in (runners or {}):
             runners[type(res)](res)
     except KeyboardInterrupt:  # Ctrl-C / ExtractionInterrupted: state is consistent, rerun resumes

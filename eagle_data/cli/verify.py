@@ -37,10 +37,10 @@ def print_report(rep: VerifyReport, max_problems: int = 30, console: Console | N
     con.print(t)
     if rep.recompute:
         r = Table(title=f"recompute: {len(rep.recompute_keys)} sample(s), rtol {rep.rtol:.3g} (on max|Δ| / max|ref|)")
-        r.add_column("layer")
-        r.add_column("max|Δ| / max|ref|", justify="right")
+        r.add_column("layer", overflow="fold")
+        r.add_column("max|Δ| / max|ref|", justify="right", overflow="fold")
         for col in ("per-token rel. p50", "p99", "max", "min cosine") + (("|Δ| / fp8 bound",) if rep.recompute_bound else ()):
-            r.add_column(col, justify="right")
+            r.add_column(col, justify="right", overflow="fold")  # a narrow terminal folds, never cuts digits
         for name, err in rep.recompute.items():
             tok = rep.recompute_tokens.get(name, {})
             bound = (f"{rep.recompute_bound[name]:.3f}" if name in rep.recompute_bound else "-",) if rep.recompute_bound else ()

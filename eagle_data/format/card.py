@@ -17,6 +17,14 @@ from typing import Any
 from eagle_data.format.layout import INDEX_NAME, SHARD_GLOB
 
 
+def _final_rows_note(manifest: dict[str, Any]) -> str:
+    if manifest.get("final_rows", "all") == "all":
+        return ""
+    return ("\nFinal states are stored only where they teach (`final_rows: taught`): `hidden_states` holds the "
+            "rows t with `loss_mask[t+1] == 1`, in order, not one row per token; `decode_hf_example` scatters "
+            "them back to [T, H] with zeros elsewhere.\n")
+
+
 def dataset_card(manifest: dict[str, Any]) -> str:
     """The card's text for a merged dataset (YAML front matter + a short description)."""
     return f"""---
@@ -33,7 +41,7 @@ Target `{manifest.get("model_path")}`, {manifest.get("num_samples")} samples, {m
 hidden states `{manifest.get("dtype")}` (H={manifest.get("hidden_size")}, aux layers
 {manifest.get("aux_layer_ids")}: {manifest.get("layer_id_convention")}). Written by eagle-data
 (schema {manifest.get("schema_version")}); `manifest.json` holds the run's configuration and counts.
-
+{_final_rows_note(manifest)}
 ```python
 import datasets
 index = datasets.load_dataset("DIR", split="train")             # one row per sample (index.parquet)

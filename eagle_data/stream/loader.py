@@ -142,10 +142,13 @@ class EagleDataLoader(DataLoader):
         """Continue after ``state["batches"]`` batches of ``state["epoch"]`` (next ``iter()``).
 
         Raises:
-            ValueError: seed, worker count or world size differ (the plan would differ).
+            ValueError: seed, world size or (fixed ``batch_size``) worker count differ (the plan would
+                differ; with ``max_tokens`` the batches do not depend on the workers).
         """
-        for k, now in (("seed", self.dataset.seed), ("num_workers", self.num_workers),
-                       ("world_size", self.dataset.rank_world()[1])):
+        checked = [("seed", self.dataset.seed), ("world_size", self.dataset.rank_world()[1])]
+        if self.dataset.batch_size is not None:  # token mode: a rank's batches do not depend on the workers
+            checked.append(("num_workers", self.num_workers))
+        for k, now in checked:
             if k in state and state[k] != now:
                 raise ValueError(f"cannot resume: saved {k}={state[k]}, now {now} (the epoch plan would differ)")
         self.num_skipped = int(state.get("num_skipped", 0))

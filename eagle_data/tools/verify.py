@@ -73,6 +73,8 @@ class VerifyReport:
     #: layer -> {"token_rel_p50", "token_rel_p99", "token_rel_max", "min_cosine"} over the recomputed tokens
     recompute_tokens: dict[str, dict[str, float]] = field(default_factory=dict)
     recompute_keys: list[str] = field(default_factory=list)
+    #: keys of every sample found in a shard (readable or not)
+    stored_keys: set[str] = field(default_factory=set)
     rtol: float | None = None
     dtype: str | None = None  # the stored hidden-state dtype (recompute)
 
@@ -144,8 +146,8 @@ def _check_sample(key, tb, jb, m, shard, rank, world, rep) -> dict[str, Any] | N
     where = f"{shard}:{key}"
     try:
         t = decode_tensors(tb, where)
-    except ValueError as e:
-        rep.add("samples", shard, str(e))
+    except ValueError as e:  # a SampleError names the sample already: not twice
+        rep.add("samples", where, str(e).removeprefix(f"sample {where}: "))
         return None
     try:
         meta = json.loads(jb)
@@ -188,7 +190,10 @@ def stored_values(t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return dequantize(t[name], t[sn], torch.float32) if sn in t else t[name].float()
 
 
-def _check_index(out: Path, facts: dict[str, dict[str, Any]], rep: VerifyReport) -> None:
+def _check_index(out: Path, facts: dict[str, dict[str, Any]], rep: VerifyReport, stored: set[str] = frozenset()
+                 ) -> None:
+    """index.parquet against the readable samples' ``facts``; a row of a sample that is stored but
+    unreadable (``stored``, reported under "samples") is not reported again."""
     import pyarrow.parquet as pq
 
     p = out / INDEX_NAME
@@ -209,7 +214,8 @@ def _check_index(out: Path, facts: dict[str, dict[str, Any]], rep: VerifyReport)
     for r in rows:
         f = facts.get(r["key"])
         if f is None:
-            rep.add("index", INDEX_NAME, f"row for {r['key']} (shard {r.get('shard')}) but no such stored sample")
+            if r["key"] not in stored:
+                rep.add("index", INDEX_NAME, f"row for {r['key']} (shard {r.get('shard')}) but no such stored sample")
             continue
         bad = [c for c, v in f.items() if r.get(c) != v]
         if bad:
@@ -271,7 +277,7 @@ def verify_dataset(path: str | Path, recompute: int = 0, seed: int = 0, device: 
     if rep.num_samples == 0:
         rep.add("samples", MANIFEST_NAME, f"no samples: the dataset is empty (skipped rows by reason: "
                                           f"{m.get('skip_counts') or {}})")
-    _check_index(out, facts, rep)
+    _check_index(out, facts, rep, stored=rep.stored_keys)
     _check_directory(out, m, rep)
     if recompute:
         _recompute(out, m, facts, recompute, seed, device, rtol, rep)
@@ -311,6 +317,7 @@ def _check_shards(out: Path, m: dict[str, Any], shards: list[dict[str, Any]], re
         if n != s.get("num_samples"):
             rep.add("shards", name, f"{n} samples, manifest says {s.get('num_samples')}")
         rep.num_samples += n
+    rep.stored_keys = set(key_shards)
     for k, names in key_shards.items():
         if len(names) > 1:
             rep.add("keys", k, f"stored {len(names)} times: {sorted(names)}")
