@@ -79,6 +79,8 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
                         dtype=dtype, storage_dtype=storage_dtype, max_length=max_length, batch_tokens=batch_tokens,
                         writers=writers, write_queue_gib=write_queue_gib, progress=False)
     check_paths(cfg)  # device, model folder, data: a clear error before any work
+    if json_out and not Path(json_out).resolve().parent.is_dir():
+        raise ValueError(f"json_out {json_out!r}: its folder does not exist")
     path = model_dir(model)
     tok = load_tokenizer(path, False)
     renderer = ChatRenderer.from_path(tok, None)

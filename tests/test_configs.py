@@ -140,3 +140,11 @@ def test_cli_refuses_bad_queue_and_final_rows_settings(capsys, tmp_path, args, m
     with pytest.raises(SystemExit) as e:
         cli.main(["extract", "--out", str(tmp_path / "o"), *args])
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_cli_options_are_never_abbreviations(capsys, tmp_path):
+    """argparse would read the removed ``--write_queue 16`` as ``--write_queue_gib 16`` (16 GiB):
+    options must be spelled out."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["extract", "--out", str(tmp_path / "o"), "--write_queue", "16"])
+    assert e.value.code == 2 and "unrecognized arguments: --write_queue 16" in capsys.readouterr().err

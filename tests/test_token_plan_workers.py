@@ -78,3 +78,18 @@ def test_fixed_batch_size_still_refuses_a_resume_with_other_workers(tmp_path):
     state = dl.state_dict()
     with pytest.raises(ValueError, match="saved num_workers=2, now 0"):
         EagleDataLoader(EagleShardDataset(str(tmp_path), batch_size=2), num_workers=0).load_state_dict(state)
+
+
+def test_fixed_mode_treats_zero_workers_as_one():
+    from eagle_data.tools.synthetic import write_synthetic as ws
+    import tempfile
+
+    d = tempfile.mkdtemp()
+    ws(d, [6])
+    dl = EagleDataLoader(EagleShardDataset(d, batch_size=3), num_workers=0)
+    first = next(iter(dl))["keys"]
+    state = dl.state_dict()
+    dl1 = EagleDataLoader(EagleShardDataset(d, batch_size=3), num_workers=1)
+    dl1.load_state_dict(state)  # 0 workers plan as 1: accepted
+    rest = [b["keys"] for b in dl1]
+    assert len(rest) == 1 and sorted(first + rest[0]) == [f"syn_{g:09d}" for g in range(6)]

@@ -183,3 +183,22 @@ def test_on_disk_names_are_made_and_parsed_in_one_place():
     for bad in ("00003-000012.tar.tmp", "3-12.tar", "00003-000012.parquet", "x00003-000012.tar"):
         assert parse_shard_name(bad) is None
     assert parse_progress_name(PROGRESS_NAME.format(rank=7)) == 7 and parse_progress_name("progress-7.json") is None
+
+
+def test_recompute_table_keeps_every_number_whole_on_a_narrow_terminal():
+    import io
+
+    from rich.console import Console
+
+    from eagle_data.cli.verify import print_report
+    from eagle_data.tools.verify import VerifyReport
+
+    rep = VerifyReport("d", recompute={"final (post-norm)": 0.0159012}, recompute_bound={"final (post-norm)": 0.94123},
+                       recompute_tokens={"final (post-norm)": {"token_rel_p50": 1.23e-3, "token_rel_p99": 4.56e-3,
+                                                               "token_rel_max": 7.89e-3, "min_cosine": 0.9994421}},
+                       recompute_keys=["k"], rtol=0.05, dtype="float8_e4m3fn")
+    buf = io.StringIO()
+    print_report(rep, console=Console(file=buf, width=60, no_color=True))
+    out = buf.getvalue()
+    for number in ("1.590e-02", "1.23e-03", "4.56e-03", "7.89e-03", "0.999442", "0.941", "final (post-norm)"):
+        assert number in out, (number, out)

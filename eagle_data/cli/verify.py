@@ -21,6 +21,10 @@ _WHAT = {
 }
 
 
+#: columns the recompute table is laid out in at least (each number stays whole)
+RECOMPUTE_WIDTH = 150
+
+
 def print_report(rep: VerifyReport, max_problems: int = 30, console: Console | None = None) -> None:
     """Summary table (one row per check), the first ``max_problems`` problems, recompute errors."""
     con = console or Console()
@@ -37,17 +41,20 @@ def print_report(rep: VerifyReport, max_problems: int = 30, console: Console | N
     con.print(t)
     if rep.recompute:
         r = Table(title=f"recompute: {len(rep.recompute_keys)} sample(s), rtol {rep.rtol:.3g} (on max|Δ| / max|ref|)")
-        r.add_column("layer", overflow="fold")
-        r.add_column("max|Δ| / max|ref|", justify="right", overflow="fold")
+        r.add_column("layer", no_wrap=True)
+        r.add_column("max|Δ| / max|ref|", justify="right", no_wrap=True)
         for col in ("per-token rel. p50", "p99", "max", "min cosine") + (("|Δ| / fp8 bound",) if rep.recompute_bound else ()):
-            r.add_column(col, justify="right", overflow="fold")  # a narrow terminal folds, never cuts digits
+            r.add_column(col, justify="right", no_wrap=True)
         for name, err in rep.recompute.items():
             tok = rep.recompute_tokens.get(name, {})
             bound = (f"{rep.recompute_bound[name]:.3f}" if name in rep.recompute_bound else "-",) if rep.recompute_bound else ()
             r.add_row(name, f"[{'red' if rep.rtol is not None and err > rep.rtol else 'green'}]{err:.3e}[/]",
                       *(f"{tok[k]:.2e}" for k in ("token_rel_p50", "token_rel_p99", "token_rel_max")),
                       f"{tok['min_cosine']:.6f}", *bound)
-        con.print(r)
+        # laid out at least RECOMPUTE_WIDTH wide: every number whole (a narrow terminal wraps the lines)
+        wide = Console(file=con.file, width=max(con.width, RECOMPUTE_WIDTH), force_terminal=con.is_terminal,
+                       no_color=con.no_color)
+        wide.print(r)
         if rep.dtype in EXPECTED_TOKEN_REL:
             con.print(f"rounding to {rep.dtype} moves a token by about {EXPECTED_TOKEN_REL[rep.dtype]:.1e} "
                       f"(relative): a recompute in the same dtype and batch reproduces the stored values "

@@ -149,7 +149,8 @@ class EagleDataLoader(DataLoader):
         if self.dataset.batch_size is not None:  # token mode: a rank's batches do not depend on the workers
             checked.append(("num_workers", self.num_workers))
         for k, now in checked:
-            if k in state and state[k] != now:
+            same = (max(1, int(state[k])) == max(1, now)) if k == "num_workers" and k in state else state.get(k) == now
+            if k in state and not same:  # 0 workers plan as 1
                 raise ValueError(f"cannot resume: saved {k}={state[k]}, now {now} (the epoch plan would differ)")
         self.num_skipped = int(state.get("num_skipped", 0))
         if state["epoch"] < 0:
