@@ -61,6 +61,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
 
     from eagle_data.extract.async_sink import AsyncShardWriter
     from eagle_data.extract.backends import make_backend
+    from eagle_data.extract.backends.hf import right_padded
     from eagle_data.extract.chat import ChatRenderer
     from eagle_data.extract.config import ExtractConfig, check_paths, final_storage_dtype, model_dir, rows_to_read
     from eagle_data.extract.config import storage_dtype as stored
@@ -101,13 +102,8 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     @torch.inference_mode()
     def plain():
         for b in batches:
-            lens = [s.num_tokens for s in b]
-            ids = torch.zeros(len(b), max(lens), dtype=torch.long)
-            attn = torch.zeros_like(ids)
-            for i, s in enumerate(b):
-                ids[i, :lens[i]], attn[i, :lens[i]] = s.input_ids, 1
-            be.base(input_ids=ids.to(device, non_blocking=True), use_cache=False,
-                    attention_mask=attn.to(device, non_blocking=True) if min(lens) < max(lens) else None)
+            ids, attn = right_padded([s.input_ids for s in b], device, non_blocking=True)
+            be.base(input_ids=ids, attention_mask=attn, use_cache=False)
             be._store.clear()
         sync()
 

@@ -39,12 +39,17 @@ def taught(loss_mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def num_taught(loss_mask: torch.Tensor) -> int:
+    """How many rows :func:`taught` selects."""
+    return int((loss_mask[1:] != 0).sum())
+
+
 def layout(num_rows: int, loss_mask: torch.Tensor) -> str | None:
     """``"all"`` (``num_rows == T``), ``"taught"`` (``num_rows`` = the taught rows of ``loss_mask``)
     or None (neither: the sample is broken)."""
     if num_rows == loss_mask.shape[0]:
         return "all"
-    return "taught" if num_rows == int((loss_mask[1:] != 0).sum()) else None
+    return "taught" if num_rows == num_taught(loss_mask) else None
 
 
 def select(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -229,7 +229,7 @@ def validate_tensors(tensors: dict[str, torch.Tensor], where: str = "?") -> None
     if final_rows.layout(fin.shape[0], tensors["loss_mask"]) is None:
         raise SampleError(
             where, f"hidden_states has {fin.shape[0]} rows: neither every token's ({t}) nor one per "
-            f"supervised next token ({int((tensors['loss_mask'][1:] != 0).sum())}, final_rows='taught')")
+            f"supervised next token ({final_rows.num_taught(tensors['loss_mask'])}, final_rows='taught')")
     if aux.shape[1] % fin.shape[1] != 0:
         raise SampleError(where, f"aux width {aux.shape[1]} is not a multiple of H={fin.shape[1]}")
     for name, groups in (("aux_hidden_states", aux.shape[1] // fin.shape[1]), ("hidden_states", 1)):

@@ -132,14 +132,8 @@ class HFBackend:
             return PendingCapture([], [], None, None, None)
         lens = [int(ids.shape[0]) for _, ids in batch]
         b, t = len(batch), max(lens)
-        input_ids = torch.zeros(b, t, dtype=torch.long)
-        attn = torch.zeros(b, t, dtype=torch.long)
-        for i, (_, ids) in enumerate(batch):
-            input_ids[i, : lens[i]] = ids
-            attn[i, : lens[i]] = 1
         on_gpu = self._copy_stream is not None
-        input_ids = input_ids.to(self.device, non_blocking=on_gpu)
-        attn = attn.to(self.device, non_blocking=on_gpu) if b > 1 and min(lens) < t else None
+        input_ids, attn = right_padded([ids for _, ids in batch], self.device, non_blocking=on_gpu)
         self._store.clear()
         self.base(input_ids=input_ids, attention_mask=attn, use_cache=False)
         missing = {"aux0", "aux1", "aux2", "final"} - set(self._store)
@@ -171,6 +165,22 @@ class HFBackend:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def right_padded(seqs: Sequence[torch.Tensor], device: torch.device | str, non_blocking: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(input_ids [B, T], attention_mask [B, T] or None)`` on ``device`` for sequences of lengths
+    ``T_i`` (``T = max T_i``): right padding with 0, and a mask only when some sequence is shorter
+    (what the causal forward of :class:`HFBackend` takes)."""
+    lens = [int(x.shape[0]) for x in seqs]
+    b, t = len(seqs), max(lens)
+    input_ids = torch.zeros(b, t, dtype=torch.long)
+    attn = torch.zeros(b, t, dtype=torch.long)
+    for i, x in enumerate(seqs):
+        input_ids[i, : lens[i]] = x
+        attn[i, : lens[i]] = 1
+    return (input_ids.to(device, non_blocking=non_blocking),
+            attn.to(device, non_blocking=non_blocking) if b > 1 and min(lens) < t else None)
 
 
 def _to_host(x: torch.Tensor | None, stream) -> torch.Tensor | None:
