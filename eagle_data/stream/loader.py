@@ -146,11 +146,12 @@ class EagleDataLoader(DataLoader):
                 differ; with ``max_tokens`` the batches do not depend on the workers).
         """
         checked = [("seed", self.dataset.seed), ("world_size", self.dataset.rank_world()[1])]
-        if self.dataset.batch_size is not None:  # token mode: a rank's batches do not depend on the workers
+        if self.dataset.batch_size is not None:  # fixed mode: a worker's samples depend on the worker count
             checked.append(("num_workers", self.num_workers))
+        planned = {"num_workers": lambda v: max(1, int(v))}  # 0 workers plan as 1
         for k, now in checked:
-            same = (max(1, int(state[k])) == max(1, now)) if k == "num_workers" and k in state else state.get(k) == now
-            if k in state and not same:  # 0 workers plan as 1
+            same = planned.get(k, lambda v: v)
+            if k in state and same(state[k]) != same(now):
                 raise ValueError(f"cannot resume: saved {k}={state[k]}, now {now} (the epoch plan would differ)")
         self.num_skipped = int(state.get("num_skipped", 0))
         if state["epoch"] < 0:
