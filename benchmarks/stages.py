@@ -35,7 +35,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
                  device: str = "cuda", dtype: str = "bfloat16", storage_dtype: str | None = None,
                  max_length: int = 2048, batch_tokens: int = 65536, writers: int = 2, write_queue_gib: float = 2.0,
                  out: str | None = None, keep_gib: float = 2.0, switch_interval: float | None = None,
-                 json_out: str | None = None) -> dict[str, Any]:
+                 write_behind_chunks: int | None = None, json_out: str | None = None) -> dict[str, Any]:
     """Tokens/s of each extraction stage alone and of the whole pipeline, and the disk's rate.
 
     Args:
@@ -53,12 +53,16 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         keep_gib: host memory of captured samples kept for (w).
         switch_interval: ``sys.setswitchinterval`` for (w) and (c) (default: Python's, 5 ms): how
             long a thread back from a GIL-free call (hashing, a write) may wait for the GIL.
+        write_behind_chunks: chunks of 32 MiB each writer keeps on their way to the disk in (w)
+            and (c) (default: :data:`eagle_data.extract.writeback.IN_FLIGHT`): deeper queues may
+            suit a network disk.
         json_out: also write the figures to this JSON file.
     """
     import sys
 
     import torch
 
+    import eagle_data.extract.writeback as wb
     from eagle_data.extract.async_sink import AsyncShardWriter
     from eagle_data.extract.backends import make_backend
     from eagle_data.extract.backends.hf import right_padded
@@ -80,6 +84,8 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
                         dtype=dtype, storage_dtype=storage_dtype, max_length=max_length, batch_tokens=batch_tokens,
                         writers=writers, write_queue_gib=write_queue_gib, progress=False)
     check_paths(cfg)  # device, model folder, data: a clear error before any work
+    if write_behind_chunks is not None and write_behind_chunks < 1:
+        raise ValueError(f"write_behind_chunks must be >= 1, got {write_behind_chunks}")
     if json_out and not Path(json_out).resolve().parent.is_dir():
         raise ValueError(f"json_out {json_out!r}: its folder does not exist")
     path = model_dir(model)
@@ -128,6 +134,10 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     res["bytes_per_token"] = round(bytes_tok, 1)
 
     total = tokens * bytes_tok
+    old_chunks = wb.IN_FLIGHT
+    if write_behind_chunks is not None:
+        wb.IN_FLIGHT = write_behind_chunks
+    res["write_behind_chunks"] = wb.IN_FLIGHT
     if switch_interval is not None:
         res["switch_interval"] = switch_interval
         sys.setswitchinterval(switch_interval)
@@ -156,6 +166,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
                c_GB_s=round(written / stats["seconds"] / 1e9, 3))
     res["c_over_disk"] = round(res["c_GB_s"] / disk, 3)
     res["c_over_a"] = round(res["c_pipeline_tok_s"] / res["a_plain_tok_s"], 3)
+    wb.IN_FLIGHT = old_chunks
     res["bound"] = min(("f_front_tok_s", "a_plain_tok_s", "b_capture_tok_s", "w_writers_tok_s"), key=res.get)
     if out is None:
         shutil.rmtree(root, ignore_errors=True)

@@ -157,6 +157,8 @@ def test_loader_benchmark_leaves_the_page_cache_alone_by_default():
 def test_bench_stages_measures_every_stage_on_the_same_rows(tmp_path, tiny):
     """Each stage alone, the whole pipeline and the disk, on the same rows: the end-to-end run
     extracts exactly the tokens the front produced, and the figures are all there."""
+    import eagle_data.extract.writeback as wb
+
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"id": str(i), "conversations": [
         {"from": "human", "value": f"question {i} " * (i + 1)}, {"from": "gpt", "value": f"answer number {i}"}]})
@@ -164,9 +166,10 @@ def test_bench_stages_measures_every_stage_on_the_same_rows(tmp_path, tiny):
     out = tmp_path / "s.json"
     main(["stages", "--model", str(tiny[0]), "--data", str(data), "--num_samples", "null", "--device", "cpu",
           "--dtype", "float32", "--max_length", "1024", "--batch_tokens", "256", "--out", str(tmp_path / "disk"),
-          "--json_out", str(out)])
+          "--write_behind_chunks", "7", "--json_out", str(out)])
     r = json.loads(out.read_text())
     assert r["samples"] == 6 and r["c_tokens"] == r["tokens"] > 0
+    assert r["write_behind_chunks"] == 7 and wb.IN_FLIGHT == 4  # applied to (w) and (c), restored after
     assert all(r[k] > 0 for k in ("f_front_tok_s", "a_plain_tok_s", "b_capture_tok_s", "w_writers_tok_s",
                                   "c_pipeline_tok_s", "c_GB_s", "d_disk_GB_s_1", "d_disk_GB_s_2"))
     assert r["bytes_per_token"] == 4 * 64 * 4 + 8 + 1  # 3 + 1 states of H=64 in float32, int64 id, uint8 mask

@@ -59,16 +59,21 @@ class AsyncShardWriter:
     def _run(self, sink: ShardSink) -> None:
         while True:
             item = self._get()
-            if item is _STOP:
-                return
             if self.error is not None:
+                if item is _STOP:
+                    return
                 continue  # drain without writing after a failure
             try:
+                if item is _STOP:  # publish this writer's last shard, beside the other writers' (fsyncs at once)
+                    sink.close()
+                    return
                 sink.write(*item)
             except BaseException as e:  # re-raised in the producer
                 with self.cv:
-                    self.error = e
+                    self.error = self.error or e
                     self.cv.notify_all()
+                if item is _STOP:
+                    return
 
     def _check(self) -> None:
         if self.error is not None:
@@ -94,11 +99,10 @@ class AsyncShardWriter:
             t.join()
 
     def close(self) -> None:
-        """Wait for all queued samples, publish the last shards. Raises a writer's error."""
+        """Wait for all queued samples, publish the last shards (each writer its own, at once).
+        Raises a writer's error."""
         self._stop_threads()
         self._check()
-        for s in self.sinks:
-            s.close()
 
     def abort(self) -> None:
         """Drop queued samples and the shards in progress (redone on resume)."""
