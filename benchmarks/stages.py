@@ -51,8 +51,9 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         write_queue_gib: GiB waiting for the writers at most (as ``extract --write_queue_gib``).
         out: a folder on the disk to measure (default: a temporary folder).
         keep_gib: host memory of captured samples kept for (w).
-        switch_interval: ``sys.setswitchinterval`` for (w) and (c) (default: Python's, 5 ms): how
-            long a thread back from a GIL-free call (hashing, a write) may wait for the GIL.
+        switch_interval: ``sys.setswitchinterval`` for (w) and (c) (default: Python's, 5 ms, for (w);
+            for (c) what ``run_extract`` sets, :data:`eagle_data.extract.run.GIL_SWITCH_INTERVAL`): how
+            long a thread back from a GIL-free call (a torch op, hashing, a write) may wait for the GIL.
         write_behind_chunks: chunks of 32 MiB each writer keeps on their way to the disk in (w)
             and (c) (default: :data:`eagle_data.extract.writeback.IN_FLIGHT`): deeper queues may
             suit a network disk.
@@ -62,6 +63,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
 
     import torch
 
+    import eagle_data.extract.run as run_mod
     import eagle_data.extract.writeback as wb
     from eagle_data.extract.async_sink import AsyncShardWriter
     from eagle_data.extract.backends import make_backend
@@ -138,9 +140,11 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     if write_behind_chunks is not None:
         wb.IN_FLIGHT = write_behind_chunks
     res["write_behind_chunks"] = wb.IN_FLIGHT
+    old_si, old_run_si = sys.getswitchinterval(), run_mod.GIL_SWITCH_INTERVAL
     if switch_interval is not None:
-        res["switch_interval"] = switch_interval
         sys.setswitchinterval(switch_interval)
+        run_mod.GIL_SWITCH_INTERVAL = switch_interval
+    res["switch_interval_w"], res["switch_interval_c"] = sys.getswitchinterval(), run_mod.GIL_SWITCH_INTERVAL
     d = root / "w"
     shutil.rmtree(d, ignore_errors=True)
     sinks = [ShardSink(d, 0, w, cfg.shard_max_samples, cfg.shard_max_bytes, shard_step=writers) for w in range(writers)]
@@ -167,6 +171,8 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     res["c_over_disk"] = round(res["c_GB_s"] / disk, 3)
     res["c_over_a"] = round(res["c_pipeline_tok_s"] / res["a_plain_tok_s"], 3)
     wb.IN_FLIGHT = old_chunks
+    sys.setswitchinterval(old_si)
+    run_mod.GIL_SWITCH_INTERVAL = old_run_si
     res["bound"] = min(("f_front_tok_s", "a_plain_tok_s", "b_capture_tok_s", "w_writers_tok_s"), key=res.get)
     if out is None:
         shutil.rmtree(root, ignore_errors=True)

@@ -101,9 +101,9 @@ round(disk_write_rate(Path('/tmp/dw'), 4 << 30, 1 << 30, 2), 3))"
   done
   for r in ${RUNS:-4:4 4:16 2:16}; do
     w=${r%%:*}; c=${r##*:}
-    echo "== stages bf16 writers $w write_behind_chunks $c (left $(left) s)"
+    echo "== stages bf16 writers $w write_behind_chunks $c (left $(left) s) ${STAGES_ARGS:-}"
     timeout $(left) python -m benchmarks stages --data $T/train.jsonl --num_samples null --writers $w \
-      --write_behind_chunks $c --out /tmp/st --json_out $RUN_OUT/stages_w${w}_c${c}.json 2>&1 \
+      --write_behind_chunks $c --out /tmp/st --json_out $RUN_OUT/stages_w${w}_c${c}.json ${STAGES_ARGS:-} 2>&1 \
       | grep --line-buffered "tok_s\|GB_s\|c_over\|bound\|Error"
   done
   ;;
