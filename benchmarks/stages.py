@@ -16,8 +16,9 @@ on the same rows (the target loaded once, excluded from every figure):
 (d) the disk's raw write rate (fsync'd files of shard size; 1 and ``writers`` threads).
 
 The pipeline is as fast as its slowest stage when the stages overlap: (c) far below
-min(f, a, b, w) says they interfere (the GIL); (c)'s bytes/s against (d) is the issue's
-"GB/s vs the disk" figure.
+min(f, a, b, w) says they interfere; (c)'s waits (``c_waits_s``: front, capture, writers, close;
+see ``run_extract``'s run stats) say where its capture loop waited. (c)'s bytes/s against (d) is
+the issue's "GB/s vs the disk" figure. ``pipeline_only`` runs (c) and (d) alone (a minute less).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
                  device: str = "cuda", dtype: str = "bfloat16", storage_dtype: str | None = None,
                  max_length: int = 2048, batch_tokens: int = 65536, writers: int = 2, write_queue_gib: float = 2.0,
                  out: str | None = None, keep_gib: float = 2.0, switch_interval: float | None = None,
-                 write_behind_chunks: int | None = None, json_out: str | None = None) -> dict[str, Any]:
+                 write_behind_chunks: int | None = None, pipeline_only: bool = False,
+                 json_out: str | None = None) -> dict[str, Any]:
     """Tokens/s of each extraction stage alone and of the whole pipeline, and the disk's rate.
 
     Args:
@@ -57,6 +59,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         write_behind_chunks: chunks of 32 MiB each writer keeps on their way to the disk in (w)
             and (c) (default: :data:`eagle_data.extract.writeback.IN_FLIGHT`): deeper queues may
             suit a network disk.
+        pipeline_only: only (c) and (d).
         json_out: also write the figures to this JSON file.
     """
     import sys
@@ -65,19 +68,10 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
 
     import eagle_data.extract.run as run_mod
     import eagle_data.extract.writeback as wb
-    from eagle_data.extract.async_sink import AsyncShardWriter
     from eagle_data.extract.backends import make_backend
-    from eagle_data.extract.backends.hf import right_padded
-    from eagle_data.extract.chat import ChatRenderer
-    from eagle_data.extract.config import ExtractConfig, check_paths, final_storage_dtype, model_dir, rows_to_read
+    from eagle_data.extract.config import ExtractConfig, check_paths, final_storage_dtype, model_dir
     from eagle_data.extract.config import storage_dtype as stored
-    from eagle_data.extract.fault import ErrorPolicy
     from eagle_data.extract.run import load_tokenizer, run_extract
-    from eagle_data.extract.signals import Signals
-    from eagle_data.extract.sink import ShardSink
-    from eagle_data.extract.sources import iter_records
-    from eagle_data.extract.stages import Sample, capture, front, to_samples
-    from eagle_data.format.schema import storage_dtype_of
     from benchmarks.extract import disk_write_rate
 
     root = Path(out or tempfile.mkdtemp(prefix="eagle-stages-"))
@@ -92,18 +86,80 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         raise ValueError(f"json_out {json_out!r}: its folder does not exist")
     path = model_dir(model)
     tok = load_tokenizer(path, False)
-    renderer = ChatRenderer.from_path(tok, None)
     be = make_backend("hf", model_path=path, aux_layer_ids=None, dtype=dtype, device=device,
                       out_dtype=stored(cfg), final_out_dtype=final_storage_dtype(cfg))
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     res: dict[str, Any] = {"model": model, "data": data, "device": torch.cuda.get_device_name() if device.startswith("cuda")
                            else "cpu", "dtype": dtype, "storage_dtype": stored(cfg), "batch_tokens": batch_tokens,
                            "writers": writers}
+    old = wb.IN_FLIGHT, sys.getswitchinterval(), run_mod.GIL_SWITCH_INTERVAL
+    try:
+        if write_behind_chunks is not None:
+            wb.IN_FLIGHT = write_behind_chunks
+        if switch_interval is not None:
+            sys.setswitchinterval(switch_interval)
+            run_mod.GIL_SWITCH_INTERVAL = switch_interval
+        res.update(write_behind_chunks=wb.IN_FLIGHT, switch_interval_w=sys.getswitchinterval(),
+                   switch_interval_c=run_mod.GIL_SWITCH_INTERVAL)
+        if not pipeline_only:
+            res.update(_stages_alone(cfg, be, tok, root, keep_gib))
+            _settle()
+        stats = run_extract(cfg, backend=be, tokenizer=tok)["run_stats"]
+    finally:
+        wb.IN_FLIGHT, _, run_mod.GIL_SWITCH_INTERVAL = old
+        sys.setswitchinterval(old[1])
+    written = sum(p.stat().st_size for p in Path(cfg.out).glob("*.tar"))
+    shutil.rmtree(cfg.out, ignore_errors=True)
+    _settle()
+    res.update(c_pipeline_tok_s=round(stats["tokens_per_s"]), c_tokens=stats["new_tokens"], c_seconds=stats["seconds"],
+               c_GB_s=round(written / stats["seconds"] / 1e9, 3), c_waits_s=stats["waits_s"])
+    # (d) the same bytes as (c) wrote, as fsync'd files of shard size
+    res["d_disk_GB_s_1"] = round(disk_write_rate(root, written, int(cfg.shard_max_bytes), 1), 3)
+    res[f"d_disk_GB_s_{writers}"] = round(disk_write_rate(root, written, int(cfg.shard_max_bytes), writers), 3)
+    res["c_over_disk"] = round(res["c_GB_s"] / max(res["d_disk_GB_s_1"], res[f"d_disk_GB_s_{writers}"]), 3)
+    if not pipeline_only:
+        res["c_over_a"] = round(res["c_pipeline_tok_s"] / res["a_plain_tok_s"], 3)
+        res["bound"] = min(("f_front_tok_s", "a_plain_tok_s", "b_capture_tok_s", "w_writers_tok_s"), key=res.get)
+    shutil.rmtree(root if out is None else cfg.out, ignore_errors=True)
+    for k, v in res.items():
+        print(f"{k:>18}: {v}")
+    if json_out:
+        Path(json_out).write_text(json.dumps(res, indent=1))
+    return res
 
+
+def _settle(seconds: float = 2.0) -> None:
+    """Let the disk finish what the last stage left (writeback, the discards of deleted files)
+    before the next one is timed."""
+    import os
+
+    os.sync()
+    time.sleep(seconds)
+
+
+def _stages_alone(cfg, be, tok, root: Path, keep_gib: float) -> dict[str, Any]:
+    """(f), (a), (b) and (w) of the module doc on ``cfg``'s rows, one after the other."""
+    import torch
+
+    from eagle_data.extract.async_sink import AsyncShardWriter
+    from eagle_data.extract.backends.hf import right_padded
+    from eagle_data.extract.chat import ChatRenderer
+    from eagle_data.extract.config import final_storage_dtype, rows_to_read
+    from eagle_data.extract.config import storage_dtype as stored
+    from eagle_data.extract.fault import ErrorPolicy
+    from eagle_data.extract.signals import Signals
+    from eagle_data.extract.sink import ShardSink
+    from eagle_data.extract.sources import iter_records
+    from eagle_data.extract.stages import Sample, capture, front, to_samples
+    from eagle_data.format.schema import storage_dtype_of
+
+    device = cfg.device
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    res: dict[str, Any] = {}
     t0 = time.perf_counter()
     policy = ErrorPolicy("skip")
-    batches = list(front(iter_records(data, num_samples=rows_to_read(cfg)), renderer, "x", be.info.vocab_size,
-                         max_length, batch_tokens, cfg.max_batch_size, cfg.sort_window, policy))
+    batches = list(front(iter_records(cfg.data, num_samples=rows_to_read(cfg)), ChatRenderer.from_path(tok, None),
+                         "x", be.info.vocab_size, cfg.max_length, cfg.batch_tokens, cfg.max_batch_size,
+                         cfg.sort_window, policy))
     tokens = sum(s.num_tokens for b in batches for s in b)
     res.update(samples=sum(map(len, batches)), tokens=tokens, f_front_tok_s=round(tokens / (time.perf_counter() - t0)))
 
@@ -117,11 +173,14 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
 
     storage = (storage_dtype_of(stored(cfg)), storage_dtype_of(final_storage_dtype(cfg)))
     kept: list[Sample] = []
+    keep_bytes = keep_gib * 2**30
 
     def captured(keep: bool):
-        for out_batch in to_samples(capture(iter(batches), be, Signals()), storage, data, "x", policy):
-            if keep and sum(s.meta["num_tokens"] for s in kept) * bytes_tok < keep_gib * 2**30:
-                kept.extend(out_batch)
+        nonlocal keep_bytes
+        for out_batch in to_samples(capture(iter(batches), be, Signals()), storage, cfg.data, "x", policy):
+            for s in out_batch if keep and keep_bytes > 0 else ():
+                kept.append(s)
+                keep_bytes -= sum(t.nbytes for t in s.tensors.values())
         sync()
 
     plain()  # warm-up: kernels, allocator
@@ -129,26 +188,14 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         t0 = time.perf_counter()
         fn()
         res[name] = round(tokens / (time.perf_counter() - t0))
-    bytes_tok = 4 * be.info.hidden_size * storage[0].itemsize  # approximate, for the keep budget only
     captured(True)
-    one = {k: v.nbytes for k, v in kept[0].tensors.items()}
-    bytes_tok = sum(one.values()) / kept[0].meta["num_tokens"]
-    res["bytes_per_token"] = round(bytes_tok, 1)
+    res["bytes_per_token"] = round(sum(t.nbytes for t in kept[0].tensors.values()) / kept[0].meta["num_tokens"], 1)
 
-    total = tokens * bytes_tok
-    old_chunks = wb.IN_FLIGHT
-    if write_behind_chunks is not None:
-        wb.IN_FLIGHT = write_behind_chunks
-    res["write_behind_chunks"] = wb.IN_FLIGHT
-    old_si, old_run_si = sys.getswitchinterval(), run_mod.GIL_SWITCH_INTERVAL
-    if switch_interval is not None:
-        sys.setswitchinterval(switch_interval)
-        run_mod.GIL_SWITCH_INTERVAL = switch_interval
-    res["switch_interval_w"], res["switch_interval_c"] = sys.getswitchinterval(), run_mod.GIL_SWITCH_INTERVAL
     d = root / "w"
     shutil.rmtree(d, ignore_errors=True)
-    sinks = [ShardSink(d, 0, w, cfg.shard_max_samples, cfg.shard_max_bytes, shard_step=writers) for w in range(writers)]
-    w = AsyncShardWriter(sinks, max_bytes=int(write_queue_gib * 2**30))
+    sinks = [ShardSink(d, 0, w, cfg.shard_max_samples, cfg.shard_max_bytes, shard_step=cfg.writers)
+             for w in range(cfg.writers)]
+    w = AsyncShardWriter(sinks, max_bytes=int(cfg.write_queue_gib * 2**30))
     t0, n = time.perf_counter(), 0
     for i, s in enumerate(cycle(kept)):
         if n >= tokens:
@@ -158,28 +205,4 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     w.close()
     res["w_writers_tok_s"] = round(n / (time.perf_counter() - t0))
     shutil.rmtree(d, ignore_errors=True)
-    kept.clear()
-
-    res["d_disk_GB_s_1"] = round(disk_write_rate(root, int(total), int(cfg.shard_max_bytes), 1), 3)
-    res[f"d_disk_GB_s_{writers}"] = round(disk_write_rate(root, int(total), int(cfg.shard_max_bytes), writers), 3)
-    disk = max(res["d_disk_GB_s_1"], res[f"d_disk_GB_s_{writers}"])
-
-    stats = run_extract(cfg, backend=be, tokenizer=tok)["run_stats"]
-    written = sum(p.stat().st_size for p in Path(cfg.out).glob("*.tar"))
-    res.update(c_pipeline_tok_s=round(stats["tokens_per_s"]), c_tokens=stats["new_tokens"], c_seconds=stats["seconds"],
-               c_GB_s=round(written / stats["seconds"] / 1e9, 3))
-    res["c_over_disk"] = round(res["c_GB_s"] / disk, 3)
-    res["c_over_a"] = round(res["c_pipeline_tok_s"] / res["a_plain_tok_s"], 3)
-    wb.IN_FLIGHT = old_chunks
-    sys.setswitchinterval(old_si)
-    run_mod.GIL_SWITCH_INTERVAL = old_run_si
-    res["bound"] = min(("f_front_tok_s", "a_plain_tok_s", "b_capture_tok_s", "w_writers_tok_s"), key=res.get)
-    if out is None:
-        shutil.rmtree(root, ignore_errors=True)
-    else:
-        shutil.rmtree(cfg.out, ignore_errors=True)
-    for k, v in res.items():
-        print(f"{k:>18}: {v}")
-    if json_out:
-        Path(json_out).write_text(json.dumps(res, indent=1))
     return res

@@ -6,9 +6,25 @@ the writers) and the training loader (``num_workers=0`` prefetch), which must no
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import time
+from typing import Any, Iterable, Iterator
 
 _END = object()
+
+
+def timed(it: Iterable[Any], seconds: dict[str, float], name: str) -> Iterator[Any]:
+    """Yield ``it``'s items, adding the time spent waiting for each (and for its end) to
+    ``seconds[name]``: where a pipeline's consumer waits says which stage bounds it."""
+    it = iter(it)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            x = next(it)
+        except StopIteration:
+            return
+        finally:
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
+        yield x
 
 
 def background(it: Iterator[Any], depth: int) -> Iterator[Any]:

@@ -73,3 +73,61 @@ def test_a_writer_error_reaches_the_producer_without_a_hang():
     w.abort()  # after an error: drops what is queued, never hangs
     with pytest.raises(OSError):
         w.close()
+
+
+class ClosingSink(SlowSink):
+    def __init__(self, ref, fail_close=False):
+        super().__init__(ref)
+        self.closed_in, self.fail_close, self.aborted = [], fail_close, 0
+
+    def close(self):
+        self.closed_in.append(threading.current_thread().name)
+        if self.fail_close:
+            raise OSError(28, "No space left on device")
+
+    def abort(self):
+        self.aborted += 1
+
+
+def test_each_writer_publishes_its_last_shard_in_its_own_thread_and_a_failure_reaches_close():
+    ref: list = [None, []]
+    sinks = [ClosingSink(ref) for _ in range(3)]
+    w = AsyncShardWriter(sinks, max_bytes=1000)
+    ref[0] = w
+    for i in range(12):
+        w.put(f"k{i}", {"x": torch.zeros(10, dtype=torch.uint8)}, {})
+    w.close()
+    assert [len(s.closed_in) for s in sinks] == [1, 1, 1]  # once each, each by a writer thread
+    assert sorted(n for s in sinks for n in s.closed_in) == [f"shard-writer-{i}" for i in range(3)]
+    assert sorted(k for s in sinks for k in s.got) == sorted(f"k{i}" for i in range(12))
+
+    sinks = [ClosingSink(ref), ClosingSink(ref, fail_close=True)]
+    w = AsyncShardWriter(sinks, max_bytes=1000)
+    ref[0] = w
+    w.put("a", {"x": torch.zeros(10, dtype=torch.uint8)}, {})
+    with pytest.raises(OSError):
+        w.close()
+    w.abort()  # what the pipeline does next: every sink told, no hang
+    assert [s.aborted for s in sinks] == [1, 1]
+
+
+def test_put_counts_the_time_it_waits_for_the_writers():
+    class Slow(SlowSink):
+        def write(self, key, tensors, meta):
+            time.sleep(0.02)
+
+    w = AsyncShardWriter([Slow([None, []])], max_bytes=10)  # room for one 10-byte sample
+    for i in range(10):
+        w.put(f"k{i}", {"x": torch.zeros(10, dtype=torch.uint8)}, {})
+    w.close()
+    assert 0.1 < w.wait_s < 2.0  # ~8 writes of 20 ms waited for
+
+    class Fast(SlowSink):
+        def write(self, key, tensors, meta):
+            pass
+
+    w = AsyncShardWriter([Fast([None, []])], max_bytes=10**6)
+    for i in range(10):
+        w.put(f"k{i}", {"x": torch.zeros(10, dtype=torch.uint8)}, {})
+    w.close()
+    assert w.wait_s < 0.05  # never full: no waiting

@@ -170,6 +170,13 @@ def test_bench_stages_measures_every_stage_on_the_same_rows(tmp_path, tiny):
     r = json.loads(out.read_text())
     assert r["samples"] == 6 and r["c_tokens"] == r["tokens"] > 0
     assert r["write_behind_chunks"] == 7 and wb.IN_FLIGHT == 4  # applied to (w) and (c), restored after
+    assert set(r["c_waits_s"]) == {"front", "capture", "writers", "close"}
+    assert sum(r["c_waits_s"].values()) <= r["c_seconds"] + 0.01
+    main(["stages", "--model", str(tiny[0]), "--data", str(data), "--num_samples", "null", "--device", "cpu",
+          "--dtype", "float32", "--max_length", "1024", "--batch_tokens", "256", "--pipeline_only", "true",
+          "--json_out", str(out)])
+    q = json.loads(out.read_text())
+    assert q["c_tokens"] == r["tokens"] and "a_plain_tok_s" not in q and q["d_disk_GB_s_2"] > 0
     assert all(r[k] > 0 for k in ("f_front_tok_s", "a_plain_tok_s", "b_capture_tok_s", "w_writers_tok_s",
                                   "c_pipeline_tok_s", "c_GB_s", "d_disk_GB_s_1", "d_disk_GB_s_2"))
     assert r["bytes_per_token"] == 4 * 64 * 4 + 8 + 1  # 3 + 1 states of H=64 in float32, int64 id, uint8 mask

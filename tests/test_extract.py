@@ -510,3 +510,25 @@ def test_templates_are_package_data():
     assert "eagle_data.templates" in cfg["packages"]
     assert set(cfg["package-data"]["eagle_data.templates"]) == {"*.jinja", "SOURCES.md"}
     assert DIR.name == "templates" and (DIR / "SOURCES.md").is_file()
+
+
+def test_run_stats_say_which_stage_the_capture_loop_waited_for(tmp_path, model_dir, data_file):
+    """``waits_s`` names the bound: a backend made slow shows up as ``capture``, and the waits
+    never add up to more than the run's time."""
+    import time as _time
+
+    from eagle_data.extract.backends.hf import HFBackend
+
+    class SlowBackend(HFBackend):
+        def capture_async(self, batch):
+            _time.sleep(0.15)
+            return super().capture_async(batch)
+
+    be = SlowBackend(model_dir, AUX, dtype="float32")
+    m = run_extract(cfg(tmp_path / "ds", model_dir, data_file, batch_tokens=64), backend=be)
+    st = m["run_stats"]
+    w = st["waits_s"]
+    assert set(w) == {"front", "capture", "writers", "close"} and min(w.values()) >= 0
+    batches = st["new_samples"]  # batch_tokens 64: one sample per forward here
+    assert w["capture"] >= 0.15 * batches * 0.9 and w["capture"] == max(w.values())
+    assert sum(w.values()) <= st["seconds"] + 0.01

@@ -38,6 +38,21 @@ def test_background_order_errors_and_early_close():
     assert not any(t.name == "eagle-prefetch" for t in threading.enumerate())
 
 
+def test_timed_adds_the_wait_for_each_item_and_the_end():
+    from eagle_data.background import timed
+
+    def slow():
+        for i in range(4):
+            time.sleep(0.03)
+            yield i
+        time.sleep(0.03)  # the end is waited for too
+
+    seconds = {"other": 1.0}
+    assert list(timed(slow(), seconds, "front")) == [0, 1, 2, 3]
+    assert 0.15 <= seconds["front"] < 1.5 and seconds["other"] == 1.0
+    assert list(timed(iter(range(3)), seconds, "fast")) == [0, 1, 2] and seconds["fast"] < 0.05
+
+
 @pytest.mark.parametrize("mode", [{"batch_size": 3}, {"max_tokens": 20}])
 def test_prefetch_same_batches_and_resume_state(tmp_path, mode):
     write_synthetic(tmp_path, [7, 6, 8])

@@ -12,6 +12,7 @@ alone. An exception in a writer is re-raised in the producer at the next ``put``
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -42,6 +43,7 @@ class AsyncShardWriter:
         self.queued = 0  # bytes in self.q
         self.cv = threading.Condition()
         self.error: BaseException | None = None
+        self.wait_s = 0.0  # seconds put() waited for room (the writers bound the producer)
         self.threads = [threading.Thread(target=self._run, args=(s,), daemon=True, name=f"shard-writer-{i}")
                         for i, s in enumerate(sinks)]
         for t in self.threads:
@@ -81,8 +83,10 @@ class AsyncShardWriter:
 
     def _put(self, item: Any, n: int) -> None:
         with self.cv:
+            t0 = time.perf_counter()
             while self.q and self.queued + n > self.max_bytes and self.error is None:
                 self.cv.wait()
+            self.wait_s += time.perf_counter() - t0
             self.q.append((item, n))
             self.queued += n
             self.cv.notify_all()

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from eagle_data.extract.async_sink import AsyncShardWriter
 from eagle_data.extract.backends.base import Backend
 from eagle_data.extract.chat import ChatRenderer
-from eagle_data.background import background
+from eagle_data.background import background, timed
 from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage_dtype, model_dir, rows_to_read,
                                        storage_dtype)
 from eagle_data.extract.fault import ErrorPolicy
@@ -194,14 +194,15 @@ def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRend
              state: RankState, sigs: Signals) -> dict[str, Any]:
     """The pipeline of one rank: source rows not extracted yet -> shards; returns the run stats."""
     policy = ErrorPolicy(cfg.on_bad_sample, listener=state.remember)
+    waits: dict[str, float] = {}  # seconds the capture loop waited for each stage (see the run stats)
     # the front (read, chat template, tokens + mask, batching) runs in a thread beside the capture and
     # the writers (the tokenizer releases the GIL): a small target is otherwise bound by it
-    batches = interruptible_iter(background(front(state.fresh_records(), renderer, tag, backend.info.vocab_size,
-                                                  cfg.max_length, cfg.batch_tokens, cfg.max_batch_size,
-                                                  cfg.sort_window, policy), FRONT_AHEAD), sigs)
-    extracted = to_samples(capture(batches, backend, sigs), (storage_dtype_of(storage_dtype(cfg)),
-                                                             storage_dtype_of(final_storage_dtype(cfg))),
-                           cfg.data, tag, policy, cfg.final_rows)
+    batches = interruptible_iter(timed(background(front(state.fresh_records(), renderer, tag, backend.info.vocab_size,
+                                                        cfg.max_length, cfg.batch_tokens, cfg.max_batch_size,
+                                                        cfg.sort_window, policy), FRONT_AHEAD), waits, "front"), sigs)
+    extracted = timed(to_samples(capture(batches, backend, sigs), (storage_dtype_of(storage_dtype(cfg)),
+                                                                   storage_dtype_of(final_storage_dtype(cfg))),
+                                 cfg.data, tag, policy, cfg.final_rows), waits, "capture")
     # Writer w of W fills shards next_shard + w, + W, ... of this rank's series; the next batch's
     # forward runs while writer threads hash and write (bounded queue).
     writer = AsyncShardWriter([ShardSink(out, cfg.rank, state.next_shard + w, cfg.shard_max_samples,
@@ -219,7 +220,9 @@ def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRend
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.0f}", skipped=state.num_skipped,
                                 written=f"{writer.bytes_written / 2**20:.0f}MiB")
+            t_close = time.perf_counter()
             writer.close()
+            waits["close"] = time.perf_counter() - t_close
             state.finish()
         except BaseException as e:
             writer.abort()
@@ -230,10 +233,20 @@ def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRend
     elapsed = time.perf_counter() - t0
     stats = {"new_samples": n_new, "new_tokens": n_tok, "seconds": round(elapsed, 3),
              "tokens_per_s": round(n_tok / elapsed, 1) if elapsed > 0 else None,
-             "total_tokens": state.published_tokens, "skip_counts": dict(sorted(policy.counter.as_dict().items())),
+             "total_tokens": state.published_tokens, "waits_s": _waits(waits, writer.wait_s),
+             "skip_counts": dict(sorted(policy.counter.as_dict().items())),
              "note_counts": dict(sorted(policy.counter.notes.items()))}
     log.info("rank %d finished: %s", cfg.rank, stats)
     return stats
+
+
+def _waits(w: dict[str, float], writers: float) -> dict[str, float]:
+    """Where the capture loop's time went (seconds): waiting for the front's batches (``front``);
+    in the capture stage besides that (``capture``: launching the forward, waiting for the GPU and
+    the device-to-host copy, splitting into samples); waiting for room in the writers' queue
+    (``writers``); publishing the last shards at the end (``close``). The largest names the bound."""
+    return {"front": round(w.get("front", 0.0), 3), "capture": round(w.get("capture", 0.0) - w.get("front", 0.0), 3),
+            "writers": round(writers, 3), "close": round(w.get("close", 0.0), 3)}
 
 
 def _explain(e: BaseException, sigs: Signals, out: Path, rank: int, num_shards: int) -> None:
