@@ -53,8 +53,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         write_queue_gib: GiB waiting for the writers at most (as ``extract --write_queue_gib``).
         out: a folder on the disk to measure (default: a temporary folder).
         keep_gib: host memory of captured samples kept for (w).
-        switch_interval: ``sys.setswitchinterval`` for (w) and (c) (default: Python's, 5 ms, for (w);
-            for (c) what ``run_extract`` sets, :data:`eagle_data.extract.run.GIL_SWITCH_INTERVAL`): how
+        switch_interval: ``sys.setswitchinterval`` for (w) and (c) (default: Python's, 5 ms): how
             long a thread back from a GIL-free call (a torch op, hashing, a write) may wait for the GIL.
         write_behind_chunks: chunks of 32 MiB each writer keeps on their way to the disk in (w)
             and (c) (default: :data:`eagle_data.extract.writeback.IN_FLIGHT`): deeper queues may
@@ -66,7 +65,6 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
 
     import torch
 
-    import eagle_data.extract.run as run_mod
     import eagle_data.extract.writeback as wb
     from eagle_data.extract.backends import make_backend
     from eagle_data.extract.config import ExtractConfig, check_paths, final_storage_dtype, model_dir
@@ -91,15 +89,13 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     res: dict[str, Any] = {"model": model, "data": data, "device": torch.cuda.get_device_name() if device.startswith("cuda")
                            else "cpu", "dtype": dtype, "storage_dtype": stored(cfg), "batch_tokens": batch_tokens,
                            "writers": writers}
-    old = wb.IN_FLIGHT, sys.getswitchinterval(), run_mod.GIL_SWITCH_INTERVAL
+    old = wb.IN_FLIGHT, sys.getswitchinterval()
     try:
         if write_behind_chunks is not None:
             wb.IN_FLIGHT = write_behind_chunks
         if switch_interval is not None:
             sys.setswitchinterval(switch_interval)
-            run_mod.GIL_SWITCH_INTERVAL = switch_interval
-        res.update(write_behind_chunks=wb.IN_FLIGHT, switch_interval_w=sys.getswitchinterval(),
-                   switch_interval_c=run_mod.GIL_SWITCH_INTERVAL)
+        res.update(write_behind_chunks=wb.IN_FLIGHT, switch_interval=sys.getswitchinterval())
         if not pipeline_only:
             res.update(_stages_alone(cfg, be, tok, root, keep_gib))
         else:  # the kernels' first launches (and the pinned pool) are no part of the pipeline's rate
@@ -107,7 +103,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         _settle()
         stats = run_extract(cfg, backend=be, tokenizer=tok)["run_stats"]
     finally:
-        wb.IN_FLIGHT, _, run_mod.GIL_SWITCH_INTERVAL = old
+        wb.IN_FLIGHT = old[0]
         sys.setswitchinterval(old[1])
     written = sum(p.stat().st_size for p in Path(cfg.out).glob("*.tar"))
     shutil.rmtree(cfg.out, ignore_errors=True)

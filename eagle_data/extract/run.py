@@ -27,9 +27,7 @@ import errno
 import hashlib
 import logging
 import os
-import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -171,23 +169,6 @@ def _check_regenerator(data: str, run_cfg: dict[str, Any]) -> None:
 
 #: batches the front (:func:`_extract`) builds ahead of the capture
 FRONT_AHEAD = 4
-#: ``sys.setswitchinterval`` while extracting (Python's default: 5 ms; None keeps it). The capture thread
-#: releases the GIL at every torch op, hundreds per forward; while the front thread runs pure Python (the chat
-#: template, the masks), each release can cost the capture thread the whole interval before it gets the GIL
-#: back, and a small target's GPU waits for its launches. Measured: BENCHMARKS.md, "Extraction at disk speed".
-GIL_SWITCH_INTERVAL: float | None = 0.0005
-
-
-@contextmanager
-def gil_switch_interval(seconds: float | None):
-    """Set ``sys.setswitchinterval(seconds)`` inside the block (None: unchanged); restore it after."""
-    old = sys.getswitchinterval()
-    if seconds is not None:
-        sys.setswitchinterval(seconds)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRenderer, tag: str,
@@ -210,7 +191,7 @@ def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRend
                                for w in range(cfg.writers)], max_bytes=int(cfg.write_queue_gib * 2**30))
     bar = tqdm(desc=f"extract rank {cfg.rank}", unit="sample", disable=not cfg.progress, dynamic_ncols=True)
     t0, n_tok, n_new = time.perf_counter(), 0, 0
-    with sigs, gil_switch_interval(GIL_SWITCH_INTERVAL):
+    with sigs:
         try:
             for batch in extracted:
                 for s in batch:
