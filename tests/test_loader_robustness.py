@@ -192,3 +192,27 @@ def test_interrupted_consumer_does_not_wait_for_a_slow_producer():
         with pytest.raises(KeyboardInterrupt):
             next(it)
         assert time.perf_counter() - t0 < 2
+
+
+def test_token_mode_logs_an_unreadable_shard_once_per_rank_not_per_worker(tmp_path, monkeypatch, caplog):
+    """In token mode every worker of a rank reads the rank's part; the skip is logged by one of
+    them, and counted once, in the batches that held the lost samples."""
+    from types import SimpleNamespace
+
+    import eagle_data.stream.dataset as dsm
+
+    write_synthetic(tmp_path, [4, 4], hidden_size=8, length=lambda g: 10)
+    shard = sorted(tmp_path.glob("*.tar"))[1]
+    os.truncate(shard, 1536)  # the second shard ends inside its first sample
+    logged, delivered, skipped = [], [], 0
+    for wid in range(3):
+        ds = EagleShardDataset(tmp_path, max_tokens=20, shuffle=False, on_error="skip")
+        monkeypatch.setattr(dsm, "get_worker_info", lambda: SimpleNamespace(num_workers=3, id=wid))
+        with caplog.at_level("WARNING", logger="eagle_data.stream.reader"):
+            caplog.clear()
+            batches = list(ds)
+        logged += [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+        delivered += [k for b in batches for k in b["keys"] if k != FILLER_KEY]
+        skipped += sum(b.get("skipped", 0) for b in batches)
+    assert len(logged) == 1 and "4 sample(s)" in logged[0]
+    assert sorted(delivered) == [f"syn_{g:09d}" for g in range(4)] and skipped == 4

@@ -93,3 +93,17 @@ def test_fixed_mode_treats_zero_workers_as_one():
     dl1.load_state_dict(state)  # 0 workers plan as 1: accepted
     rest = [b["keys"] for b in dl1]
     assert len(rest) == 1 and sorted(first + rest[0]) == [f"syn_{g:09d}" for g in range(6)]
+
+
+def test_a_sample_above_the_token_budget_is_named_in_a_warning_unless_max_length_cuts_it(tmp_path, caplog):
+    write_synthetic(tmp_path, [3, 3], length=lambda g: 30 if g in (1, 4) else 6)
+    with caplog.at_level("WARNING", logger="eagle_data.stream.dataset"):
+        keys, _ = epoch(tmp_path, 0, 1, 0, max_tokens=20)
+    msgs = [r.getMessage() for r in caplog.records if "max_tokens" in r.getMessage()]
+    assert len(msgs) == 1 and "2 sample(s)" in msgs[0] and "30 tokens" in msgs[0]
+    assert sorted(k for b in keys for k in b) == sorted(set(k for b in keys for k in b))  # every sample, once
+    assert sum(len(b) for b in keys) == 6
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="eagle_data.stream.dataset"):
+        epoch(tmp_path, 0, 1, 0, max_tokens=20, max_length=20)
+    assert not [r for r in caplog.records if "max_tokens" in r.getMessage()]

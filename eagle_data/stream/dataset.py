@@ -204,6 +204,12 @@ class EagleShardDataset(IterableDataset):
                 raise ValueError(f"max_tokens batching needs {base}/index.parquet: {e}") from e
             for name, n in zip(t.column("shard").to_pylist(), t.column("num_tokens").to_pylist()):
                 out.setdefault((murl, name), []).append(min(n, self.max_length or n))
+        over = [n for lens in out.values() for n in lens if n > self.max_tokens]
+        info = get_worker_info()
+        if over and (info is None or info.id == 0):  # once per rank, not once per worker
+            log.warning("%d sample(s) are longer than max_tokens=%d (the longest: %d tokens): each forms a batch "
+                        "of its own, above the token budget; max_length <= max_tokens cuts them instead",
+                        len(over), self.max_tokens, max(over))
         return out
 
     def _rng(self, epoch: int, slot: int) -> random.Random:
@@ -314,7 +320,9 @@ class EagleShardDataset(IterableDataset):
         slot = rank * k + w
         spans, batches = self.plan(self.epoch, world, k, slot)
         skip = max(0, math.ceil((self.skip_batches - w) / k))  # this worker's batches among those consumed
-        raw = (r for sp in spans for r in read_span(sp, self.on_error, self.skipped))
+        # token mode: every worker of the rank reads the rank's part, so only worker 0 logs what it finds unreadable
+        quiet = self.batch_size is None and w != 0
+        raw = (r for sp in spans for r in read_span(sp, self.on_error, self.skipped, quiet))
         if self.batch_size is not None:
             stream = B.shuffle_stream(raw, self._buf(), self._rng(self.epoch, slot), self.shuffle_initial)
             for j, size in enumerate(batches):

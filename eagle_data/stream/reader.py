@@ -111,7 +111,7 @@ def _grouped(walk: TarWalk, span: Span, read: Callable[[Member], Any], at: dict[
         yield sample
 
 
-def read_span(span: Span, on_error: str, skipped: Counter) -> Iterator[dict[str, Any] | None]:
+def read_span(span: Span, on_error: str, skipped: Counter, quiet: bool = False) -> Iterator[dict[str, Any] | None]:
     """Stage "tar": the raw samples ``span.start .. span.stop - 1`` of one shard, in order: a
     dict ``{"__key__", "__url__", ext: data}`` per sample, ``data`` a
     :class:`~eagle_data.format.payload.FileSlice` for a local file (readahead requested), else a
@@ -119,7 +119,8 @@ def read_span(span: Span, on_error: str, skipped: Counter) -> Iterator[dict[str,
     reading their data.
 
     With ``on_error="skip"`` an unreadable sample becomes ``None`` (a hole that keeps positions
-    and batch counts stable) and is counted in ``skipped``; with ``"raise"``:
+    and batch counts stable), is counted in ``skipped`` and logged (``quiet``: not logged, where
+    another reader of the same span logs it); with ``"raise"``:
 
     Raises:
         ShardError: truncated/corrupt tar, missing member, or fewer samples than the manifest
@@ -133,7 +134,7 @@ def read_span(span: Span, on_error: str, skipped: Counter) -> Iterator[dict[str,
         read = (lambda m: ahead.slice(m.offset, m.size)) if ahead is not None else walk.read
         for sample in _grouped(walk, span, read, at):
             got += 1
-            yield _checked(sample, on_error, skipped)
+            yield _checked(sample, on_error, skipped, quiet)
         if got < want:
             raise ShardError(f"shard {sh.url}: expected {span.stop} samples, the tar ends after "
                              f"{at['seen']} (truncated?)")
@@ -145,7 +146,8 @@ def read_span(span: Span, on_error: str, skipped: Counter) -> Iterator[dict[str,
             where = f"at sample {key!r} (or the member after it)" if key is not None else "before its first sample"
             raise ShardError(f"shard {sh.url}: unreadable {where}: {e!r}") from e
         skipped["unreadable_shard"] += want - got
-        log.warning("skipping %d sample(s) of %s: %r", want - got, sh.url, e)
+        if not quiet:
+            log.warning("skipping %d sample(s) of %s: %r", want - got, sh.url, e)
         yield from [None] * (want - got)
     finally:
         if stream is not None:
@@ -156,7 +158,7 @@ class ShardError(ValueError):
     """A shard cannot be read; the message names the shard (and the sample where known)."""
 
 
-def _checked(s: dict[str, Any], on_error: str, skipped: Counter) -> dict[str, Any] | None:
+def _checked(s: dict[str, Any], on_error: str, skipped: Counter, quiet: bool = False) -> dict[str, Any] | None:
     missing = [m for m in REQUIRED_MEMBERS if m not in s]
     if not missing:
         return s
@@ -164,5 +166,6 @@ def _checked(s: dict[str, Any], on_error: str, skipped: Counter) -> dict[str, An
     if on_error == "raise":
         raise err
     skipped["missing_field"] += 1
-    log.warning("skipping: %s", err)
+    if not quiet:
+        log.warning("skipping: %s", err)
     return None
