@@ -11,6 +11,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=".venv/.installed-$(echo "$extras" | tr ',' '-')-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
+  echo "setup: installing eagle-data[${extras}] into .venv (torch and friends, ~6 GB: minutes on a fresh machine)..."
   .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
   # setuptools' "Editable installation" banner (a note about editable installs, not a problem) is dropped
   .venv/bin/python -m pip install --quiet -e ".[${extras}]" 2>&1 | grep -v "^WARNING: Location" \
@@ -29,4 +30,5 @@ if [ ! -f "$stamp" ]; then
   fi
   .venv/bin/python -c "import eagle_data, torch, webdataset, datasets, lightning" 
   touch "$stamp"
+  echo "setup: done"
 fi
