@@ -532,3 +532,22 @@ def test_run_stats_say_which_stage_the_capture_loop_waited_for(tmp_path, model_d
     batches = st["new_samples"]  # batch_tokens 64: one sample per forward here
     assert w["capture"] >= 0.15 * batches * 0.9 and w["capture"] == max(w.values())
     assert sum(w.values()) <= st["seconds"] + 0.01
+
+
+def test_waits_add_up_when_the_writers_bound_the_run(tmp_path, model_dir, data_file, monkeypatch):
+    """Writers slower than the capture, a queue smaller than one sample: the producer's waits are
+    ``writers``, the drain at the end is ``close``, and nothing is counted twice."""
+    import time as _time
+
+    real = ShardSink.write
+
+    def slow(self, *a, **k):
+        _time.sleep(0.1)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(ShardSink, "write", slow)
+    m = run_extract(cfg(tmp_path / "ds", model_dir, data_file, write_queue_gib=1e-9))
+    st = m["run_stats"]
+    w = st["waits_s"]
+    assert w["writers"] >= 0.1 * (st["new_samples"] - 2) * 0.9 and w["writers"] == max(w.values())
+    assert sum(w.values()) <= st["seconds"] + 0.01

@@ -206,7 +206,7 @@ def test_sigterm_real_cli_process_discards_shard_cleanly(tmp_path, kr, tiny):
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=60)
     assert p.returncode == -signal.SIGTERM, err[-3000:]
-    assert "interrupted by signal 15: the shard in progress was discarded" in err
+    assert "interrupted by signal 15: the shard(s) in progress were discarded" in err
     assert kr.leftovers(out) == [] and not (out / "manifest.json").exists()
     m = run_extract(kr.config(out, model, data, shard_max_samples=2))  # resumes
     assert m["num_samples"] == 40 and verify_dataset(out).ok

@@ -86,7 +86,8 @@ class AsyncShardWriter:
             t0 = time.perf_counter()
             while self.q and self.queued + n > self.max_bytes and self.error is None:
                 self.cv.wait()
-            self.wait_s += time.perf_counter() - t0
+            if item is not _STOP:  # the producer's own waits; close() is timed by its caller
+                self.wait_s += time.perf_counter() - t0
             self.q.append((item, n))
             self.queued += n
             self.cv.notify_all()

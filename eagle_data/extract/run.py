@@ -225,7 +225,8 @@ def _waits(w: dict[str, float], writers: float) -> dict[str, float]:
     """Where the capture loop's time went (seconds): waiting for the front's batches (``front``);
     in the capture stage besides that (``capture``: launching the forward, waiting for the GPU and
     the device-to-host copy, splitting into samples); waiting for room in the writers' queue
-    (``writers``); publishing the last shards at the end (``close``). The largest names the bound."""
+    (``writers``); at the end, for the writers to drain their queue and publish the last shards
+    (``close``: large when the disk is slower than the capture). The largest names the bound."""
     return {"front": round(w.get("front", 0.0), 3), "capture": round(w.get("capture", 0.0) - w.get("front", 0.0), 3),
             "writers": round(writers, 3), "close": round(w.get("close", 0.0), 3)}
 
@@ -234,10 +235,10 @@ def _explain(e: BaseException, sigs: Signals, out: Path, rank: int, num_shards: 
     """Log what an interrupted run left; a full disk becomes an ``OSError`` that says so;
     an unhandled SIGTERM terminates the process (after the handlers are restored)."""
     if isinstance(e, ExtractionInterrupted):
-        log.error("interrupted by signal %d: the shard in progress was discarded (%d shard(s) of rank %d "
+        log.error("interrupted by signal %d: the shard(s) in progress were discarded (%d shard(s) of rank %d "
                   "are complete); rerun the same command to resume", e.signum, num_shards, rank)
         sigs.redeliver(e.signum)
     elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        raise OSError(e.errno, f"no space left on the device of {out} ({e.strerror}); the shard in "
-                      f"progress was discarded, {num_shards} shard(s) of rank {rank} are "
+        raise OSError(e.errno, f"no space left on the device of {out} ({e.strerror}); the shard(s) in "
+                      f"progress were discarded, {num_shards} shard(s) of rank {rank} are "
                       "complete and valid. Free space and rerun the same command to resume.") from e
