@@ -29,7 +29,6 @@ import os
 import json
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -75,32 +74,40 @@ def disk_write_rate(directory: Path, total_bytes: int, file_bytes: int, writers:
     buf = os.urandom(1 << 24)
     per = total_bytes // writers
     written: list[Path] = []
+    errors: list[BaseException] = []
 
     def work(w):
         left, i = per, 0
-        while left > 0:
-            p = directory / f"raw-{w}-{i}.bin"
-            with open(p, "wb") as f:
-                n = min(file_bytes, left)
-                while n > 0:
-                    f.write(buf[: min(n, len(buf))])
-                    n -= len(buf)
-                f.flush()
-                os.fsync(f.fileno())
-            written.append(p)
-            left -= file_bytes
-            i += 1
+        try:
+            while left > 0:
+                p = directory / f"raw-{w}-{i}.bin"
+                written.append(p)
+                with open(p, "wb") as f:
+                    n = min(file_bytes, left)
+                    while n > 0:
+                        f.write(buf[: min(n, len(buf))])
+                        n -= len(buf)
+                    f.flush()
+                    os.fsync(f.fileno())
+                left -= file_bytes
+                i += 1
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller (a full disk is no rate)
+            errors.append(e)
 
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=work, args=(w,)) for w in range(writers)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    rate = per * writers / (time.perf_counter() - t0) / 1e9
-    for p in written:
-        p.unlink()
-    return rate
+    try:
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=work, args=(w,)) for w in range(writers)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        rate = per * writers / (time.perf_counter() - t0) / 1e9
+        if errors:
+            raise errors[0]
+        return rate
+    finally:
+        for p in written:
+            p.unlink(missing_ok=True)
 
 
 def peers_run(be, batches: list, directory: Path, device: str) -> None:
@@ -152,107 +159,108 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
     from eagle_data.extract.backends.hf import HFBackend
     from eagle_data.extract.sink import ShardSink
 
+    from eagle_data.checks import check_positive
     from eagle_data.format.schema import hidden_dtype, storage_dtype_of
 
-    dt = hidden_dtype(dtype)
-    model = build_model(shape, dt, device)
-    cfg = model.config
-    L, H = cfg.num_hidden_layers, cfg.hidden_size
-    be = HFBackend(shape, None, dtype=dtype, device=device, model=model, out_dtype=storage_dtype)
-    sd = storage_dtype_of(storage_dtype or dtype)
-    p_nonembed = sum(p.numel() for n, p in model.model.named_parameters() if "embed_tokens" not in n)
-    flops_tok = 2 * p_nonembed + 2 * L * H * seq_len
-    g = torch.Generator().manual_seed(0)
-    batches = [[(f"s{b}_{i}", torch.randint(0, cfg.vocab_size, (seq_len,), generator=g)) for i in range(batch_size)]
-               for b in range(num_batches)]
-    tokens = num_batches * batch_size * seq_len
-    out_bytes_tok = 4 * H * sd.itemsize + (4 * 4 if sd == torch.float8_e4m3fn else 0)  # + 4 float32 scales
-    temp_root = out is None
-    root = Path(out or tempfile.mkdtemp(prefix="eagle-bench-"))
-    root.mkdir(parents=True, exist_ok=True)
+    from benchmarks.scratch import check_outputs, scratch
 
-    def plain():
-        with torch.inference_mode():
-            for batch in batches:
-                x = torch.stack([ids for _, ids in batch]).to(device, non_blocking=True)
-                be.base(input_ids=x, use_cache=False)
-                be._store.clear()
-        _sync(device)
+    check_positive(seq_len=seq_len, batch_size=batch_size, num_batches=num_batches, repeats=repeats, writers=writers)
+    check_outputs(out, json_out)
+    with scratch(out, "eagle-bench-") as root:
+        dt = hidden_dtype(dtype)
+        model = build_model(shape, dt, device)
+        cfg = model.config
+        L, H = cfg.num_hidden_layers, cfg.hidden_size
+        be = HFBackend(shape, None, dtype=dtype, device=device, model=model, out_dtype=storage_dtype)
+        sd = storage_dtype_of(storage_dtype or dtype)
+        p_nonembed = sum(p.numel() for n, p in model.model.named_parameters() if "embed_tokens" not in n)
+        flops_tok = 2 * p_nonembed + 2 * L * H * seq_len
+        g = torch.Generator().manual_seed(0)
+        batches = [[(f"s{b}_{i}", torch.randint(0, cfg.vocab_size, (seq_len,), generator=g)) for i in range(batch_size)]
+                   for b in range(num_batches)]
+        tokens = num_batches * batch_size * seq_len
+        out_bytes_tok = 4 * H * sd.itemsize + (4 * 4 if sd == torch.float8_e4m3fn else 0)  # + 4 float32 scales
 
-    def capture(writer=None):
-        pending, pending_batch = None, None
-        for batch in batches + [None]:
-            nxt = be.capture_async(batch) if batch is not None else None
-            if pending is not None:
-                for c, (_, ids) in zip(pending.result(), pending_batch):
-                    if writer is not None:
-                        scales = {} if c.aux_scale is None else {"aux_hidden_states_scale": c.aux_scale,
-                                                                 "hidden_states_scale": c.hidden_scale}
-                        writer.put(c.key, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
-                                           "aux_hidden_states": c.aux_hidden_states, "hidden_states": c.hidden_states,
-                                           **scales},
-                                   {"source_id": c.key, "source_row": 0, "num_turns": 2, "truncated": False})
-            pending, pending_batch = nxt, batch
-        _sync(device)
+        def plain():
+            with torch.inference_mode():
+                for batch in batches:
+                    x = torch.stack([ids for _, ids in batch]).to(device, non_blocking=True)
+                    be.base(input_ids=x, use_cache=False)
+                    be._store.clear()
+            _sync(device)
 
-    def write_run():
-        sinks = [ShardSink(root / "shards", 0, w, max_samples=64, max_bytes=2e9, shard_step=writers)
-                 for w in range(writers)]
-        w = AsyncShardWriter(sinks, max_bytes=int(write_queue_gib * 2**30))
-        capture(w)
-        w.close()
+        def capture(writer=None):
+            pending, pending_batch = None, None
+            for batch in batches + [None]:
+                nxt = be.capture_async(batch) if batch is not None else None
+                if pending is not None:
+                    for c, (_, ids) in zip(pending.result(), pending_batch):
+                        if writer is not None:
+                            scales = {} if c.aux_scale is None else {"aux_hidden_states_scale": c.aux_scale,
+                                                                     "hidden_states_scale": c.hidden_scale}
+                            writer.put(c.key, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
+                                               "aux_hidden_states": c.aux_hidden_states, "hidden_states": c.hidden_states,
+                                               **scales},
+                                       {"source_id": c.key, "source_row": 0, "num_turns": 2, "truncated": False})
+                pending, pending_batch = nxt, batch
+            _sync(device)
 
-    def write_run_no_write_behind():
-        real, wb._sync_file_range = wb._sync_file_range, None
-        try:
-            write_run()
-        finally:
-            wb._sync_file_range = real
+        def write_run():
+            sinks = [ShardSink(root / "shards", 0, w, max_samples=64, max_bytes=2e9, shard_step=writers)
+                     for w in range(writers)]
+            w = AsyncShardWriter(sinks, max_bytes=int(write_queue_gib * 2**30))
+            capture(w)
+            w.close()
 
-    def clean():  # untimed: the output is deleted between runs, outside the clock (see disk_write_rate)
-        for d in ("shards", "peers"):
-            shutil.rmtree(root / d, ignore_errors=True)
+        def write_run_no_write_behind():
+            real, wb._sync_file_range = wb._sync_file_range, None
+            try:
+                write_run()
+            finally:
+                wb._sync_file_range = real
 
-    plain()  # warm-up (kernels, allocator, pinned pool)
-    capture()
-    runs = [("a_plain", plain), ("b_capture_host", capture), ("c_capture_write", write_run)]
-    if compare_write_behind:
-        runs.append(("c0_no_write_behind", write_run_no_write_behind))
-    if peers:
-        peers_run(be, batches[:1], root / "peers", device)  # warm-up (HF's output-capturing hooks, torch.save)
-        runs.append(("e_peers", lambda: peers_run(be, batches, root / "peers", device)))
-    res: dict[str, list[float]] = {name: [] for name, _ in runs}
-    for _ in range(repeats):
-        for name, fn in runs:
-            clean()
-            t0 = time.perf_counter()
-            fn()
-            res[name].append(tokens / (time.perf_counter() - t0))
-    clean()
-    total = tokens * out_bytes_tok
-    disk1 = disk_write_rate(root, total, 64 * seq_len * out_bytes_tok, 1)
-    diskw = disk_write_rate(root, total, 64 * seq_len * out_bytes_tok, writers)
-    med = {k: statistics.median(v) for k, v in res.items()}
-    out = {
-        "shape": shape, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-        "dtype": dtype, "storage_dtype": str(sd).replace("torch.", ""), "bytes_per_token": out_bytes_tok,
-        "seq_len": seq_len, "batch_size": batch_size, "tokens_per_repeat": tokens,
-        "writers": writers, "write_queue_gib": write_queue_gib, **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
-        "mfu_a": round(med["a_plain"] * flops_tok / (peak_tflops * 1e12), 4),
-        "output_GB_s_at_a": round(med["a_plain"] * out_bytes_tok / 1e9, 3),
-        "disk_GB_s_1writer": round(disk1, 3), f"disk_GB_s_{writers}writers": round(diskw, 3),
-        "ratio_b_over_a": round(med["b_capture_host"] / med["a_plain"], 4),
-        "ratio_c_over_a": round(med["c_capture_write"] / med["a_plain"], 4),
-        **({"ratio_c0_over_a": round(med["c0_no_write_behind"] / med["a_plain"], 4)} if compare_write_behind else {}),
-        **({"ratio_e_over_a": round(med["e_peers"] / med["a_plain"], 4),
-            "ratio_c_over_e": round(med["c_capture_write"] / med["e_peers"], 4)} if peers else {}),
-        "bound_c_over_a": round(min(1.0, max(disk1, diskw) / (med["a_plain"] * out_bytes_tok / 1e9)), 4),
-        "repeats": {k: [round(x, 1) for x in v] for k, v in res.items()},
-    }
-    if temp_root:
-        shutil.rmtree(root, ignore_errors=True)
-    for k, v in out.items():
+        def clean():  # untimed: the output is deleted between runs, outside the clock (see disk_write_rate)
+            for d in ("shards", "peers"):
+                shutil.rmtree(root / d, ignore_errors=True)
+
+        plain()  # warm-up (kernels, allocator, pinned pool)
+        capture()
+        runs = [("a_plain", plain), ("b_capture_host", capture), ("c_capture_write", write_run)]
+        if compare_write_behind:
+            runs.append(("c0_no_write_behind", write_run_no_write_behind))
+        if peers:
+            peers_run(be, batches[:1], root / "peers", device)  # warm-up (HF's output-capturing hooks, torch.save)
+            runs.append(("e_peers", lambda: peers_run(be, batches, root / "peers", device)))
+        res: dict[str, list[float]] = {name: [] for name, _ in runs}
+        for _ in range(repeats):
+            for name, fn in runs:
+                clean()
+                t0 = time.perf_counter()
+                fn()
+                res[name].append(tokens / (time.perf_counter() - t0))
+        clean()
+        total = tokens * out_bytes_tok
+        disk1 = disk_write_rate(root, total, 64 * seq_len * out_bytes_tok, 1)
+        diskw = disk_write_rate(root, total, 64 * seq_len * out_bytes_tok, writers)
+        med = {k: statistics.median(v) for k, v in res.items()}
+        figures = {
+            "shape": shape, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+            "dtype": dtype, "storage_dtype": str(sd).replace("torch.", ""), "bytes_per_token": out_bytes_tok,
+            "seq_len": seq_len, "batch_size": batch_size, "tokens_per_repeat": tokens,
+            "writers": writers, "write_queue_gib": write_queue_gib, **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
+            "mfu_a": round(med["a_plain"] * flops_tok / (peak_tflops * 1e12), 4),
+            "output_GB_s_at_a": round(med["a_plain"] * out_bytes_tok / 1e9, 3),
+            "disk_GB_s_1writer": round(disk1, 3), f"disk_GB_s_{writers}writers": round(diskw, 3),
+            "ratio_b_over_a": round(med["b_capture_host"] / med["a_plain"], 4),
+            "ratio_c_over_a": round(med["c_capture_write"] / med["a_plain"], 4),
+            **({"ratio_c0_over_a": round(med["c0_no_write_behind"] / med["a_plain"], 4)} if compare_write_behind else {}),
+            **({"ratio_e_over_a": round(med["e_peers"] / med["a_plain"], 4),
+                "ratio_c_over_e": round(med["c_capture_write"] / med["e_peers"], 4)} if peers else {}),
+            "bound_c_over_a": round(min(1.0, max(disk1, diskw) / (med["a_plain"] * out_bytes_tok / 1e9)), 4),
+            "repeats": {k: [round(x, 1) for x in v] for k, v in res.items()},
+        }
+    for k, v in figures.items():
         print(f"{k:>24}: {v}")
     if json_out:
-        Path(json_out).write_text(json.dumps(out, indent=1, default=str))
-    return out
+        Path(json_out).write_text(json.dumps(figures, indent=1, default=str))
+    return figures

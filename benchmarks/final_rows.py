@@ -40,8 +40,9 @@ def bench_final_rows(model: str = "smollm2", data: str = "sharegpt", num_samples
     from eagle_data.extract.stages import front
     from eagle_data.format.final_rows import taught
 
-    if json_out and not Path(json_out).resolve().parent.is_dir():
-        raise ValueError(f"json_out {json_out!r}: its folder does not exist")
+    from benchmarks.scratch import check_outputs
+
+    check_outputs(None, json_out)
     # the settings and paths as extract checks them (a clear error naming the option, exit 2)
     check_paths(ExtractConfig(out=tempfile.gettempdir(), model=model, data=data, num_samples=num_samples,
                               max_length=max_length, progress=False))

@@ -28,6 +28,7 @@ import logging
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 from itertools import cycle
 from pathlib import Path
 from typing import Any
@@ -74,17 +75,21 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     from eagle_data.extract.config import storage_dtype as stored
     from eagle_data.extract.run import load_tokenizer, run_extract
     from benchmarks.extract import disk_write_rate
+    from benchmarks.scratch import check_outputs, scratch
 
-    root = Path(out or tempfile.mkdtemp(prefix="eagle-stages-"))
-    root.mkdir(parents=True, exist_ok=True)
-    cfg = ExtractConfig(out=str(root / "c"), model=model, data=data, num_samples=num_samples, device=device,
-                        dtype=dtype, storage_dtype=storage_dtype, max_length=max_length, batch_tokens=batch_tokens,
-                        writers=writers, write_queue_gib=write_queue_gib, progress=False)
-    check_paths(cfg)  # device, model folder, data: a clear error before any work
+    # every setting checked before any work or any file (the extraction's own through check_paths)
+    cfg = ExtractConfig(out=str(Path(tempfile.gettempdir()) / "unused"), model=model, data=data,
+                        num_samples=num_samples, device=device, dtype=dtype, storage_dtype=storage_dtype,
+                        max_length=max_length, batch_tokens=batch_tokens, writers=writers,
+                        write_queue_gib=write_queue_gib, progress=False)
+    check_paths(cfg)
+    check_outputs(out, json_out)
     if write_behind_chunks is not None and write_behind_chunks < 1:
         raise ValueError(f"write_behind_chunks must be >= 1, got {write_behind_chunks}")
-    if json_out and not Path(json_out).resolve().parent.is_dir():
-        raise ValueError(f"json_out {json_out!r}: its folder does not exist")
+    if switch_interval is not None and not 0 < switch_interval <= 1:
+        raise ValueError(f"switch_interval must be in (0, 1] seconds, got {switch_interval}")
+    if not keep_gib > 0:
+        raise ValueError(f"keep_gib must be > 0, got {keep_gib}")
     path = model_dir(model)
     tok = load_tokenizer(path, False)
     be = make_backend("hf", model_path=path, aux_layer_ids=None, dtype=dtype, device=device,
@@ -93,35 +98,38 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
                            else "cpu", "dtype": dtype, "storage_dtype": stored(cfg), "batch_tokens": batch_tokens,
                            "writers": writers}
     old = wb.IN_FLIGHT, sys.getswitchinterval()
-    try:
-        if write_behind_chunks is not None:
-            wb.IN_FLIGHT = write_behind_chunks
-        if switch_interval is not None:
-            sys.setswitchinterval(switch_interval)
-        res.update(write_behind_chunks=wb.IN_FLIGHT, switch_interval=sys.getswitchinterval())
-        if not pipeline_only:
-            res.update(_stages_alone(cfg, be, tok, root, keep_gib))
-        else:  # the kernels' first launches (and the pinned pool) are no part of the pipeline's rate
-            _warm_up(cfg, be, tok)
+    with scratch(out, "eagle-stages-") as root:
+        cfg = replace(cfg, out=str(root / "c"))
+        try:
+            if write_behind_chunks is not None:
+                wb.IN_FLIGHT = write_behind_chunks
+            if switch_interval is not None:
+                sys.setswitchinterval(switch_interval)
+            res.update(write_behind_chunks=wb.IN_FLIGHT, switch_interval=sys.getswitchinterval())
+            if not pipeline_only:
+                res.update(_stages_alone(cfg, be, tok, root, keep_gib))
+            else:  # the kernels' first launches (and the pinned pool) are no part of the pipeline's rate
+                _warm_up(cfg, be, tok)
+            _settle()
+            stats = run_extract(cfg, backend=be, tokenizer=tok)["run_stats"]
+        finally:
+            wb.IN_FLIGHT = old[0]
+            sys.setswitchinterval(old[1])
+        written = sum(p.stat().st_size for p in Path(cfg.out).glob("*.tar"))
+        if not written:
+            raise ValueError(f"no sample of data {data!r} was extracted (see the skips above): nothing to measure")
+        shutil.rmtree(cfg.out, ignore_errors=True)
         _settle()
-        stats = run_extract(cfg, backend=be, tokenizer=tok)["run_stats"]
-    finally:
-        wb.IN_FLIGHT = old[0]
-        sys.setswitchinterval(old[1])
-    written = sum(p.stat().st_size for p in Path(cfg.out).glob("*.tar"))
-    shutil.rmtree(cfg.out, ignore_errors=True)
-    _settle()
-    c_gb_s = written / stats["seconds"] / 1e9
-    res.update(c_pipeline_tok_s=round(stats["tokens_per_s"]), c_tokens=stats["new_tokens"], c_seconds=stats["seconds"],
-               c_GB_s=round(c_gb_s, 3), c_waits_s=stats["waits_s"])
-    # (d) the same bytes as (c) wrote, as fsync'd files of shard size
-    res["d_disk_GB_s_1"] = round(disk_write_rate(root, written, int(cfg.shard_max_bytes), 1), 3)
-    res[f"d_disk_GB_s_{writers}"] = round(disk_write_rate(root, written, int(cfg.shard_max_bytes), writers), 3)
+        c_gb_s = written / stats["seconds"] / 1e9
+        res.update(c_pipeline_tok_s=round(stats["tokens_per_s"]), c_tokens=stats["new_tokens"],
+                   c_seconds=stats["seconds"], c_GB_s=round(c_gb_s, 3), c_waits_s=stats["waits_s"])
+        # (d) the same bytes as (c) wrote, as fsync'd files of shard size
+        res["d_disk_GB_s_1"] = round(disk_write_rate(root, written, int(cfg.shard_max_bytes), 1), 3)
+        res[f"d_disk_GB_s_{writers}"] = round(disk_write_rate(root, written, int(cfg.shard_max_bytes), writers), 3)
     res["c_over_disk"] = round(c_gb_s / max(res["d_disk_GB_s_1"], res[f"d_disk_GB_s_{writers}"]), 3)
     if not pipeline_only:
         res["c_over_a"] = round(res["c_pipeline_tok_s"] / res["a_plain_tok_s"], 3)
         res["bound"] = min(("f_front_tok_s", "a_plain_tok_s", "b_capture_tok_s", "w_writers_tok_s"), key=res.get)
-    shutil.rmtree(root if out is None else cfg.out, ignore_errors=True)
     for k, v in res.items():
         print(f"{k:>18}: {v}")
     if json_out:
@@ -186,6 +194,8 @@ def _stages_alone(cfg, be, tok, root: Path, keep_gib: float) -> dict[str, Any]:
                          "x", be.info.vocab_size, cfg.max_length, cfg.batch_tokens, cfg.max_batch_size,
                          cfg.sort_window, policy))
     tokens = sum(s.num_tokens for b in batches for s in b)
+    if not tokens:
+        raise ValueError(f"no sample of data {cfg.data!r} can be extracted (see the skips above): nothing to measure")
     res.update(samples=sum(map(len, batches)), tokens=tokens, f_front_tok_s=round(tokens / (time.perf_counter() - t0)))
 
     @torch.inference_mode()

@@ -45,6 +45,8 @@ def test_benchmark_commands_are_one_static_table(capsys):
 def test_bench_extract_runs_from_its_command_line(tmp_path):
     """The extract benchmark's options come from its signature; the figures land in --json_out."""
     out = tmp_path / "x.json"
+    (tmp_path / "d" / "shards").mkdir(parents=True)  # the user's folder, with a file where ours would go
+    (tmp_path / "d" / "shards" / "mine.tar").write_text("keep")
     main(["extract", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--seq_len", "16",
           "--batch_size", "2", "--num_batches", "2", "--repeats", "1", "--out", str(tmp_path / "d"),
           "--json_out", str(out)])
@@ -52,7 +54,7 @@ def test_bench_extract_runs_from_its_command_line(tmp_path):
     assert res["repeats"]["a_plain"][0] > 0 and res["c_capture_write_tok_s"] > 0 and res["seq_len"] == 16
     assert res["e_peers_tok_s"] > 0 and res["repeats"]["e_peers"][0] > 0  # (e), the peers' method, same run
     assert res["ratio_e_over_a"] > 0 and res["ratio_c_over_e"] > 0 and res["ratio_c0_over_a"] > 0  # (c0): no write-behind
-    assert not (tmp_path / "d" / "peers").exists()  # its per-sample files are removed
+    assert [p.name for p in (tmp_path / "d").rglob("*")] == ["shards", "mine.tar"]  # its files gone, the user's kept
 
 
 def test_bench_codec_runs_on_random_states_from_its_command_line(tmp_path, capsys):
@@ -164,6 +166,8 @@ def test_bench_stages_measures_every_stage_on_the_same_rows(tmp_path, tiny):
         {"from": "human", "value": f"question {i} " * (i + 1)}, {"from": "gpt", "value": f"answer number {i}"}]})
         for i in range(6)) + "\n")
     out = tmp_path / "s.json"
+    (tmp_path / "disk" / "c").mkdir(parents=True)  # the user's folder: a file of theirs, a leftover named like ours
+    (tmp_path / "disk" / "mine.txt").write_text("keep")
     main(["stages", "--model", str(tiny[0]), "--data", str(data), "--num_samples", "null", "--device", "cpu",
           "--dtype", "float32", "--max_length", "1024", "--batch_tokens", "256", "--out", str(tmp_path / "disk"),
           "--write_behind_chunks", "7", "--json_out", str(out)])
@@ -181,4 +185,60 @@ def test_bench_stages_measures_every_stage_on_the_same_rows(tmp_path, tiny):
                                   "c_pipeline_tok_s", "c_GB_s", "d_disk_GB_s_1", "d_disk_GB_s_2"))
     assert r["bytes_per_token"] == 4 * 64 * 4 + 8 + 1  # 3 + 1 states of H=64 in float32, int64 id, uint8 mask
     assert r["bound"] in ("f_front_tok_s", "a_plain_tok_s", "b_capture_tok_s", "w_writers_tok_s")
-    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == []  # the measured folder is left empty
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["c", "mine.txt"]  # only the user's things
+    assert not any((tmp_path / "disk" / "c").iterdir())
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--json_out", "{tmp}"], "is a folder"),
+    (["--out", "{tmp}/afile"], "is not a folder"),
+    (["--switch_interval", "0"], "switch_interval must be in (0, 1]"),
+    (["--keep_gib", "0"], "keep_gib must be > 0"),
+    (["--write_behind_chunks", "0"], "write_behind_chunks must be >= 1"),
+    (["--data", "{tmp}/bad.jsonl", "--pipeline_only", "true"], "nothing to measure"),
+    (["--data", "{tmp}/bad.jsonl"], "nothing to measure"),
+])
+def test_bench_stages_refuses_bad_settings_in_one_line_and_leaves_nothing(tmp_path, tiny, capsys, args, says):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "ok.jsonl").write_text(json.dumps({"conversations": [
+        {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}) + "\n")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "only q"}]}) + "\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    base = ["stages", "--model", str(tiny[0]), "--data", str(tmp_path / "ok.jsonl"), "--num_samples", "null",
+            "--device", "cpu", "--dtype", "float32", "--max_length", "256", "--batch_tokens", "256"]
+    if "--out" not in args:
+        base += ["--out", str(tmp_path / "disk")]
+    with pytest.raises(SystemExit) as e:
+        main(base + args)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no --out folder left, nothing written
+
+
+def test_disk_rate_deletes_its_files_and_raises_a_writers_error(tmp_path, monkeypatch):
+    import os
+
+    from benchmarks.extract import disk_write_rate
+
+    assert disk_write_rate(tmp_path, 3 << 20, 1 << 20, 2) > 0 and list(tmp_path.iterdir()) == []
+    real, calls = os.fsync, []
+
+    def full(fd):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space"):
+        disk_write_rate(tmp_path, 4 << 20, 1 << 20, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, says", [(["--repeats", "0"], "repeats must be"), (["--num_batches", "0"], "num_batches"),
+                                        (["--writers", "0"], "writers must be"),
+                                        (["--json_out", "/nonexistent/x.json"], "its folder does not exist")])
+def test_bench_extract_refuses_bad_settings_before_any_work(tmp_path, capsys, args, says):
+    with pytest.raises(SystemExit) as e:
+        main(["extract", "--shape", "tiny", "--device", "cpu", "--out", str(tmp_path / "o")] + args)
+    assert e.value.code == 2 and says in capsys.readouterr().err and not (tmp_path / "o").exists()
