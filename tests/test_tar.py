@@ -276,6 +276,26 @@ def test_read_span_corrupt_header_names_shard_not_tarerror(tmp_path):
     assert isinstance(e.value.__cause__, CorruptTar)
 
 
+@pytest.mark.parametrize("damage", ["header", "truncate"])
+def test_damage_at_a_sample_loses_that_sample_not_the_intact_one_before_it(tmp_path, damage):
+    """The walk breaks at syn_000000002's first member: syn_000000001, whose members were all
+    read, is still handed out (it used to wait for the next key and be lost with it)."""
+    write_synthetic(tmp_path, [4], hidden_size=8)
+    shard = next(tmp_path.glob("*.tar"))
+    data = bytearray(shard.read_bytes())
+    with tarfile.open(shard) as tf:
+        third = tf.getmembers()[4].offset  # header of syn_000000002.json
+    if damage == "header":
+        data[third + 3] ^= 1
+    else:
+        data = data[:third + 700]  # ends inside syn_000000002.json's data
+    shard.write_bytes(bytes(data))
+    skipped = Counter()
+    got = list(read_span(_span(str(shard), 0, 4, 4), "skip", skipped))
+    assert [s and s["__key__"] for s in got] == ["syn_000000000", "syn_000000001", None, None]
+    assert sum(skipped.values()) == 2, skipped
+
+
 # ---- read_samples and inspect ------------------------------------------------------------------
 
 def test_read_samples_and_inspect_read_sample(tmp_path):

@@ -89,24 +89,33 @@ def _grouped(walk: TarWalk, span: Span, read: Callable[[Member], Any], at: dict[
         ValueError: a member name twice in one sample.
     """
     cur, sample = None, None
-    for m in walk.members():
-        if m.key is None:
-            continue
-        if m.key != cur:
-            at["seen"], cur = at["seen"] + 1, m.key
-        if at["seen"] > span.stop:
-            break
-        if at["seen"] <= span.start:
-            continue
-        if sample is None or m.key != sample["__key__"]:
-            if sample is not None:
-                yield sample
-            sample = {"__key__": m.key, "__url__": span.shard.url}
-            at["key"] = m.key
-        ext = m.ext.lower()
-        if ext in sample:
-            raise ValueError(f"{m.name}: duplicate file name in tar file {ext}")
-        sample[ext] = read(m)
+    try:
+        for m in walk.members():
+            if m.key is None:
+                continue
+            if m.key != cur:
+                at["seen"], cur = at["seen"] + 1, m.key
+            if at["seen"] > span.stop:
+                break
+            if at["seen"] <= span.start:
+                continue
+            if sample is None or m.key != sample["__key__"]:
+                if sample is not None:
+                    yield sample
+                sample = {"__key__": m.key, "__url__": span.shard.url}
+                at["key"] = m.key
+            ext = m.ext.lower()
+            if ext in sample:
+                sample = None  # not handed out: which of its two members is right is unknown
+                raise ValueError(f"{m.name}: duplicate file name in tar file {ext}")
+            sample[ext] = read(m)
+    except Exception:
+        # the walk broke at a later member (a corrupt or truncated header): a sample whose
+        # members were all read is intact and handed out before the error (its payload is
+        # still checked when decoded)
+        if sample is not None and all(r in sample for r in REQUIRED_MEMBERS):
+            yield sample
+        raise
     if sample is not None:
         yield sample
 
