@@ -551,3 +551,15 @@ def test_waits_add_up_when_the_writers_bound_the_run(tmp_path, model_dir, data_f
     w = st["waits_s"]
     assert w["writers"] >= 0.1 * (st["new_samples"] - 2) * 0.9 and w["writers"] == max(w.values())
     assert sum(w.values()) <= st["seconds"] + 0.01
+
+
+def test_resume_accepts_another_spelling_of_the_same_data_file_only(tmp_path, model_dir, data_file, monkeypatch):
+    out = tmp_path / "ds"
+    first = run_extract(cfg(out, model_dir, data_file))
+    monkeypatch.chdir(data_file.parent)
+    again = run_extract(cfg(out, model_dir, data_file.name))  # relative to another working directory
+    assert again["run_stats"]["new_samples"] == 0 and again["num_samples"] == first["num_samples"]
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(data_file.read_bytes())  # same rows, another file
+    with pytest.raises(ValueError, match=r"data: existing"):
+        run_extract(cfg(out, model_dir, other))

@@ -231,11 +231,24 @@ def check_resume(prev: dict[str, Any], cfg: dict[str, Any], where: str) -> None:
         ValueError: names every config field that differs.
     """
     old = prev.get("config", {})
-    diff = [k for k in RESUME_KEYS if resume_value(old, k) != resume_value(cfg, k)]
+    diff = [k for k in RESUME_KEYS if not _same(k, resume_value(old, k), resume_value(cfg, k))]
     if diff:
         lines = "\n".join(_describe_diff(k, resume_value(old, k), resume_value(cfg, k)) for k in diff)
         raise ValueError(f"{where} was written by a different run configuration; refusing to mix:\n{lines}\n"
                          "Use a new --out directory (or the original settings to resume).")
+
+
+def _same(key: str, old: Any, new: Any) -> bool:
+    """Equal, or (``data``, ``model_path``) two spellings of one existing local file or folder
+    (relative vs absolute, a symlink): resuming from another working directory is the same run."""
+    if old == new:
+        return True
+    if key in ("data", "model_path") and isinstance(old, str) and isinstance(new, str):
+        try:
+            return os.path.samefile(old, new)
+        except (OSError, ValueError):
+            return False
+    return False
 
 
 def _describe_diff(key: str, old: Any, new: Any) -> str:
