@@ -542,14 +542,14 @@ def test_waits_add_up_when_the_writers_bound_the_run(tmp_path, model_dir, data_f
     real = ShardSink.write
 
     def slow(self, *a, **k):
-        _time.sleep(0.1)
+        _time.sleep(0.3)  # far slower than the tiny model's forward, even on a loaded machine
         return real(self, *a, **k)
 
     monkeypatch.setattr(ShardSink, "write", slow)
     m = run_extract(cfg(tmp_path / "ds", model_dir, data_file, write_queue_gib=1e-9))
     st = m["run_stats"]
     w = st["waits_s"]
-    assert w["writers"] >= 0.1 * (st["new_samples"] - 2) * 0.9 and w["writers"] == max(w.values())
+    assert w["writers"] >= 0.3 * (st["new_samples"] - 2) * 0.5 and w["writers"] == max(w.values())
     assert sum(w.values()) <= st["seconds"] + 0.01
 
 
