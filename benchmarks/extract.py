@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import json
+import math
 import shutil
 import statistics
 import time
@@ -41,13 +42,15 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=600)
+#: the shapes ``bench extract --shape`` builds
+SHAPES = {"llama3.1-8b": LLAMA31_8B, "tiny": TINY}
 
 
 def build_model(shape: str, dtype: torch.dtype, device: str, vocab_size: int | None = None):
     """Random-weight Llama of a named shape ("llama3.1-8b" or "tiny"), built on ``device``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**{**(LLAMA31_8B if shape == "llama3.1-8b" else TINY),
+    cfg = LlamaConfig(**{**SHAPES[shape],
                          **({"vocab_size": vocab_size} if vocab_size else {})})
     cfg._attn_implementation = "sdpa"
     old = torch.get_default_dtype()
@@ -164,10 +167,19 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
 
     from benchmarks.scratch import check_outputs, scratch
 
+    from eagle_data.checks import check_device
+
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    check_device(device)
     check_positive(seq_len=seq_len, batch_size=batch_size, num_batches=num_batches, repeats=repeats, writers=writers)
+    for name, v in (("peak_tflops", peak_tflops), ("write_queue_gib", write_queue_gib)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+    dt = hidden_dtype(dtype)
+    storage_dtype_of(storage_dtype or dtype)
     check_outputs(out, json_out)
     with scratch(out, "eagle-bench-") as root:
-        dt = hidden_dtype(dtype)
         model = build_model(shape, dt, device)
         cfg = model.config
         L, H = cfg.num_hidden_layers, cfg.hidden_size

@@ -28,6 +28,7 @@ import logging
 import shutil
 import tempfile
 import time
+import uuid
 from dataclasses import replace
 from itertools import cycle
 from pathlib import Path
@@ -78,7 +79,8 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     from benchmarks.scratch import check_outputs, scratch
 
     # every setting checked before any work or any file (the extraction's own through check_paths)
-    cfg = ExtractConfig(out=str(Path(tempfile.gettempdir()) / "unused"), model=model, data=data,
+    cfg = ExtractConfig(out=str(Path(tempfile.gettempdir()) / f"eagle-stages-check-{uuid.uuid4().hex}"), model=model,
+                        data=data,
                         num_samples=num_samples, device=device, dtype=dtype, storage_dtype=storage_dtype,
                         max_length=max_length, batch_tokens=batch_tokens, writers=writers,
                         write_queue_gib=write_queue_gib, progress=False)

@@ -242,3 +242,32 @@ def test_bench_extract_refuses_bad_settings_before_any_work(tmp_path, capsys, ar
     with pytest.raises(SystemExit) as e:
         main(["extract", "--shape", "tiny", "--device", "cpu", "--out", str(tmp_path / "o")] + args)
     assert e.value.code == 2 and says in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args, says", [(["--shape", "foo"], "shape must be one of"),
+                                        (["--device", "bogus"], "device must be a torch device"),
+                                        (["--peak_tflops", "0"], "peak_tflops must be a finite number > 0"),
+                                        (["--write_queue_gib", "-1"], "write_queue_gib must be a finite number > 0"),
+                                        (["--storage_dtype", "foo"], "storage_dtype"),
+                                        (["--out", "{tmp}/afile/sub"], "is not a folder")])
+def test_bench_extract_refuses_more_bad_settings_and_leaves_no_folders(tmp_path, capsys, args, says):
+    (tmp_path / "afile").write_text("x")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "deep" / "a" / "b")]
+    with pytest.raises(SystemExit) as e:
+        main(["extract", "--device", "cpu", "--shape", "tiny", "--dtype", "float32"] + out + args)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_scratch_removes_the_folders_it_made_and_keeps_the_users(tmp_path):
+    from benchmarks.scratch import scratch
+
+    with scratch(str(tmp_path / "x" / "y"), "t-") as root:
+        (root / "f").write_text("data")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(RuntimeError):
+        with scratch(str(tmp_path / "mine"), "t-") as root:
+            raise RuntimeError("interrupted")
+    assert [p.name for p in tmp_path.rglob("*")] == ["mine"]

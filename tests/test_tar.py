@@ -296,6 +296,21 @@ def test_damage_at_a_sample_loses_that_sample_not_the_intact_one_before_it(tmp_p
     assert sum(skipped.values()) == 2, skipped
 
 
+def test_damage_after_a_span_costs_that_span_nothing(tmp_path, caplog):
+    write_synthetic(tmp_path, [4], hidden_size=8)
+    shard = next(tmp_path.glob("*.tar"))
+    data = bytearray(shard.read_bytes())
+    with tarfile.open(shard) as tf:
+        third = tf.getmembers()[4].offset  # header of syn_000000002.json
+    data[third + 3] ^= 1
+    shard.write_bytes(bytes(data))
+    skipped = Counter()
+    with caplog.at_level("WARNING"):
+        got = list(read_span(_span(str(shard), 0, 2, 4), "skip", skipped))
+    assert [s["__key__"] for s in got] == ["syn_000000000", "syn_000000001"]
+    assert not skipped and not [r for r in caplog.records if "skipping" in r.getMessage()]
+
+
 # ---- read_samples and inspect ------------------------------------------------------------------
 
 def test_read_samples_and_inspect_read_sample(tmp_path):

@@ -154,10 +154,11 @@ def read_span(span: Span, on_error: str, skipped: Counter, quiet: bool = False) 
             key = at["key"]
             where = f"at sample {key!r} (or the member after it)" if key is not None else "before its first sample"
             raise ShardError(f"shard {sh.url}: unreadable {where}: {e!r}") from e
-        skipped["unreadable_shard"] += want - got
-        if not quiet:
-            log.warning("skipping %d sample(s) of %s: %r", want - got, sh.url, e)
-        yield from [None] * (want - got)
+        if got < want:  # else the damage lies after this span's samples, all of which were read
+            skipped["unreadable_shard"] += want - got
+            if not quiet:
+                log.warning("skipping %d sample(s) of %s: %r", want - got, sh.url, e)
+            yield from [None] * (want - got)
     finally:
         if stream is not None:
             stream.close()
