@@ -262,7 +262,8 @@ def test_read_span_duplicate_member_and_holes(tmp_path, stream):
     assert [s and s["__key__"] for s in got] == ["syn_000000000", None, None] and skipped["unreadable_shard"] == 2
 
 
-def test_read_span_corrupt_header_names_shard_not_tarerror(tmp_path):
+def _damaged_third_header(tmp_path) -> tuple[Path, int]:
+    """A 4-sample shard whose syn_000000002.json header has a flipped byte: (shard, header offset)."""
     write_synthetic(tmp_path, [4], hidden_size=8)
     shard = next(tmp_path.glob("*.tar"))
     data = bytearray(shard.read_bytes())
@@ -270,6 +271,11 @@ def test_read_span_corrupt_header_names_shard_not_tarerror(tmp_path):
         third = tf.getmembers()[4].offset  # header of syn_000000002.json
     data[third + 3] ^= 1
     shard.write_bytes(bytes(data))
+    return shard, third
+
+
+def test_read_span_corrupt_header_names_shard_not_tarerror(tmp_path):
+    shard, third = _damaged_third_header(tmp_path)
     with pytest.raises(ShardError, match=rf"{shard}: unreadable at sample 'syn_000000001'.*corrupt tar header at byte "
                                          rf"{third}") as e:
         list(read_span(_span(str(shard), 0, 4, 4), "raise", Counter()))
@@ -297,13 +303,7 @@ def test_damage_at_a_sample_loses_that_sample_not_the_intact_one_before_it(tmp_p
 
 
 def test_damage_after_a_span_costs_that_span_nothing(tmp_path, caplog):
-    write_synthetic(tmp_path, [4], hidden_size=8)
-    shard = next(tmp_path.glob("*.tar"))
-    data = bytearray(shard.read_bytes())
-    with tarfile.open(shard) as tf:
-        third = tf.getmembers()[4].offset  # header of syn_000000002.json
-    data[third + 3] ^= 1
-    shard.write_bytes(bytes(data))
+    shard, _ = _damaged_third_header(tmp_path)
     skipped = Counter()
     with caplog.at_level("WARNING"):
         got = list(read_span(_span(str(shard), 0, 2, 4), "skip", skipped))
