@@ -79,11 +79,10 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     from benchmarks.scratch import check_outputs, scratch
 
     # every setting checked before any work or any file (the extraction's own through check_paths)
-    cfg = ExtractConfig(out=str(Path(tempfile.gettempdir()) / f"eagle-stages-check-{uuid.uuid4().hex}"), model=model,
-                        data=data,
-                        num_samples=num_samples, device=device, dtype=dtype, storage_dtype=storage_dtype,
-                        max_length=max_length, batch_tokens=batch_tokens, writers=writers,
-                        write_queue_gib=write_queue_gib, progress=False)
+    unused = Path(tempfile.gettempdir()) / f"eagle-stages-check-{uuid.uuid4().hex}"  # replaced by the scratch folder
+    cfg = ExtractConfig(out=str(unused), model=model, data=data, num_samples=num_samples, device=device, dtype=dtype,
+                        storage_dtype=storage_dtype, max_length=max_length, batch_tokens=batch_tokens,
+                        writers=writers, write_queue_gib=write_queue_gib, progress=False)
     check_paths(cfg)
     check_outputs(out, json_out)
     if write_behind_chunks is not None and write_behind_chunks < 1:
