@@ -7,6 +7,8 @@ the options. Figures and how to read them: BENCHMARKS.md.
 
 from __future__ import annotations
 
+import signal
+
 from benchmarks.codec import bench_codec
 from benchmarks.extract import bench_extract
 from benchmarks.final_rows import bench_final_rows
@@ -25,7 +27,17 @@ COMMANDS = {"loader": bench_loader, "extract": bench_extract, "train": bench_tra
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(COMMANDS, argv, "python -m benchmarks")
+    """Run one benchmark; SIGTERM (``kill``, ``timeout``, a scheduler) stops it as Ctrl-C does, so
+    its scratch folder is removed either way."""
+    old = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        run_cli(COMMANDS, argv, "python -m benchmarks", interrupted="interrupted (a benchmark does not resume)")
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ for BENCHMARKS.md, not asserted): the loader over the same samples, extract, cod
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -271,3 +272,28 @@ def test_scratch_removes_the_folders_it_made_and_keeps_the_users(tmp_path):
         with scratch(str(tmp_path / "mine"), "t-") as root:
             raise RuntimeError("interrupted")
     assert [p.name for p in tmp_path.rglob("*")] == ["mine"]
+
+
+def test_a_benchmark_stopped_by_sigterm_removes_its_scratch_folder(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "disk"
+    out.mkdir()
+    p = subprocess.Popen([sys.executable, "-m", "benchmarks", "extract", "--shape", "tiny", "--device", "cpu",
+                          "--dtype", "float32", "--num_batches", "400", "--repeats", "3", "--peers", "false",
+                          "--out", str(out)], cwd=Path(__file__).resolve().parents[1],
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not list(out.glob("eagle-bench-*")) and p.poll() is None and time.time() - t0 < 120:
+        time.sleep(0.05)
+    assert list(out.glob("eagle-bench-*")), p.communicate()
+    time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "interrupted (a benchmark does not resume)" in err
+    assert list(out.iterdir()) == []

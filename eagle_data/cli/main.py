@@ -29,12 +29,13 @@ RUNNERS: dict[type, Callable[[Any], None]] = {ExtractConfig: extract, Regenerate
 
 
 def run_cli(commands: dict[str, Any], argv: list[str] | None, prog: str,
-            runners: dict[type, Callable[[Any], None]] | None = None) -> None:
+            runners: dict[type, Callable[[Any], None]] | None = None,
+            interrupted: str = "interrupted; rerun the same command to resume") -> None:
     """Parse ``argv`` against ``commands`` and run the chosen one.
 
     Bad data or settings (``ValueError``) end with exit code 2 and the message, a failing file
     system or machine (``OSError``: full disk, missing file) with 1 (no traceback unless
-    ``EAGLE_DATA_TRACEBACK=1``); Ctrl-C / an interrupted extraction with 130.
+    ``EAGLE_DATA_TRACEBACK=1``); Ctrl-C / an interrupted extraction with 130 and ``interrupted``.
     """
     from jsonargparse import CLI, set_parsing_settings
 
@@ -46,7 +47,7 @@ def run_cli(commands: dict[str, Any], argv: list[str] | None, prog: str,
         if type(res) in (runners or {}):
             runners[type(res)](res)
     except KeyboardInterrupt:  # Ctrl-C / ExtractionInterrupted: state is consistent, rerun resumes
-        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        print(interrupted, file=sys.stderr)
         sys.exit(130)
     except ValueError as e:  # bad data or settings: the message says what and where
         _fail(e, 2)
