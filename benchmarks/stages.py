@@ -147,19 +147,26 @@ def _settle(seconds: float = 2.0) -> None:
     time.sleep(seconds)
 
 
+def _front(cfg, be, tok, policy):
+    """The batches of ``cfg``'s rows as ``run_extract`` builds them (:func:`eagle_data.extract.stages.front`)."""
+    from eagle_data.extract.chat import ChatRenderer
+    from eagle_data.extract.config import rows_to_read
+    from eagle_data.extract.sources import iter_records
+    from eagle_data.extract.stages import front
+
+    return front(iter_records(cfg.data, num_samples=rows_to_read(cfg)), ChatRenderer.from_path(tok, None), "x",
+                 be.info.vocab_size, cfg.max_length, cfg.batch_tokens, cfg.max_batch_size, cfg.sort_window, policy)
+
+
 def _warm_up(cfg, be, tok, num_batches: int = 8) -> None:
     """Capture the first ``num_batches`` batches of ``cfg``'s rows, nothing written."""
     from itertools import islice
 
-    from eagle_data.extract.chat import ChatRenderer
     from eagle_data.extract.fault import ErrorPolicy
     from eagle_data.extract.signals import Signals
-    from eagle_data.extract.sources import iter_records
-    from eagle_data.extract.stages import capture, front
+    from eagle_data.extract.stages import capture
 
-    batches = islice(front(iter_records(cfg.data, num_samples=cfg.num_samples), ChatRenderer.from_path(tok, None), "x",
-                           be.info.vocab_size, cfg.max_length, cfg.batch_tokens, cfg.max_batch_size, cfg.sort_window,
-                           ErrorPolicy("skip")), num_batches)
+    batches = islice(_front(cfg, be, tok, ErrorPolicy("skip")), num_batches)
     quiet = logging.getLogger("eagle_data.extract.fault")  # the run logs these rows' skips itself
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -176,14 +183,12 @@ def _stages_alone(cfg, be, tok, root: Path, keep_gib: float) -> dict[str, Any]:
 
     from eagle_data.extract.async_sink import AsyncShardWriter
     from eagle_data.extract.backends.hf import right_padded
-    from eagle_data.extract.chat import ChatRenderer
-    from eagle_data.extract.config import final_storage_dtype, rows_to_read
+    from eagle_data.extract.config import final_storage_dtype
     from eagle_data.extract.config import storage_dtype as stored
     from eagle_data.extract.fault import ErrorPolicy
     from eagle_data.extract.signals import Signals
     from eagle_data.extract.sink import ShardSink
-    from eagle_data.extract.sources import iter_records
-    from eagle_data.extract.stages import Sample, capture, front, to_samples
+    from eagle_data.extract.stages import Sample, capture, to_samples
     from eagle_data.format.schema import storage_dtype_of
 
     device = cfg.device
@@ -191,9 +196,7 @@ def _stages_alone(cfg, be, tok, root: Path, keep_gib: float) -> dict[str, Any]:
     res: dict[str, Any] = {}
     t0 = time.perf_counter()
     policy = ErrorPolicy("skip")
-    batches = list(front(iter_records(cfg.data, num_samples=rows_to_read(cfg)), ChatRenderer.from_path(tok, None),
-                         "x", be.info.vocab_size, cfg.max_length, cfg.batch_tokens, cfg.max_batch_size,
-                         cfg.sort_window, policy))
+    batches = list(_front(cfg, be, tok, policy))
     tokens = sum(s.num_tokens for b in batches for s in b)
     if not tokens:
         raise ValueError(f"no sample of data {cfg.data!r} can be extracted (see the skips above): nothing to measure")
