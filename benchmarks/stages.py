@@ -12,7 +12,7 @@ on the same rows (the target loaded once, excluded from every figure):
 (w) the shard writers alone: samples already in host memory (b's first batches, cycled under
     new keys to the bytes of the whole run) through :class:`AsyncShardWriter` to the disk,
     published (fsync) at the end;
-(c) ``run_extract`` end to end (front thread, capture, writers) into a fresh folder on the disk;
+(c) ``run_extract`` end to end (front process or thread, capture, writers) into a fresh folder on the disk;
 (d) the disk's raw write rate (fsync'd files of shard size; 1 and ``writers`` threads).
 
 The pipeline is as fast as its slowest stage when the stages overlap: (c) far below
@@ -39,7 +39,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
                  device: str = "cuda", dtype: str = "bfloat16", storage_dtype: str | None = None,
                  max_length: int = 2048, batch_tokens: int = 65536, writers: int = 2, write_queue_gib: float = 2.0,
                  out: str | None = None, keep_gib: float = 2.0, switch_interval: float | None = None,
-                 write_behind_chunks: int | None = None, pipeline_only: bool = False,
+                 write_behind_chunks: int | None = None, pipeline_only: bool = False, front: str = "auto",
                  json_out: str | None = None) -> dict[str, Any]:
     """Tokens/s of each extraction stage alone and of the whole pipeline, and the disk's rate:
     (f) front, (a) plain forward, (b) capture to host, (w) the shard writers alone, (c) the whole
@@ -64,6 +64,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
             and (c) (default: :data:`eagle_data.extract.writeback.IN_FLIGHT`): deeper queues may
             suit a network disk.
         pipeline_only: only (c) and (d) (after a warm-up capture of the first batches).
+        front: where (c) runs its front (as ``extract --front``: "auto", "process", "thread").
         json_out: also write the figures to this JSON file.
     """
     import sys
@@ -82,7 +83,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     unused = Path(tempfile.gettempdir()) / f"eagle-stages-check-{uuid.uuid4().hex}"  # replaced by the scratch folder
     cfg = ExtractConfig(out=str(unused), model=model, data=data, num_samples=num_samples, device=device, dtype=dtype,
                         storage_dtype=storage_dtype, max_length=max_length, batch_tokens=batch_tokens,
-                        writers=writers, write_queue_gib=write_queue_gib, progress=False)
+                        writers=writers, write_queue_gib=write_queue_gib, front=front, progress=False)
     check_paths(cfg)
     check_outputs(out, json_out)
     if write_behind_chunks is not None and write_behind_chunks < 1:
@@ -97,7 +98,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
                       out_dtype=stored(cfg), final_out_dtype=final_storage_dtype(cfg))
     res: dict[str, Any] = {"model": model, "data": data, "device": torch.cuda.get_device_name() if device.startswith("cuda")
                            else "cpu", "dtype": dtype, "storage_dtype": stored(cfg), "batch_tokens": batch_tokens,
-                           "writers": writers}
+                           "writers": writers, "front": front}
     old = wb.IN_FLIGHT, sys.getswitchinterval()
     with scratch(out, "eagle-stages-") as root:
         cfg = replace(cfg, out=str(root / "c"))
@@ -123,7 +124,8 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         _settle()
         c_gb_s = written / stats["seconds"] / 1e9
         res.update(c_pipeline_tok_s=round(stats["tokens_per_s"]), c_tokens=stats["new_tokens"],
-                   c_seconds=stats["seconds"], c_GB_s=round(c_gb_s, 3), c_waits_s=stats["waits_s"])
+                   c_seconds=stats["seconds"], c_GB_s=round(c_gb_s, 3), c_waits_s=stats["waits_s"],
+                   c_front=stats["front"], c_front_start_s=stats["front_start_s"])
         # (d) the same bytes as (c) wrote, as fsync'd files of shard size
         res["d_disk_GB_s_1"] = round(disk_write_rate(root, written, int(cfg.shard_max_bytes), 1), 3)
         res[f"d_disk_GB_s_{writers}"] = round(disk_write_rate(root, written, int(cfg.shard_max_bytes), writers), 3)

@@ -71,10 +71,10 @@ def make_fixture(work: Path, samples: int, seed: int = 0) -> tuple[Path, Path]:
     return model, data
 
 
-def config(out: Path, model: Path, data: Path, shard_max_samples: int) -> ExtractConfig:
+def config(out: Path, model: Path, data: Path, shard_max_samples: int, front: str = "thread") -> ExtractConfig:
     return ExtractConfig(out=str(out), model=str(model), data=str(data), num_samples=None, dtype="float32",
                          aux_layer_ids=[1, 3, 5], shard_max_samples=shard_max_samples, batch_tokens=4096,
-                         max_batch_size=1, sort_window=8, progress=False)
+                         max_batch_size=1, sort_window=8, front=front, progress=False)
 
 
 class _Forked:
@@ -119,7 +119,7 @@ def start(cfg: ExtractConfig, spawn: bool):
            "--data", cfg.data, "--num_samples", "null", "--dtype", cfg.dtype, "--aux_layer_ids", "[1, 3, 5]",
            "--shard_max_samples", str(cfg.shard_max_samples), "--batch_tokens", str(cfg.batch_tokens),
            "--max_batch_size", str(cfg.max_batch_size), "--sort_window", str(cfg.sort_window),
-           "--progress", "false"]
+           "--front", cfg.front, "--progress", "false"]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -193,8 +193,26 @@ def compare(ref: Path, run: Path) -> list[str]:
     return diffs
 
 
+def _front_children(work: Path) -> list[int]:
+    """Live front processes (``--front process``) of runs into ``work`` (their command line names the
+    spawn entry point; their parent's names ``work``, or they were orphaned: parent 1 or gone)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes()
+            if not d.name.isdigit() or b"spawn_main" not in cmd or int(d.name) == os.getpid():
+                continue
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent = Path(f"/proc/{ppid}/cmdline").read_bytes() if ppid > 1 else b""
+            if ppid <= 1 or str(work).encode() in parent or not parent:
+                found.append(int(d.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 def kill_resume(work: Path, kills: int = 10, samples: int = 50, terms: int = 2, seed: int = 0,
-                spawn: bool = False, log=print) -> dict:
+                spawn: bool = False, log=print, front: str = "thread") -> dict:
     from eagle_data.tools.verify import verify_dataset
 
     if not spawn:
@@ -204,7 +222,7 @@ def kill_resume(work: Path, kills: int = 10, samples: int = 50, terms: int = 2, 
     shard_max = max(1, samples // (3 * (kills + terms)))  # >= 3 shards per interruption: margin to finish
     ref, run = work / "ref", work / "run"
     t0 = time.monotonic()
-    p = start(config(ref, model, data, shard_max), spawn)
+    p = start(config(ref, model, data, shard_max, front), spawn)
     first_shard = None
     while p.poll() is None:
         if first_shard is None and _tars(ref):
@@ -222,7 +240,7 @@ def kill_resume(work: Path, kills: int = 10, samples: int = 50, terms: int = 2, 
     for what in plan:
         before = _tars(run)
         t_start = time.monotonic()
-        p = start(config(run, model, data, shard_max), spawn)
+        p = start(config(run, model, data, shard_max, front), spawn)
         if what == "kill" and rng.random() < 0.25:  # startup, resume repair or the first shard
             time.sleep(rng.uniform(0, (first_shard or 0) + t_shard))
         elif not _wait_for_new_shard(p, run, before, timeout=120):
@@ -247,21 +265,25 @@ def kill_resume(work: Path, kills: int = 10, samples: int = 50, terms: int = 2, 
         log(json.dumps(ev))
         if not alive:
             break
-    p = start(config(run, model, data, shard_max), spawn)
+    p = start(config(run, model, data, shard_max, front), spawn)
     final_code = p.wait()
     kills_done = sum(e["event"] == "kill" and e.get("delivered", False) for e in events)
     diffs = compare(ref, run) if final_code == 0 else [f"final resume failed ({final_code})"]
     rep = verify_dataset(run) if final_code == 0 else None
+    t_end = time.monotonic() + 5
+    while (orphans := _front_children(work)) and time.monotonic() < t_end:  # a front outlives its parent briefly
+        time.sleep(0.1)
     summary = {
         "samples": len(read_dataset(ref)[0]), "shards": n_shards, "kills": kills_done,
         "interruptions": sum(e["event"] != "kill" and e.get("delivered", False) for e in events),
         "interruptions_clean": all(e.get("clean", True) and e.get("expected_exit", True) for e in events),
-        "final_exit": final_code, "leftovers": leftovers(run), "diffs": diffs[:20],
+        "final_exit": final_code, "leftovers": leftovers(run), "front": front, "front_orphans": orphans,
+        "diffs": diffs[:20],
         "verify_ok": bool(rep and rep.ok), "verify_problems": rep.problems[:10] if rep else None,
         "seconds": round(time.monotonic() - t0, 1),
     }
     summary["ok"] = (kills_done >= kills and summary["interruptions_clean"] and final_code == 0
-                     and not diffs and not summary["leftovers"] and summary["verify_ok"])
+                     and not diffs and not summary["leftovers"] and summary["verify_ok"] and not orphans)
     return summary
 
 
@@ -279,11 +301,14 @@ def main() -> int:
     ap.add_argument("--terms", type=int, default=2, help="clean SIGTERM/SIGINT interruptions")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--spawn", action="store_true", help="run real `eagle-data extract` processes instead of forks")
+    ap.add_argument("--front", default="thread", choices=["thread", "process"],
+                    help="where the extraction's front runs (extract --front)")
     ap.add_argument("--work", default=None, help="working directory (default: a fresh temporary one)")
     a = ap.parse_args()
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="kill_resume_"))
     work.mkdir(parents=True, exist_ok=True)
-    summary = kill_resume(work, a.kills, a.samples, a.terms, a.seed, a.spawn, log=lambda s: print(s, file=sys.stderr))
+    summary = kill_resume(work, a.kills, a.samples, a.terms, a.seed, a.spawn, log=lambda s: print(s, file=sys.stderr),
+                          front=a.front)
     summary["work"] = str(work)
     print(json.dumps(summary, indent=1))
     return 0 if summary["ok"] else 1

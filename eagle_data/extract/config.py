@@ -85,6 +85,10 @@ class ExtractConfig:
     a larger sample goes through alone). Below a forward batch's bytes, the GPU waits for the writers"""
     writers: int = 2
     """shard-writer threads (each fills its own shards of this rank's series)"""
+    front: Literal["auto", "process", "thread"] = "auto"
+    """where rows are read, rendered, tokenised, masked and batched: "process" (a child process: the
+    capture loop of a small target on a GPU then never waits for the GIL), "thread" (in this process),
+    "auto" (process on a GPU, thread on the CPU)"""
     rank: Optional[int] = None
     """this process's rank (default: $RANK or 0); takes source rows with row % world_size == rank"""
     world_size: Optional[int] = None
@@ -117,6 +121,7 @@ class ExtractConfig:
         for name, allowed in (("dtype", HIDDEN_DTYPES), ("storage_dtype", STORAGE_DTYPES),
                               ("final_storage_dtype", STORAGE_DTYPES),
                               ("backend", ("hf", "sglang")), ("on_bad_sample", ("skip", "raise")),
+                              ("front", ("auto", "process", "thread")),
                               ("final_rows", FINAL_ROWS)):
             v = getattr(self, name)
             if (v is not None or not name.endswith("storage_dtype")) and v not in allowed:
@@ -124,6 +129,11 @@ class ExtractConfig:
         for name in ("template_vars", "backend_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
+
+
+def front_in_process(cfg: ExtractConfig) -> bool:
+    """Whether the run's front runs in a child process (``front``; "auto": on a GPU)."""
+    return cfg.front == "process" or (cfg.front == "auto" and not cfg.device.startswith("cpu"))
 
 
 def check_run_fields(cfg: Any) -> None:

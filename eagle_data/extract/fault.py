@@ -30,6 +30,9 @@ class BadRecord(ValueError):
         super().__init__(detail)
         self.reason = reason
 
+    def __reduce__(self):
+        return type(self), (self.reason, str(self)), self.__dict__
+
 
 class RowError(ValueError):
     """A bad source row under ``on_bad_sample: raise``; ``skip`` says which row and why."""
@@ -37,6 +40,9 @@ class RowError(ValueError):
     def __init__(self, skip: Skip):
         super().__init__(f"row {skip.row} (id {skip.source_id}): {skip.reason}: {skip.detail}")
         self.skip = skip
+
+    def __reduce__(self):  # pickled from the front process to the parent
+        return type(self), (self.skip,), self.__dict__
 
 
 class DropCounter:

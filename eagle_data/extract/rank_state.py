@@ -8,7 +8,8 @@ run. On open it makes the directory agree with the progress file (resume), then
 * :meth:`RankState.on_publish` (called by the shard writer thread) commits a published shard
   together with the skips and notes seen so far, in one atomic write;
 * :meth:`RankState.fresh_records` yields the source rows not extracted yet, fingerprinted for
-  their shard's ``source_digest``.
+  their shard's ``source_digest`` (a front in another process reads :func:`fresh_rows` itself and
+  reports the fingerprints through :meth:`RankState.fingerprint`).
 """
 
 from __future__ import annotations
@@ -124,19 +125,28 @@ class RankState:
             v.clear()
 
     def fresh_records(self) -> Iterator[tuple[int, Any]]:
-        """``(row, record)`` of this rank's source rows not extracted yet."""
-        c = self.cfg
-        for r, rec in iter_records(c.data, c.split, c.rank, c.world_size, rows_to_read(c)):
-            if (key := sample_key(self.tag, r)) not in self.done:
-                with self._lock:
-                    self._fps[key] = record_fingerprint(r, rec)
-                yield r, rec
+        """``(row, record)`` of this rank's source rows not extracted yet (fingerprinted)."""
+        for r, rec, key, fp in fresh_rows(self.cfg, self.tag, self.done):
+            self.fingerprint(key, fp)
+            yield r, rec
+
+    def fingerprint(self, key: str, fp: int) -> None:
+        """The fingerprint of the source row of ``key`` (for its shard's ``source_digest``)."""
+        with self._lock:
+            self._fps[key] = fp
 
     def __enter__(self) -> "RankState":
         return self
 
     def __exit__(self, *exc) -> None:
         self._log.close()
+
+
+def fresh_rows(cfg: ExtractConfig, tag: str, done: set[str]) -> Iterator[tuple[int, Any, str, int]]:
+    """``(row, record, key, fingerprint)`` of the rank's source rows whose key is not in ``done``."""
+    for r, rec in iter_records(cfg.data, cfg.split, cfg.rank, cfg.world_size, rows_to_read(cfg)):
+        if (key := sample_key(tag, r)) not in done:
+            yield r, rec, key, record_fingerprint(r, rec)
 
 
 def _previous(out: Path, rank: int, run_cfg: dict[str, Any]) -> dict[str, Any] | None:

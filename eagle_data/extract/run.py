@@ -27,19 +27,21 @@ import errno
 import hashlib
 import logging
 import os
+import pickle
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from tqdm.auto import tqdm
 
 from eagle_data.extract.async_sink import AsyncShardWriter
 from eagle_data.extract.backends.base import Backend
-from eagle_data.extract.chat import ChatRenderer
 from eagle_data.background import background, timed
-from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage_dtype, model_dir, rows_to_read,
-                                       storage_dtype)
+from eagle_data.extract.chat import ChatRenderer, TokenizedSample
+from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage_dtype, front_in_process, model_dir,
+                                       rows_to_read, storage_dtype)
+from eagle_data.extract.front_process import FrontProcess
 from eagle_data.extract.fault import ErrorPolicy
 from eagle_data.extract.manifest import load_progress, merge, open_out, weights_fingerprint
 from eagle_data.extract.rank_state import RankState
@@ -89,14 +91,37 @@ def load_tokenizer(model_path: str, trust_remote_code: bool):
 
 
 def _run(cfg: ExtractConfig, out: Path, backend: Backend | None, tokenizer) -> dict[str, Any]:
-    from eagle_data.extract.backends import make_backend
-
     model_path = model_dir(cfg.model)
     tokenizer = tokenizer or load_tokenizer(model_path, cfg.trust_remote_code)
     renderer = ChatRenderer.from_path(tokenizer, cfg.chat_template, date=cfg.template_date,
                                       variables=cfg.template_vars)
     tag = cfg.dataset_tag or resolve(cfg.data)[2]
     sample_key(tag, 0)  # validates the tag (ValueError) before any work
+    # started now, its start-up (imports, tokenizer) overlaps the model's loading
+    front_proc = _start_front(cfg, renderer, tag)
+    try:
+        return _run_with(cfg, out, backend, renderer, model_path, tag, front_proc)
+    finally:
+        if front_proc is not None:
+            front_proc.close()
+
+
+def _start_front(cfg: ExtractConfig, renderer: ChatRenderer, tag: str) -> FrontProcess | None:
+    """The front's child process (None: the front runs in a thread, logged when it was asked for)."""
+    if not front_in_process(cfg):
+        return None
+    try:
+        return FrontProcess(cfg, renderer, tag, FRONT_AHEAD)
+    except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:  # no process, or a tokenizer that does not pickle
+        log.warning("the extraction front process could not be started (%s: %s); the front runs in a thread",
+                    type(e).__name__, e)
+        return None
+
+
+def _run_with(cfg: ExtractConfig, out: Path, backend: Backend | None, renderer: ChatRenderer, model_path: str,
+              tag: str, front_proc: FrontProcess | None) -> dict[str, Any]:
+    from eagle_data.extract.backends import make_backend
+
     if backend is None:
         extra = {"trust_remote_code": True} if cfg.trust_remote_code and cfg.backend == "hf" else {}
         if cfg.backend == "hf":  # cast / quantise on the device: less to copy to the host
@@ -107,7 +132,7 @@ def _run(cfg: ExtractConfig, out: Path, backend: Backend | None, tokenizer) -> d
     try:
         run_cfg, facts = _run_facts(cfg, backend, renderer, model_path, tag)
         with RankState(cfg, out, run_cfg, facts, tag) as state:
-            stats = _extract(cfg, out, backend, renderer, tag, state, sigs)
+            stats = _extract(cfg, out, backend, renderer, tag, state, sigs, front_proc)
     finally:
         backend.close()
     result: dict[str, Any] = {"progress": state.state, "run_stats": stats}
@@ -171,16 +196,25 @@ def _check_regenerator(data: str, run_cfg: dict[str, Any]) -> None:
 FRONT_AHEAD = 4
 
 
+def _front(cfg: ExtractConfig, renderer: ChatRenderer, tag: str, vocab_size: int, state: RankState,
+           policy: ErrorPolicy, front_proc: FrontProcess | None) -> Iterator[list[TokenizedSample]]:
+    """The batches of the rows not extracted yet, built beside the capture and the writers: in a
+    child process (:mod:`~eagle_data.extract.front_process`) or, without one, in a thread."""
+    if front_proc is not None and front_proc.ready():
+        return front_proc.batches(state.done, vocab_size, state.fingerprint, policy)
+    return background(front(state.fresh_records(), renderer, tag, vocab_size, cfg.max_length, cfg.batch_tokens,
+                            cfg.max_batch_size, cfg.sort_window, policy), FRONT_AHEAD)
+
+
 def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRenderer, tag: str,
-             state: RankState, sigs: Signals) -> dict[str, Any]:
+             state: RankState, sigs: Signals, front_proc: FrontProcess | None = None) -> dict[str, Any]:
     """The pipeline of one rank: source rows not extracted yet -> shards; returns the run stats."""
     policy = ErrorPolicy(cfg.on_bad_sample, listener=state.remember)
     waits: dict[str, float] = {}  # seconds the capture loop waited for each stage (see the run stats)
-    # the front (read, chat template, tokens + mask, batching) runs in a thread beside the capture and
-    # the writers (the tokenizer releases the GIL): a small target is otherwise bound by it
-    batches = interruptible_iter(timed(background(front(state.fresh_records(), renderer, tag, backend.info.vocab_size,
-                                                        cfg.max_length, cfg.batch_tokens, cfg.max_batch_size,
-                                                        cfg.sort_window, policy), FRONT_AHEAD), waits, "front"), sigs)
+    t_start = time.perf_counter()
+    source = _front(cfg, renderer, tag, backend.info.vocab_size, state, policy, front_proc)
+    front_start = time.perf_counter() - t_start  # waiting for the front process to start (overlaps the model's load)
+    batches = interruptible_iter(timed(source, waits, "front"), sigs)
     extracted = timed(to_samples(capture(batches, backend, sigs), (storage_dtype_of(storage_dtype(cfg)),
                                                                    storage_dtype_of(final_storage_dtype(cfg))),
                                  cfg.data, tag, policy, cfg.final_rows), waits, "capture")
@@ -215,6 +249,8 @@ def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRend
     stats = {"new_samples": n_new, "new_tokens": n_tok, "seconds": round(elapsed, 3),
              "tokens_per_s": round(n_tok / elapsed, 1) if elapsed > 0 else None,
              "total_tokens": state.published_tokens, "waits_s": _waits(waits, writer.wait_s),
+             "front": "process" if front_proc is not None and front_proc.ready() else "thread",
+             "front_start_s": round(front_start, 3),
              "skip_counts": dict(sorted(policy.counter.as_dict().items())),
              "note_counts": dict(sorted(policy.counter.notes.items()))}
     log.info("rank %d finished: %s", cfg.rank, stats)

@@ -1,0 +1,192 @@
+"""The extraction front in a child process (``--front process``) gives the dataset the thread front
+gives (samples, skips, notes, fingerprints), raises the child's errors in the parent with their
+type, stops its child, and falls back to the thread when the child cannot start."""
+
+import json
+import logging
+import os
+import signal
+import time
+
+import pytest
+import torch
+import webdataset as wds
+
+from eagle_data.extract.chat import ChatRenderer
+from eagle_data.extract.config import ExtractConfig
+from eagle_data.extract.fault import BadRecord, ErrorPolicy, RowError, Skip
+from eagle_data.extract.front_process import FrontProcess
+from eagle_data.extract.run import load_tokenizer, run_extract
+from eagle_data.format.schema import decode_tensors
+
+from templates import TEMPLATES_DIR, family_tokenizer
+from tiny import AUX, tiny_llama
+
+GOOD = [
+    {"id": "s", "conversations": [{"from": "human", "value": "Hello there, how are you?"},
+                                  {"from": "gpt", "value": "I am fine, thank you."}]},
+    {"id": "o", "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                             {"role": "user", "content": "and 3+3?"}, {"role": "assistant", "content": "6, says the fox."}]},
+]
+CUT = {"id": "cut", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"},
+                                      {"from": "human", "value": "more"}, {"from": "gpt", "value": " "}]}
+BAD = [{"id": "b1", "conversations": [{"from": "human", "value": "x"}]},
+       {"id": "b2", "conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]},
+       {"id": "b3", "conversations": [{"from": "human", "value": "<|im_end|> x"}, {"from": "gpt", "value": "y"}]}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    tiny_llama().save_pretrained(d)
+    family_tokenizer(TEMPLATES_DIR / "smollm2.jinja").save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    """Good rows, a row kept but cut (a note), bad rows of three kinds and an unreadable line."""
+    p = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    rows = [json.dumps({**GOOD[i % 2], "id": f"g{i}"}) for i in range(9)]
+    rows[3:3] = [json.dumps(CUT), "{not json"]
+    rows += [json.dumps(b) for b in BAD]
+    p.write_text("\n".join(rows) + "\n")
+    return p
+
+
+def cfg(out, model_dir, data_file, **kw):
+    base = dict(out=str(out), model=str(model_dir), data=str(data_file), num_samples=None, dtype="float32",
+                aux_layer_ids=AUX, shard_max_samples=3, batch_tokens=128, max_batch_size=2, progress=False, writers=1)
+    return ExtractConfig(**{**base, **kw})
+
+
+def _dataset(out):
+    """Everything a run leaves that must not depend on where its front ran."""
+    prog = json.loads((out / "progress-00000.json").read_text())
+    man = json.loads((out / "manifest.json").read_text())
+    samples = {s["__key__"]: (decode_tensors(s["safetensors"], s["__key__"]), json.loads(s["json"]))
+               for s in wds.WebDataset(sorted(str(p) for p in out.glob("*.tar")), shardshuffle=False)}
+    shards = [{k: s[k] for k in ("name", "keys", "sha256", "source_digest", "num_tokens")} for s in prog["shards"]]
+    return (shards, prog["skipped"], prog.get("notes"), man["skip_counts"], man["note_counts"],
+            (out / "skips-00000.jsonl").read_text(), samples)
+
+
+def test_process_front_gives_the_thread_fronts_dataset(tmp_path, model_dir, data_file):
+    runs = {}
+    for front in ("thread", "process"):
+        res = run_extract(cfg(tmp_path / front, model_dir, data_file, front=front))
+        assert res["run_stats"]["front"] == front
+        runs[front] = _dataset(tmp_path / front)
+    shards, skipped, notes, skip_counts, note_counts, log, samples = runs["process"]
+    assert skip_counts == {"no_assistant_turn": 1, "special_token_in_text": 1, "unknown_role": 1,
+                           "unreadable_record": 1}
+    assert note_counts == {"cut_at_blank_reply": 1} and len(samples) == 10
+    assert len(log.splitlines()) == 5 and {s["source_digest"] for s in shards} != {None}
+    t_shards, *t_rest, t_samples = runs["thread"]
+    assert shards == t_shards and [skipped, notes, skip_counts, note_counts, log] == t_rest
+    assert samples.keys() == t_samples.keys()
+    for k, (tensors, meta) in samples.items():
+        assert meta == t_samples[k][1]
+        assert all(torch.equal(v, t_samples[k][0][n]) for n, v in tensors.items())
+
+
+def test_process_front_resumes_where_the_thread_front_stopped(tmp_path, model_dir, data_file):
+    out = tmp_path / "ds"
+    run_extract(cfg(out, model_dir, data_file, front="thread", num_samples=5))
+    m = run_extract(cfg(out, model_dir, data_file, front="process"))
+    run_extract(cfg(tmp_path / "once", model_dir, data_file, front="thread"))
+    assert m["num_samples"] == 10
+    again, once = _dataset(out), _dataset(tmp_path / "once")
+    assert again[6].keys() == once[6].keys() and again[1:5] == once[1:5]
+    assert sum(s["num_tokens"] for s in again[0]) == sum(s["num_tokens"] for s in once[0])
+
+
+def test_process_front_raises_the_childs_error_with_its_type(tmp_path, model_dir, data_file):
+    with pytest.raises(RowError) as e:
+        run_extract(cfg(tmp_path / "r", model_dir, data_file, front="process", on_bad_sample="raise"))
+    assert e.value.skip.row == 4 and e.value.skip.reason == "unreadable_record"
+    assert any("extraction front process" in n for n in e.value.__notes__)
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"id": 1,')
+    errs = []
+    for front in ("thread", "process"):
+        with pytest.raises(ValueError) as e:
+            run_extract(cfg(tmp_path / front, model_dir, broken, front=front))
+        errs.append(str(e.value))
+    assert errs[0] == errs[1] and "broken.json" in errs[0]
+
+
+def test_bad_record_and_row_error_survive_pickling():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(RowError(Skip(3, "x", "unknown_role", "turn 0"))))
+    assert (e.skip.row, e.skip.reason, str(e)) == (3, "unknown_role", "row 3 (id x): unknown_role: turn 0")
+    b = pickle.loads(pickle.dumps(BadRecord("bad_json", "line 4")))
+    assert (b.reason, str(b)) == ("bad_json", "line 4")
+
+
+def _renderer(model_dir):
+    return ChatRenderer.from_path(load_tokenizer(str(model_dir), False), None)
+
+
+def test_child_ignores_sigint_and_close_stops_it(tmp_path, model_dir, data_file):
+    c = cfg(tmp_path / "x", model_dir, data_file, max_batch_size=1)
+    fp = FrontProcess(c, _renderer(model_dir), "t", ahead=1)
+    try:
+        assert fp.ready(timeout=120)
+        os.kill(fp.proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group; the parent handles it
+        got = []
+        it = fp.batches(set(), 10**6, lambda k, f: got.append(k), ErrorPolicy("skip"))
+        first = next(it)
+        assert [s.key for s in first] == ["t_000000003"] and fp.proc.is_alive()  # the shortest of the window
+        assert got == [f"t_{r:09d}" for r in range(14)]  # the window's rows, read before its first batch
+        assert first[0].input_ids.dtype == torch.int64 and first[0].loss_mask.dtype == torch.uint8
+    finally:
+        t0 = time.monotonic()
+        fp.close()
+    assert fp.proc.exitcode is not None and time.monotonic() - t0 < 10
+    fp.close()  # idempotent
+
+
+class _Dies(ChatRenderer):
+    """A renderer whose child dies (exit code 3) while rendering."""
+
+    def encode_batch(self, conversations):
+        os._exit(3)
+
+
+class _Poison:
+    """Unpickling it ends the process (exit code 7): a child that cannot start."""
+
+    def __reduce__(self):
+        return os._exit, (7,)
+
+
+def test_a_child_that_dies_is_an_error_naming_its_exit_code(tmp_path, model_dir, data_file):
+    base = _renderer(model_dir)
+    fp = FrontProcess(cfg(tmp_path / "x", model_dir, data_file), _Dies(base.tokenizer, base.template), "t", ahead=2)
+    try:
+        assert fp.ready(timeout=120)
+        with pytest.raises(RuntimeError, match=r"front process died \(exit code 3\)"):
+            list(fp.batches(set(), 10**6, lambda k, f: None, ErrorPolicy("skip")))
+    finally:
+        fp.close()
+
+
+@pytest.mark.parametrize("renderer, says", [(_Poison(), "did not start (exit code 7"),
+                                             (lambda: 0, "could not be started (")])
+def test_a_child_that_cannot_start_leaves_the_front_to_a_thread(tmp_path, model_dir, data_file, monkeypatch, caplog,
+                                                               renderer, says):
+    """A child that dies while starting, or a renderer that does not pickle: the run goes on with a thread."""
+    import eagle_data.extract.run as run
+
+    monkeypatch.setattr(run, "FrontProcess", lambda c, r, tag, ahead: FrontProcess(c, renderer, tag, ahead))
+    with caplog.at_level(logging.WARNING):
+        m = run_extract(cfg(tmp_path / "ds", model_dir, data_file, front="process"))
+    assert m["run_stats"]["front"] == "thread" and m["num_samples"] == 10
+    assert any(says in r.getMessage() for r in caplog.records)
+
+
+def test_front_setting_is_checked():
+    with pytest.raises(ValueError, match="front must be one of"):
+        ExtractConfig(front="processes")
