@@ -195,12 +195,12 @@ def compare(ref: Path, run: Path) -> list[str]:
 
 def _front_children(work: Path) -> list[int]:
     """Live front processes (``--front process``) of runs into ``work`` (their command line names the
-    spawn entry point; their parent's names ``work``, or they were orphaned: parent 1 or gone)."""
+    front's entry point; their parent's names ``work``, or they were orphaned: parent 1 or gone)."""
     found = []
     for d in Path("/proc").iterdir():
         try:
             cmd = (d / "cmdline").read_bytes()
-            if not d.name.isdigit() or b"spawn_main" not in cmd or int(d.name) == os.getpid():
+            if not d.name.isdigit() or b"front_process import child_main" not in cmd or int(d.name) == os.getpid():
                 continue
             ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
             parent = Path(f"/proc/{ppid}/cmdline").read_bytes() if ppid > 1 else b""

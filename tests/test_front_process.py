@@ -138,13 +138,13 @@ def test_child_ignores_sigint_and_close_stops_it(tmp_path, model_dir, data_file)
         got = []
         it = fp.batches(set(), 10**6, lambda k, f: got.append(k), ErrorPolicy("skip"))
         first = next(it)
-        assert [s.key for s in first] == ["t_000000003"] and fp.proc.is_alive()  # the shortest of the window
+        assert [s.key for s in first] == ["t_000000003"] and fp.proc.poll() is None  # the shortest of the window
         assert got == [f"t_{r:09d}" for r in range(14)]  # the window's rows, read before its first batch
         assert first[0].input_ids.dtype == torch.int64 and first[0].loss_mask.dtype == torch.uint8
     finally:
         t0 = time.monotonic()
         fp.close()
-    assert fp.proc.exitcode is not None and time.monotonic() - t0 < 10
+    assert fp.proc.returncode is not None and time.monotonic() - t0 < 10
     fp.close()  # idempotent
 
 
@@ -190,3 +190,77 @@ def test_a_child_that_cannot_start_leaves_the_front_to_a_thread(tmp_path, model_
 def test_front_setting_is_checked():
     with pytest.raises(ValueError, match="front must be one of"):
         ExtractConfig(front="processes")
+
+
+UNGUARDED = """
+import sys
+from pathlib import Path
+sys.path[:0] = {paths!r}
+with open({count!r}, "a") as f:  # top-level code: must run once, never again in the front's child
+    f.write("x")
+from eagle_data.extract.config import ExtractConfig
+from eagle_data.extract.run import run_extract
+res = run_extract(ExtractConfig(out={out!r}, model={model!r}, data={data!r}, num_samples=None, dtype="float32",
+                                aux_layer_ids={aux!r}, batch_tokens=128, progress=False, writers=1, front="process"))
+print("FRONT", res["run_stats"]["front"], res["num_samples"])
+"""
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path, model_dir, data_file):
+    """The child is a fresh interpreter: the caller's script is not run again (multiprocessing's
+    spawn would re-run it: a second extraction, or worse, whatever the script does first)."""
+    import subprocess
+    import sys
+
+    count = tmp_path / "count"
+    script = tmp_path / "noguard.py"
+    script.write_text(UNGUARDED.format(paths=sys.path, count=str(count), out=str(tmp_path / "ds"),
+                                       model=str(model_dir), data=str(data_file), aux=AUX))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "FRONT process 10" in r.stdout and count.read_text() == "x"
+
+
+PARENT = """
+import sys, time
+sys.path[:0] = {paths!r}
+from eagle_data.extract.run import load_tokenizer
+from eagle_data.extract.chat import ChatRenderer
+from eagle_data.extract.config import ExtractConfig
+from eagle_data.extract.front_process import FrontProcess
+r = ChatRenderer.from_path(load_tokenizer({model!r}, False), None)
+fp = FrontProcess(ExtractConfig(out={out!r}, model={model!r}, data={data!r}), r, "t", 2)
+assert fp.ready(120)
+print(fp.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_child_ends_when_its_parent_is_killed(tmp_path, model_dir, data_file):
+    """SIGKILL (or a SIGTERM re-delivered after cleanup) ends the parent at once: its pipes close and
+    the child, waiting for its rows, ends too instead of lingering as an orphan."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT.format(paths=sys.path, model=str(model_dir), out=str(tmp_path / "o"), data=str(data_file)))
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(p.stdout.readline())
+        os.kill(child, 0)  # alive
+        p.kill()
+        p.wait()
+        t_end = time.monotonic() + 20
+        while time.monotonic() < t_end and _alive(child):
+            time.sleep(0.1)
+        assert not _alive(child)
+    finally:
+        p.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False

@@ -11,25 +11,29 @@ Protocol: the child reads the rank's rows not extracted yet itself
 (:func:`~eagle_data.extract.rank_state.fresh_rows`) and sends, in order, what the parent must
 know: each row's fingerprint, each skip and note (counted, logged and recorded by the parent's
 :class:`~eagle_data.extract.fault.ErrorPolicy`, exactly as with the thread) and the batches. An
-error in the child is raised in the parent (the child's traceback as a note). The child ignores
-SIGINT/SIGTERM (the parent handles them and stops it) and exits when the parent goes away.
+error in the child is raised in the parent (the child's traceback as a note).
 
-The child is started with ``spawn`` (CUDA is initialised in the parent): like a
-``DataLoader`` worker, it imports the parent's main script, which must keep its work under
-``if __name__ == "__main__":``. A child that cannot start makes :meth:`FrontProcess.ready`
-false and the caller runs the front in a thread instead (logged).
+The child is a fresh interpreter (``python -c``, importing only this package: unlike
+``multiprocessing``'s spawn, the caller's main script is never run again) talking over two pipes:
+it ends when the parent closes them or dies (end of file / broken pipe), however the parent ends;
+it ignores SIGINT/SIGTERM (the parent handles them). A child that cannot start makes
+:meth:`FrontProcess.ready` false and the caller runs the front in a thread instead (logged).
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
+import subprocess
+import sys
+import threading
 import time
 import traceback
+from multiprocessing.connection import Connection
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -44,6 +48,9 @@ log = logging.getLogger(__name__)
 #: seconds :meth:`FrontProcess.ready` waits for the child to start (imports, tokenizer)
 START_TIMEOUT_S = 300.0
 _POLL_S = 0.1
+#: the child's program: the parent's import path, then :func:`child_main`
+_ENTRY = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+          "from eagle_data.extract.front_process import child_main; child_main(*map(int, sys.argv[2:]))")
 
 
 class FrontProcess:
@@ -55,23 +62,38 @@ class FrontProcess:
         renderer: the chat renderer (pickled to the child with its tokenizer).
         tag: the dataset tag of the sample keys.
         ahead: batches the child builds ahead of the consumer.
+
+    Raises:
+        pickle.PicklingError, TypeError, AttributeError: the renderer does not pickle.
+        OSError: no process could be started.
     """
 
     def __init__(self, cfg: ExtractConfig, renderer: ChatRenderer, tag: str, ahead: int):
-        ctx = mp.get_context("spawn")
-        self._out: Any = ctx.Queue(maxsize=ahead)
-        self._ctrl: Any = ctx.Queue()
-        self._stop = ctx.Event()
+        setup = pickle.dumps((cfg, renderer, tag))
         self._ready: bool | None = None
         self._closed = False
-        self.proc = ctx.Process(target=_child, args=(cfg, renderer, tag, self._ctrl, self._out, self._stop),
-                                name="eagle-front", daemon=True)
-        try:
-            self.proc.start()
-        except BaseException:  # e.g. a renderer that does not pickle
-            for q in (self._ctrl, self._out):
-                q.close()
+        c_read, p_write = os.pipe()  # parent -> child: setup, go, (closing = stop)
+        p_read, c_write = os.pipe()  # child -> parent: ready, batches, end or failure
+        try:  # the child imports what this process imports (the same sys.path)
+            self.proc = subprocess.Popen([sys.executable, "-c", _ENTRY, json.dumps(sys.path), str(c_read), str(c_write),
+                                          str(ahead)], pass_fds=(c_read, c_write))
+        except BaseException:
+            os.close(p_write)
+            os.close(p_read)
             raise
+        finally:
+            os.close(c_read)
+            os.close(c_write)
+        self._ctrl, self._out = Connection(p_write, readable=False), Connection(p_read, writable=False)
+        # sent beside the model's loading; a child that dies before reading it breaks the pipe
+        self._setup = threading.Thread(target=self._send, args=(setup,), name="eagle-front-setup", daemon=True)
+        self._setup.start()
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._ctrl.send_bytes(data)
+        except (OSError, ValueError):  # the child is gone (ready() says so) or close() came first
+            pass
 
     def ready(self, timeout: float = START_TIMEOUT_S) -> bool:
         """Whether the child started (waits for it); False: it exited or hung while starting."""
@@ -79,9 +101,9 @@ class FrontProcess:
             msg = self._get(timeout, starting=True)
             self._ready = msg is not None and msg[1] == "ready"
             if not self._ready:
-                log.warning("the extraction front process did not start (exit code %s; a script calling "
-                            "run_extract must keep its work under `if __name__ == \"__main__\":`); the front "
-                            "runs in a thread instead", self.proc.exitcode)
+                code = self.proc.poll()
+                log.warning("the extraction front process did not start (%s; its error, if any, is on stderr above); "
+                            "the front runs in a thread", f"exit code {code}" if code is not None else "no answer")
                 self.close()
         return self._ready
 
@@ -96,7 +118,8 @@ class FrontProcess:
             ``on_bad_sample: raise``, an unreadable source); RuntimeError if it died.
         """
         assert self._ready, "FrontProcess.batches before ready()"
-        self._ctrl.put((done, vocab_size))
+        self._setup.join()  # the child has read the setup; one writer on the pipe at a time
+        self._ctrl.send((done, vocab_size))
         while True:
             events, payload = self._get(None)
             for kind, arg, fp in events:
@@ -106,7 +129,7 @@ class FrontProcess:
                     policy.note(arg)
                 else:
                     policy.handle(arg)
-            if payload == "end":
+            if isinstance(payload, str) and payload == "end":
                 return
             if isinstance(payload, _Failure):
                 raise payload.error()
@@ -117,34 +140,34 @@ class FrontProcess:
         t_end = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                return self._out.get(timeout=_POLL_S)
-            except queue.Empty:
-                pass
-            if not self.proc.is_alive():
-                try:  # what it sent before exiting
-                    return self._out.get(timeout=1.0)
-                except queue.Empty:
-                    if starting:
-                        return None
-                    raise RuntimeError(f"the extraction front process died (exit code {self.proc.exitcode})") from None
+                if self._out.poll(_POLL_S):
+                    return self._out.recv()  # from our own child, never from a file
+            except (EOFError, OSError):  # it exited (or was killed mid-message)
+                code = self._exit_code()
+                if starting:
+                    return None
+                raise RuntimeError(f"the extraction front process died (exit code {code})") from None
             if t_end is not None and time.monotonic() > t_end:
                 return None
 
+    def _exit_code(self) -> int | None:
+        try:
+            return self.proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            return None
+
     def close(self) -> None:
-        """Stop the child (idempotent)."""
+        """Stop the child (idempotent): closing the pipes ends it; killed if it lingers."""
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        if self._ready is False or self.proc.exitcode is None:
-            self._ctrl.put(None)  # a child still waiting for its rows stops
-        self.proc.join(2.0)
-        if self.proc.is_alive():
+        for c in (self._ctrl, self._out):
+            c.close()
+        try:
+            self.proc.wait(2.0)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.join()
-        for q in (self._ctrl, self._out):
-            q.cancel_join_thread()
-            q.close()
+            self.proc.wait()
 
 
 class _Failure:
@@ -186,28 +209,26 @@ class _Relay:
         self.events.append(("note" if note else "skip", skip, None))
 
 
-def _child(cfg: ExtractConfig, renderer: ChatRenderer, tag: str, ctrl, out, stop) -> None:
+def child_main(ctrl_fd: int, out_fd: int, ahead: int) -> None:
+    """The child's entry point (see the module docstring): set up, say ready, wait for the rows to
+    skip, build and send the batches; an error is sent to the parent. Ends quietly when the parent
+    closes the pipes or dies."""
     from eagle_data.extract.rank_state import fresh_rows
     from eagle_data.extract.stages import front
 
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
-    parent = os.getppid()
+    ctrl, out = Connection(ctrl_fd, writable=False), Connection(out_fd, readable=False)
+    try:
+        cfg, renderer, tag = pickle.loads(ctrl.recv_bytes())
+    except EOFError:  # the parent went away first
+        return
+    sender = _Sender(out, ahead)
     events: list = []
-
-    def gone() -> bool:
-        return stop.is_set() or os.getppid() != parent
 
     def send(payload) -> bool:
         msg, events[:] = (list(events), payload), []
-        while not gone():
-            try:
-                out.put(msg, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        out.cancel_join_thread()  # exiting never waits for a parent that stopped reading
-        return False
+        return sender.put(msg)
 
     def rows():
         for r, rec, key, fp in fresh_rows(cfg, tag, done):
@@ -216,28 +237,47 @@ def _child(cfg: ExtractConfig, renderer: ChatRenderer, tag: str, ctrl, out, stop
 
     try:
         send("ready")
-        while (go := _poll(ctrl, gone)) is False:
-            continue
-        if go is None:
-            return
-        done, vocab_size = go
+        done, vocab_size = ctrl.recv()
         policy = ErrorPolicy(cfg.on_bad_sample, counter=_Relay(events))  # type: ignore[arg-type]
         for b in front(rows(), renderer, tag, vocab_size, cfg.max_length, cfg.batch_tokens, cfg.max_batch_size,
                        cfg.sort_window, policy):
             if not send(_pack(b)):
                 return
         send("end")
+    except (EOFError, BrokenPipeError):  # the parent closed the pipes or died
+        return
     except BaseException as e:  # noqa: BLE001 - raised in the parent
         send(_Failure(e))
-    out.close()
-    out.join_thread()  # what was sent reaches the pipe before the process exits (the parent kills a hung one)
+    sender.finish()
 
 
-def _poll(ctrl, gone: Callable[[], bool]):
-    """The parent's go message, None (stop), or False (nothing yet, keep waiting)."""
-    if gone():
-        return None
-    try:
-        return ctrl.get(timeout=_POLL_S)
-    except queue.Empty:
+class _Sender:
+    """The child's writer thread: up to ``ahead`` messages wait while the parent is busy; stops
+    (``dead``) when the parent stops reading."""
+
+    def __init__(self, conn: Connection, ahead: int):
+        self.conn, self.q, self.dead = conn, queue.Queue(maxsize=max(1, ahead)), False
+        self.t = threading.Thread(target=self._run, daemon=True, name="eagle-front-send")
+        self.t.start()
+
+    def _run(self) -> None:
+        while (msg := self.q.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except OSError:  # broken pipe: the parent is gone
+                self.dead = True
+                return
+
+    def put(self, msg) -> bool:
+        while not self.dead:
+            try:
+                self.q.put(msg, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
         return False
+
+    def finish(self) -> None:
+        """Send what is queued, then stop (the parent reads until the end message)."""
+        if self.put(None):
+            self.t.join()
