@@ -549,8 +549,10 @@ def test_waits_add_up_when_the_writers_bound_the_run(tmp_path, model_dir, data_f
     m = run_extract(cfg(tmp_path / "ds", model_dir, data_file, write_queue_gib=1e-9))
     st = m["run_stats"]
     w = st["waits_s"]
-    assert w["writers"] >= 0.3 * (st["new_samples"] - 2) * 0.5 and w["writers"] == max(w.values())
-    assert sum(w.values()) <= st["seconds"] + 0.01
+    assert w["writers"] > 0 and w["close"] > 0
+    # one writer, 0.3 s a sample: the run lasts at least that long, and the capture loop's time is
+    # all in its waits (robust to a loaded machine, whose slower forwards shift time to "capture")
+    assert 0.3 * st["new_samples"] * 0.9 <= sum(w.values()) <= st["seconds"] + 0.01
 
 
 def test_resume_accepts_another_spelling_of_the_same_data_file_only(tmp_path, model_dir, data_file, monkeypatch):
