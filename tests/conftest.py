@@ -1,5 +1,6 @@
-"""Shared fixtures for the reliability tests: a tiny model folder, chat data, and the helpers of
-``scripts/kill_resume.py`` (fixture data, comparison of two datasets, leftover detection)."""
+"""Shared fixtures: a tiny model folder with SmolLM2's chat template (``model_dir``); for the
+reliability tests a tiny model folder, chat data, and the helpers of ``scripts/kill_resume.py``
+(fixture data, comparison of two datasets, leftover detection)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama (:func:`tiny.tiny_llama`) with a tokenizer carrying SmolLM2's chat template."""
+    from templates import TEMPLATES_DIR, family_tokenizer
+    from tiny import tiny_llama
+
+    d = tmp_path_factory.mktemp("tiny")
+    tiny_llama().save_pretrained(d)
+    family_tokenizer(TEMPLATES_DIR / "smollm2.jinja").save_pretrained(d)
+    return d
 
 
 @pytest.fixture(scope="session")

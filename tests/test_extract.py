@@ -33,14 +33,6 @@ BAD = [
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_llama().save_pretrained(d)
-    family_tokenizer(TEMPLATES_DIR / "smollm2.jinja").save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("data") / "chats.jsonl"
     rows = [GOOD[i % 2] for i in range(10)] + BAD

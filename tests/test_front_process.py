@@ -19,8 +19,7 @@ from eagle_data.extract.front_process import FrontProcess
 from eagle_data.extract.run import load_tokenizer, run_extract
 from eagle_data.format.schema import decode_tensors
 
-from templates import TEMPLATES_DIR, family_tokenizer
-from tiny import AUX, tiny_llama
+from tiny import AUX
 
 GOOD = [
     {"id": "s", "conversations": [{"from": "human", "value": "Hello there, how are you?"},
@@ -33,14 +32,6 @@ CUT = {"id": "cut", "conversations": [{"from": "human", "value": "hi"}, {"from":
 BAD = [{"id": "b1", "conversations": [{"from": "human", "value": "x"}]},
        {"id": "b2", "conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]},
        {"id": "b3", "conversations": [{"from": "human", "value": "<|im_end|> x"}, {"from": "gpt", "value": "y"}]}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_llama().save_pretrained(d)
-    family_tokenizer(TEMPLATES_DIR / "smollm2.jinja").save_pretrained(d)
-    return d
 
 
 @pytest.fixture(scope="module")
@@ -229,21 +220,39 @@ from eagle_data.extract.chat import ChatRenderer
 from eagle_data.extract.config import ExtractConfig
 from eagle_data.extract.front_process import FrontProcess
 r = ChatRenderer.from_path(load_tokenizer({model!r}, False), None)
+if {busy!r}:  # the child renders forever: it touches no pipe when its parent dies
+    from test_front_process import _Slow
+    r = _Slow(r.tokenizer, r.template)
 fp = FrontProcess(ExtractConfig(out={out!r}, model={model!r}, data={data!r}), r, "t", 2)
 assert fp.ready(120)
+if {busy!r}:
+    import threading
+    from eagle_data.extract.fault import ErrorPolicy
+    it = fp.batches(set(), 10**6, lambda k, f: None, ErrorPolicy("skip"))
+    threading.Thread(target=lambda: next(it), daemon=True).start()
+    time.sleep(2)
 print(fp.proc.pid, flush=True)
 time.sleep(600)
 """
 
 
-def test_the_child_ends_when_its_parent_is_killed(tmp_path, model_dir, data_file):
-    """SIGKILL (or a SIGTERM re-delivered after cleanup) ends the parent at once: its pipes close and
-    the child, waiting for its rows, ends too instead of lingering as an orphan."""
+class _Slow(ChatRenderer):
+    """A renderer that never finishes its first conversations."""
+
+    def encode_batch(self, conversations):
+        time.sleep(3600)
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_the_child_ends_when_its_parent_is_killed(tmp_path, model_dir, data_file, busy):
+    """SIGKILL ends the parent at once: the child, waiting for its rows (its pipe ends) or busy
+    rendering (its watcher sees the parent gone), ends too instead of lingering as an orphan."""
     import subprocess
     import sys
 
     script = tmp_path / "parent.py"
-    script.write_text(PARENT.format(paths=sys.path, model=str(model_dir), out=str(tmp_path / "o"), data=str(data_file)))
+    script.write_text(PARENT.format(paths=sys.path, model=str(model_dir), out=str(tmp_path / "o"), data=str(data_file),
+                                    busy=busy))
     p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         child = int(p.stdout.readline())
@@ -264,3 +273,19 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
     except OSError:
         return False
+
+
+def test_the_childs_import_path_is_absolute_and_starts_with_this_eagle_data(tmp_path, monkeypatch):
+    """After a chdir, '' and relative entries would name another folder in the child: they are made
+    absolute, and the child imports eagle_data from where this process did."""
+    import sys
+    from pathlib import Path
+
+    import eagle_data
+    from eagle_data.extract.front_process import _import_path
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", "rel", *sys.path])
+    p = _import_path()
+    assert p[0] == str(Path(eagle_data.__file__).resolve().parents[1])
+    assert all(os.path.isabs(x) for x in p) and p[1:3] == [str(tmp_path), str(tmp_path / "rel")]

@@ -15,8 +15,9 @@ error in the child is raised in the parent (the child's traceback as a note).
 
 The child is a fresh interpreter (``python -c``, importing only this package: unlike
 ``multiprocessing``'s spawn, the caller's main script is never run again) talking over two pipes:
-it ends when the parent closes them or dies (end of file / broken pipe), however the parent ends;
-it ignores SIGINT/SIGTERM (the parent handles them). A child that cannot start makes
+it ends when the parent closes them or dies (end of file / broken pipe; a watcher thread ends a busy
+child whose parent is gone); it runs in a session of its own and ignores SIGINT/SIGTERM (the parent
+handles them). A child that cannot start makes
 :meth:`FrontProcess.ready` false and the caller runs the front in a thread instead (logged).
 """
 
@@ -34,6 +35,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -74,9 +76,9 @@ class FrontProcess:
         self._closed = False
         c_read, p_write = os.pipe()  # parent -> child: setup, go, (closing = stop)
         p_read, c_write = os.pipe()  # child -> parent: ready, batches, end or failure
-        try:  # the child imports what this process imports (the same sys.path)
-            self.proc = subprocess.Popen([sys.executable, "-c", _ENTRY, json.dumps(sys.path), str(c_read), str(c_write),
-                                          str(ahead)], pass_fds=(c_read, c_write))
+        try:  # -P: nothing from the working directory; a session of its own: Ctrl-C goes to the parent only
+            self.proc = subprocess.Popen([sys.executable, "-P", "-c", _ENTRY, json.dumps(_import_path()), str(c_read),
+                                          str(c_write), str(ahead), str(os.getpid())], pass_fds=(c_read, c_write), start_new_session=True)
         except BaseException:
             os.close(p_write)
             os.close(p_read)
@@ -170,6 +172,25 @@ class FrontProcess:
             self.proc.wait()
 
 
+def _import_path() -> list[str]:
+    """The child's ``sys.path``: where this process's ``eagle_data`` came from, then this process's
+    path with ``''`` and relative entries made absolute (they name the working directory of now)."""
+    import eagle_data
+
+    return [str(Path(eagle_data.__file__).resolve().parents[1]), *(os.path.abspath(p or os.curdir) for p in sys.path)]
+
+
+def _watch_parent(parent: int) -> None:
+    """End this child when its parent is gone (re-parented), even while it is busy (a slow template,
+    a huge row) and touches no pipe."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="eagle-front-watch").start()
+
+
 class _Failure:
     """An exception raised in the child, pickled (or described when it cannot be)."""
 
@@ -209,7 +230,7 @@ class _Relay:
         self.events.append(("note" if note else "skip", skip, None))
 
 
-def child_main(ctrl_fd: int, out_fd: int, ahead: int) -> None:
+def child_main(ctrl_fd: int, out_fd: int, ahead: int, parent: int) -> None:
     """The child's entry point (see the module docstring): set up, say ready, wait for the rows to
     skip, build and send the batches; an error is sent to the parent. Ends quietly when the parent
     closes the pipes or dies."""
@@ -218,10 +239,11 @@ def child_main(ctrl_fd: int, out_fd: int, ahead: int) -> None:
 
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
+    _watch_parent(parent)
     ctrl, out = Connection(ctrl_fd, writable=False), Connection(out_fd, readable=False)
     try:
         cfg, renderer, tag = pickle.loads(ctrl.recv_bytes())
-    except EOFError:  # the parent went away first
+    except (EOFError, OSError):  # the parent went away first (possibly mid-message)
         return
     sender = _Sender(out, ahead)
     events: list = []

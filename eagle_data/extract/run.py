@@ -241,6 +241,8 @@ def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRend
             state.finish()
         except BaseException as e:
             writer.abort()
+            if front_proc is not None:  # before a SIGTERM is re-delivered (which ends this process at once)
+                front_proc.close()
             _explain(e, sigs, out, cfg.rank, len(state.state["shards"]))
             raise
         finally:
