@@ -191,6 +191,8 @@ with open({count!r}, "a") as f:  # top-level code: must run once, never again in
     f.write("x")
 from eagle_data.extract.config import ExtractConfig
 from eagle_data.extract.run import run_extract
+import os
+os.chdir({cwd!r})  # after the imports: '' and relative PYTHONPATH entries now name another folder
 res = run_extract(ExtractConfig(out={out!r}, model={model!r}, data={data!r}, num_samples=None, dtype="float32",
                                 aux_layer_ids={aux!r}, batch_tokens=128, progress=False, writers=1, front="process"))
 print("FRONT", res["run_stats"]["front"], res["num_samples"])
@@ -199,15 +201,22 @@ print("FRONT", res["run_stats"]["front"], res["num_samples"])
 
 def test_a_script_without_a_main_guard_runs_once(tmp_path, model_dir, data_file):
     """The child is a fresh interpreter: the caller's script is not run again (multiprocessing's
-    spawn would re-run it: a second extraction, or worse, whatever the script does first)."""
+    spawn would re-run it: a second extraction, or worse, whatever the script does first); after a
+    chdir, with a relative PYTHONPATH, it still imports what the caller imported."""
     import subprocess
     import sys
 
     count = tmp_path / "count"
     script = tmp_path / "noguard.py"
-    script.write_text(UNGUARDED.format(paths=sys.path, count=str(count), out=str(tmp_path / "ds"),
+    decoy = tmp_path / "decoy"  # what a child importing from the working directory would run
+    decoy.mkdir()
+    (decoy / "json.py").write_text("raise ImportError('decoy json')\n")
+    (decoy / "eagle_data").mkdir()
+    (decoy / "eagle_data" / "__init__.py").write_text("raise ImportError('decoy eagle_data')\n")
+    script.write_text(UNGUARDED.format(paths=sys.path, count=str(count), out=str(tmp_path / "ds"), cwd=str(decoy),
                                        model=str(model_dir), data=str(data_file), aux=AUX))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": "."})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "FRONT process 10" in r.stdout and count.read_text() == "x"
 

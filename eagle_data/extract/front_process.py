@@ -76,9 +76,13 @@ class FrontProcess:
         self._closed = False
         c_read, p_write = os.pipe()  # parent -> child: setup, go, (closing = stop)
         p_read, c_write = os.pipe()  # child -> parent: ready, batches, end or failure
-        try:  # -P: nothing from the working directory; a session of its own: Ctrl-C goes to the parent only
+        # its import path is this process's (absolute): no PYTHONPATH, nothing from the working directory
+        # (-P) before it is set; a session of its own: Ctrl-C goes to the parent only
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        try:
             self.proc = subprocess.Popen([sys.executable, "-P", "-c", _ENTRY, json.dumps(_import_path()), str(c_read),
-                                          str(c_write), str(ahead), str(os.getpid())], pass_fds=(c_read, c_write), start_new_session=True)
+                                          str(c_write), str(ahead), str(os.getpid())], pass_fds=(c_read, c_write),
+                                         start_new_session=True, env=env)
         except BaseException:
             os.close(p_write)
             os.close(p_read)
