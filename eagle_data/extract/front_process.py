@@ -27,13 +27,13 @@ import json
 import logging
 import os
 import pickle
-import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
+from collections import deque
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from eagle_data.background import background
 from eagle_data.extract.chat import ChatRenderer, TokenizedSample
 from eagle_data.extract.config import ExtractConfig
 from eagle_data.extract.fault import ErrorPolicy, Skip
@@ -227,7 +228,7 @@ def _unpack(payload) -> list[TokenizedSample]:
 class _Relay:
     """The child's skip counter: hands every skip and note to the parent (which counts and logs)."""
 
-    def __init__(self, events: list):
+    def __init__(self, events: deque):
         self.events = events
 
     def add(self, skip: Skip, note: bool = False) -> None:
@@ -249,12 +250,19 @@ def child_main(ctrl_fd: int, out_fd: int, ahead: int, parent: int) -> None:
         cfg, renderer, tag = pickle.loads(ctrl.recv_bytes())
     except (EOFError, OSError):  # the parent went away first (possibly mid-message)
         return
-    sender = _Sender(out, ahead)
-    events: list = []
+    events: deque = deque()  # appended by the front's thread, drained by this one (both atomic)
 
-    def send(payload) -> bool:
-        msg, events[:] = (list(events), payload), []
-        return sender.put(msg)
+    def send(payload) -> None:
+        try:
+            out.send(([events.popleft() for _ in range(len(events))], payload))
+        except OSError as e:  # broken pipe
+            raise _ParentGone from e
+
+    def receive():
+        try:
+            return ctrl.recv()
+        except (EOFError, OSError) as e:
+            raise _ParentGone from e
 
     def rows():
         for r, rec, key, fp in fresh_rows(cfg, tag, done):
@@ -263,47 +271,23 @@ def child_main(ctrl_fd: int, out_fd: int, ahead: int, parent: int) -> None:
 
     try:
         send("ready")
-        done, vocab_size = ctrl.recv()
+        done, vocab_size = receive()
         policy = ErrorPolicy(cfg.on_bad_sample, counter=_Relay(events))  # type: ignore[arg-type]
-        for b in front(rows(), renderer, tag, vocab_size, cfg.max_length, cfg.batch_tokens, cfg.max_batch_size,
-                       cfg.sort_window, policy):
-            if not send(_pack(b)):
-                return
+        # built up to `ahead` batches ahead in a thread while this one waits for the parent to read;
+        # a row's fingerprint and skips go out with the batch after them, or an earlier one
+        for b in background(front(rows(), renderer, tag, vocab_size, cfg.max_length, cfg.batch_tokens,
+                                  cfg.max_batch_size, cfg.sort_window, policy), ahead):
+            send(_pack(b))
         send("end")
-    except (EOFError, BrokenPipeError):  # the parent closed the pipes or died
+    except _ParentGone:  # the parent closed the pipes or died
         return
     except BaseException as e:  # noqa: BLE001 - raised in the parent
-        send(_Failure(e))
-    sender.finish()
+        try:
+            send(_Failure(e))
+        except _ParentGone:
+            return
 
 
-class _Sender:
-    """The child's writer thread: up to ``ahead`` messages wait while the parent is busy; stops
-    (``dead``) when the parent stops reading."""
-
-    def __init__(self, conn: Connection, ahead: int):
-        self.conn, self.q, self.dead = conn, queue.Queue(maxsize=max(1, ahead)), False
-        self.t = threading.Thread(target=self._run, daemon=True, name="eagle-front-send")
-        self.t.start()
-
-    def _run(self) -> None:
-        while (msg := self.q.get()) is not None:
-            try:
-                self.conn.send(msg)
-            except OSError:  # broken pipe: the parent is gone
-                self.dead = True
-                return
-
-    def put(self, msg) -> bool:
-        while not self.dead:
-            try:
-                self.q.put(msg, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def finish(self) -> None:
-        """Send what is queued, then stop (the parent reads until the end message)."""
-        if self.put(None):
-            self.t.join()
+class _ParentGone(Exception):
+    """The parent closed the pipes or died (never an error of the front itself, e.g. a truncated
+    source raising EOFError, which goes to the parent)."""
