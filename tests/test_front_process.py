@@ -10,6 +10,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import webdataset as wds
 
 from eagle_data.extract.chat import ChatRenderer
@@ -298,3 +300,50 @@ def test_the_childs_import_path_is_absolute_and_starts_with_this_eagle_data(tmp_
     p = _import_path()
     assert p[0] == str(Path(eagle_data.__file__).resolve().parents[1])
     assert all(os.path.isabs(x) for x in p) and p[1:3] == [str(tmp_path), str(tmp_path / "rel")]
+
+
+def _front_in_this_process(c, renderer, tag):
+    """What the thread front hands out: batches, fingerprints and (kind, row, reason) of skips/notes."""
+    from eagle_data.extract.rank_state import fresh_rows
+    from eagle_data.extract.stages import front
+
+    fps, events = [], []
+    policy = ErrorPolicy(c.on_bad_sample, listener=lambda s, note: events.append(("note" if note else "skip",
+                                                                                   s.row, s.reason)))
+
+    def rows():
+        for r, rec, key, fp in fresh_rows(c, tag, set()):
+            fps.append((key, fp))
+            yield r, rec
+    batches = list(front(rows(), renderer, tag, 10**6, c.max_length, c.batch_tokens, c.max_batch_size, c.sort_window,
+                         policy))
+    return batches, fps, events
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.sampled_from(["good", "cut", "broken", "b1", "b2", "b3"]), min_size=1, max_size=12),
+       st.integers(1, 4))
+def test_process_front_hands_out_what_the_thread_front_does(tmp_path_factory, model_dir, kinds, max_batch_size):
+    """Over generated mixes of good, cut, unreadable and bad rows: the same batches (keys, ids,
+    masks, order), the same fingerprints and the same skips and notes, row by row."""
+    rows = {"good": json.dumps(GOOD[0]), "cut": json.dumps(CUT), "broken": "{not json",
+            **{f"b{i + 1}": json.dumps(b) for i, b in enumerate(BAD)}}
+    data = tmp_path_factory.mktemp("gen") / "rows.jsonl"
+    data.write_text("\n".join(rows[k] for k in kinds) + "\n")
+    c = cfg(data.parent / "o", model_dir, data, max_batch_size=max_batch_size, sort_window=3)
+    renderer = _renderer(model_dir)
+    want_batches, want_fps, want_events = _front_in_this_process(c, renderer, "t")
+    fps, events = [], []
+    policy = ErrorPolicy("skip", listener=lambda s, note: events.append(("note" if note else "skip", s.row, s.reason)))
+    fp = FrontProcess(c, renderer, "t", ahead=2)
+    try:
+        assert fp.ready(timeout=120)
+        got = list(fp.batches(set(), 10**6, lambda k, f: fps.append((k, f)), policy))
+    finally:
+        fp.close()
+    assert fps == want_fps and events == want_events
+    assert [[s.key for s in b] for b in got] == [[s.key for s in b] for b in want_batches]
+    for b, w in zip(got, want_batches):
+        for s, t in zip(b, w):
+            assert torch.equal(s.input_ids, t.input_ids) and torch.equal(s.loss_mask, t.loss_mask)
+            assert (s.row, s.source_id, s.num_turns, s.truncated) == (t.row, t.source_id, t.num_turns, t.truncated)
