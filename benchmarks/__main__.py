@@ -1,4 +1,4 @@
-"""``python -m benchmarks loader|extract|stages|final_rows|codec|pipeline|train|train_step|sglang|tar_walk``: benchmarks that print numbers.
+"""``python -m benchmarks loader|extract|stages|final_rows|codec|pipeline|train|train_step|sglang|tar_walk|writers``: benchmarks that print numbers.
 
 Run from a checkout (this folder is not installed). Each command is the benchmark function
 itself: its signature and docstring make the command line (jsonargparse); ``--help`` lists
@@ -19,11 +19,13 @@ from benchmarks.stages import bench_stages
 from benchmarks.tar_walk import bench_tar_walk
 from benchmarks.train import bench_train
 from benchmarks.train_step import bench_train_step
+from benchmarks.writers import bench_writers
 from eagle_data.cli.main import run_cli
 
 COMMANDS = {"loader": bench_loader, "extract": bench_extract, "train": bench_train, "sglang": bench_sglang,
             "train_step": bench_train_step, "tar_walk": bench_tar_walk,
-            "pipeline": bench_pipeline, "codec": bench_codec, "stages": bench_stages, "final_rows": bench_final_rows}
+            "pipeline": bench_pipeline, "codec": bench_codec, "stages": bench_stages, "final_rows": bench_final_rows,
+            "writers": bench_writers}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -297,3 +297,23 @@ def test_a_benchmark_stopped_by_sigterm_removes_its_scratch_folder(tmp_path):
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130 and "interrupted (a benchmark does not resume)" in err
     assert list(out.iterdir()) == []
+
+
+def test_bench_writers_measures_each_variant_against_the_disk_and_leaves_nothing(tmp_path, capsys):
+    """Every variant writes the bytes asked for and is set beside a raw-disk rate of the same round;
+    the scratch folder is removed, the sink is restored afterwards (hashing again)."""
+    import hashlib
+
+    import eagle_data.extract.sink as sink
+    from benchmarks.writers import VARIANTS, bench_writers
+
+    res = bench_writers(gib=0.004, writers=2, tokens=64, hidden_size=32, repeats=2, out=str(tmp_path / "d"),
+                        json_out=str(tmp_path / "w.json"))
+    assert json.loads((tmp_path / "w.json").read_text()) == res and res["sha256_GB_s_one_core"] > 0
+    for v in VARIANTS:
+        assert len(res["rounds"][v]) == 2 and res[f"{v}_GB_s"] > 0 and res[f"{v}_over_disk"] > 0
+    assert not (tmp_path / "d").exists() and capsys.readouterr().out.count("raw disk right after") == 6
+    assert sink.hashlib.sha256 is hashlib.sha256 and sink._HashingFile.write.__name__ == "write"
+    with pytest.raises(SystemExit) as e:
+        main(["writers", "--gib", "0"])
+    assert e.value.code == 2 and "gib must be > 0" in capsys.readouterr().err

@@ -177,9 +177,12 @@ def test_resume_with_another_final_storage_dtype_is_refused(datasets, kr, tiny):
 
 
 @pytest.mark.parametrize("storage", ["float8_e4m3fn", "bfloat16"])
-def test_the_hf_backend_checks_finiteness_on_its_device_and_the_sample_is_skipped(storage):
+@pytest.mark.parametrize("token", [2, 4, 6])
+def test_the_hf_backend_checks_finiteness_on_its_device_and_the_sample_is_skipped(storage, token):
     """A NaN in one sample's aux layer: that sample's ``finite`` is False (fp8: through its scale),
-    the others' True, and ``to_samples`` skips exactly it as ``non_finite_hidden_states``."""
+    the others' True, and ``to_samples`` skips exactly it as ``non_finite_hidden_states``. A NaN in
+    a padding row (token 6 of the 5-token sample) of the final states skips nothing (in an aux layer
+    it would reach the sample's own rows through the next layers' attention)."""
     from eagle_data.extract.backends.hf import HFBackend
     from eagle_data.extract.chat import TokenizedSample
     from eagle_data.extract.fault import ErrorPolicy
@@ -193,10 +196,13 @@ def test_the_hf_backend_checks_finiteness_on_its_device_and_the_sample_is_skippe
 
     def poison(_m, _i, out):
         h = out[0] if isinstance(out, tuple) else out
-        h[1, 2, 5] = float("nan")  # sample 1, token 2
-    model.model.layers[AUX[1]].register_forward_hook(poison)
+        h[1, token, 5] = float("nan")  # sample 1 (5 tokens), a token or a padding row
+    (model.model.norm if token >= 5 else model.model.layers[AUX[1]]).register_forward_hook(poison)
     ids = [torch.randint(0, 600, (n,)) for n in (6, 5, 7)]
     caps = be.capture([(f"k{i}", x) for i, x in enumerate(ids)])
+    if token >= 5:
+        assert [c.finite for c in caps] == [True] * 3 and [c.hidden_states.shape[0] for c in caps] == [6, 5, 7]
+        return
     assert [c.finite for c in caps] == [True, False, True]
     batch = [TokenizedSample(key=f"k{i}", row=i, source_id=str(i), input_ids=x, loss_mask=torch.ones_like(x, dtype=torch.uint8),
                              num_turns=2, truncated=False) for i, x in enumerate(ids)]

@@ -86,13 +86,13 @@ def test_enospc_stops_cleanly_then_resumes(tmp_path, monkeypatch, kr, tiny, refe
     written = {"n": 0}
     real_write = _HashingFile.write
 
-    def full_disk(self, b):
+    def full_disk(self, bufs):
         if self.discarded:
-            return real_write(self, b)
-        written["n"] += len(b)
+            return real_write(self, bufs)
+        written["n"] += sum(memoryview(b).nbytes for b in bufs)
         if written["n"] > budget:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(self, b)
+        return real_write(self, bufs)
 
     monkeypatch.setattr(_HashingFile, "write", full_disk)
     with pytest.raises(OSError, match="no space left.*rerun the same command to resume") as ei:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import itertools
 import os
+from unittest import mock
 from itertools import accumulate
 
 import pytest
@@ -37,8 +39,8 @@ class Recorder:
 
 
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(0, 5000), max_size=40), chunk=st.integers(1, 6000))
-def test_started_ranges_tile_the_file_and_waits_follow(tmp_path_factory, sizes, chunk):
+@given(groups=st.lists(st.lists(st.integers(0, 5000), max_size=4), max_size=20), chunk=st.integers(1, 6000))
+def test_started_ranges_tile_the_file_and_waits_follow(tmp_path_factory, groups, chunk):
     """Ranges started are contiguous from byte 0, each at least a chunk, never past what the OS
     has (the Python buffer is flushed first); the waits are for the oldest ranges, in order,
     leaving IN_FLIGHT started;
@@ -49,14 +51,15 @@ def test_started_ranges_tile_the_file_and_waits_follow(tmp_path_factory, sizes, 
     wb._sync_file_range, wb.CHUNK_BYTES = rec, chunk
     try:
         f = _HashingFile(str(path))
-        data = [os.urandom(n) for n in sizes]
-        for d in data:
-            f.write(d)
+        data = [[os.urandom(n) for n in g] for g in groups]
+        for bufs in data:  # one write per sample, of several buffers
+            f.write(bufs)
         f.close()
     finally:
         wb._sync_file_range, wb.CHUNK_BYTES = old
-    blob = b"".join(data)
-    assert path.read_bytes() == blob and f.h.hexdigest() == hashlib.sha256(blob).hexdigest() and f.n == len(blob)
+    sizes = [sum(g) for g in groups]
+    blob = b"".join(b for bufs in data for b in bufs)
+    assert path.read_bytes() == blob and f.hexdigest() == hashlib.sha256(blob).hexdigest() and f.n == len(blob)
     starts = [c for c in rec.calls if c[2] == wb.SYNC_FILE_RANGE_WRITE]
     waits = [c for c in rec.calls if c[2] != wb.SYNC_FILE_RANGE_WRITE]
     assert [c[0] for c in starts] == list(accumulate([0] + [n for _, n, _, _ in starts]))[:len(starts)]
@@ -76,7 +79,7 @@ def test_real_call_on_a_local_file(tmp_path, monkeypatch):
     f = _HashingFile(str(tmp_path / "a.tar"))
     blob = os.urandom(5 << 16)
     for i in range(0, len(blob), 10_000):
-        f.write(blob[i:i + 10_000])
+        f.write([blob[i:i + 10_000]])
     f.close()
     assert (tmp_path / "a.tar").read_bytes() == blob and f.behind.enabled and f.behind.started >= 4 << 16
     r, w = os.pipe()
@@ -95,7 +98,7 @@ def test_a_failed_write_is_an_oserror(tmp_path, monkeypatch, err):
     monkeypatch.setattr(wb, "CHUNK_BYTES", 100)
     f = _HashingFile(str(tmp_path / "a.tar"))
     with pytest.raises(OSError) as ei:
-        f.write(b"x" * 150)
+        f.write([b"x" * 150])
     assert ei.value.errno == err
     f.discard()
 
@@ -114,3 +117,24 @@ def test_full_disk_seen_by_write_behind_stops_extraction_then_resumes(tmp_path, 
     monkeypatch.setattr(wb, "_sync_file_range", Recorder())
     run_extract(kr.config(out, *tiny, shard_max_samples=3))
     assert kr.compare(reference, out) == [] and kr.leftovers(out) == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3000), max_size=12), cuts=st.lists(st.integers(1, 4000), min_size=1, max_size=8))
+def test_writev_all_finishes_short_writes(tmp_path_factory, sizes, cuts):
+    """A short ``writev`` (the OS took a prefix) continues where it stopped, also inside a buffer,
+    until every byte is written in order."""
+    import eagle_data.extract.sink as sink
+
+    real, calls = os.writev, itertools.cycle(cuts)
+
+    def short(fd, bufs):  # writes at most the next cut's bytes of what it is given
+        take, out = next(calls), []
+        for b in bufs:
+            out.append(bytes(b[:take - sum(map(len, out))]))
+        return real(fd, [b"".join(out)])
+    path = tmp_path_factory.mktemp("wv") / "f"
+    data = [os.urandom(n) for n in sizes]
+    with mock.patch.object(sink.os, "writev", short), open(path, "wb", buffering=0) as f:
+        n = sink._writev_all(f.fileno(), [memoryview(d) for d in data if d])
+    assert n == sum(sizes) and path.read_bytes() == b"".join(data)

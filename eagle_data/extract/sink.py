@@ -19,10 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -83,28 +85,59 @@ def _fsync_dir(d: Path) -> None:
 
 
 class _HashingFile:
-    """Write-only file wrapper computing sha256 and byte count on the fly; the disk write of
-    each full chunk starts while the shard is still being filled (:class:`WriteBehind`)."""
+    """Write-only file computing sha256 and byte count on the fly; the disk write of each full
+    chunk starts while the shard is still being filled (:class:`WriteBehind`).
+
+    :meth:`write` takes a sample's buffers at once and hands them to the OS in one ``writev``
+    (unbuffered) while a thread of its own hashes them: a writer's time per sample is the longer of
+    the two, not their sum (sha256 runs at 1.1–1.3 GB/s per core on the H200's host, about what one
+    writer's share of the disk is; ``python -m benchmarks writers``, BENCHMARKS.md). Hashing and
+    the write release the GIL, so a writer thread takes it back a few times per sample, not once
+    per buffer (the thread launching the forward shares it).
+    """
 
     def __init__(self, path: str):
-        self.f = open(path, "wb")
-        self.h = hashlib.sha256()
+        self.f = open(path, "wb", buffering=0)
+        self._h = hashlib.sha256()
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="shard-hash")
+        self._hashing: Future | None = None  # the last sample's hash, at most one at a time
         self.n = 0
         self.discarded = False
         self.behind = WriteBehind(self.f.fileno())
 
-    def write(self, b) -> int:
-        self.h.update(b)
-        k = self.f.write(b)
+    def _hash(self, views: list[memoryview]) -> None:
+        for v in views:
+            self._h.update(v)
+
+    def _hashed(self) -> None:
+        if self._hashing is not None:
+            self._hashing.result()
+            self._hashing = None
+
+    def write(self, bufs: list) -> int:
+        """Append ``bufs`` (bytes-like, C-contiguous) in order; returns the bytes written. The
+        buffers are read (hashed) until the next call or :meth:`hexdigest`: they must not change.
+
+        Raises:
+            OSError: the write failed (``ENOSPC``...).
+        """
+        views = [memoryview(b).cast("B") for b in bufs]
+        self._hashed()
+        self._hashing = self._hasher.submit(self._hash, views)
+        k = _writev_all(self.f.fileno(), [v for v in views if v.nbytes])
         self.n += k
-        if self.behind.due(self.n):
-            self.f.flush()
-            self.behind.written(self.n)
+        self.behind.written(self.n)
         return k
+
+    def hexdigest(self) -> str:
+        """The sha256 of every byte written."""
+        self._hashed()
+        return self._h.hexdigest()
 
     def discard(self) -> None:
         """Close without fsync, ignoring errors (a full disk fails again)."""
         self.discarded = True
+        self._hasher.shutdown(wait=True, cancel_futures=True)
         try:
             self.f.close()
         except OSError:
@@ -112,21 +145,51 @@ class _HashingFile:
 
     def close(self):
         if not self.discarded and not self.f.closed:
-            self.f.flush()
+            self._hashed()
+            self._hasher.shutdown()
             os.fsync(self.f.fileno())
             self.f.close()
 
 
+def _writev_all(fd: int, views: list[memoryview]) -> int:
+    """``os.writev`` until every byte of ``views`` is written (a short write continues where it
+    stopped; at most ``IOV_MAX`` buffers per call); returns the byte count."""
+    total, i = 0, 0
+    while i < len(views):
+        n = os.writev(fd, views[i:i + _IOV_MAX])
+        if n <= 0:
+            raise OSError(f"writev wrote {n} bytes")
+        total += n
+        while i < len(views) and n >= views[i].nbytes:
+            n -= views[i].nbytes
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+    return total
+
+
+def _iov_max() -> int:
+    try:
+        n = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        return 1024
+    return min(n, 1024) if n > 0 else 1024
+
+
+_IOV_MAX = _iov_max()  # buffers per writev call (POSIX's limit; 1024 on Linux)
+
+
 def index_row(key: str, shard: str, meta: dict[str, Any], input_ids: torch.Tensor,
               loss_mask: torch.Tensor) -> dict[str, Any]:
-    """One ``index.parquet`` row, incl. the sparse histogram of supervised token ids."""
-    sup = input_ids[loss_mask.bool()]
-    ids, counts = torch.unique(sup, return_counts=True)  # sorted ascending
+    """One ``index.parquet`` row, incl. the sparse histogram of supervised token ids (numpy: no
+    torch call, see :class:`_HashingFile` on the GIL)."""
+    sup = input_ids.numpy()[loss_mask.numpy() != 0]
+    ids, counts = np.unique(sup, return_counts=True)  # sorted ascending
     return {"key": key, "shard": shard, "source_id": str(meta["source_id"]),
             "source_row": int(meta["source_row"]), "num_turns": int(meta["num_turns"]),
             "num_tokens": int(input_ids.shape[0]), "num_loss_tokens": int(sup.shape[0]),
             "truncated": bool(meta["truncated"]),
-            "loss_token_ids": ids.to(torch.int32).tolist(), "loss_token_counts": counts.to(torch.int32).tolist()}
+            "loss_token_ids": ids.astype(np.int32).tolist(), "loss_token_counts": counts.astype(np.int32).tolist()}
 
 
 def write_parquet_atomic(path: Path, table: pa.Table) -> None:
@@ -207,14 +270,19 @@ class ShardSink:
             self._finish()
         if self._file is None:
             self._open()
-        f = self._file
+        small, bufs = [], []  # the members' headers, the JSON and the safetensors header go in one buffer
         for ext in sorted(parts):
-            bufs = parts[ext]
-            size = sum(memoryview(b).nbytes for b in bufs)
-            f.write(tar_member_header(f"{key}.{ext}", size))
-            for b in bufs:
-                f.write(b)
-            f.write(member_padding(size))
+            data = parts[ext]
+            size = sum(memoryview(b).nbytes for b in data)
+            small.append(tar_member_header(f"{key}.{ext}", size))
+            for b in data:
+                if isinstance(b, bytes):
+                    small.append(b)
+                else:
+                    bufs += [b"".join(small), b]
+                    small = []
+            small.append(member_padding(size))
+        self._file.write([*bufs, b"".join(small)])
         name = self._path.name.removesuffix(".tmp")
         self._rows.append(index_row(key, name, meta, tensors["input_ids"], tensors["loss_mask"]))
 
@@ -222,7 +290,7 @@ class ShardSink:
         """End the current archive (two zero blocks + record padding) and publish it."""
         f, tmp = self._file, self._path
         self._file = None
-        f.write(archive_end(f.n))
+        f.write([archive_end(f.n)])
         f.close()
         rows, self._rows = self._rows, []
         final = tmp.with_name(tmp.name.removesuffix(".tmp"))
@@ -231,7 +299,7 @@ class ShardSink:
         try:
             _fsync_dir(final.parent)
             write_index_part(part, rows)
-            rec: ShardRecord = {"name": final.name, "num_samples": len(rows), "bytes": f.n, "sha256": f.h.hexdigest(),
+            rec: ShardRecord = {"name": final.name, "num_samples": len(rows), "bytes": f.n, "sha256": f.hexdigest(),
                    "num_tokens": sum(r["num_tokens"] for r in rows), "keys": [r["key"] for r in rows]}
             if self.on_publish is not None:
                 self.on_publish(rec)

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from eagle_data.extract.backends.base import Backend, Captured
@@ -170,7 +171,7 @@ def to_samples(captured: Iterable[tuple[list[TokenizedSample], list[Captured]]],
                 continue
             meta = {"source_dataset": source, "dataset_tag": tag, "source_id": s.source_id,
                     "source_row": s.row, "num_turns": s.num_turns, "num_tokens": s.num_tokens,
-                    "num_loss_tokens": int(s.loss_mask.sum()), "truncated": s.truncated}
+                    "num_loss_tokens": int(np.count_nonzero(s.loss_mask.numpy())), "truncated": s.truncated}
             tensors = {"input_ids": s.input_ids, "loss_mask": s.loss_mask, **states}
             out.append(Sample(s.key, tensors if final_rows == "all" else select_taught(tensors), meta))
         yield out

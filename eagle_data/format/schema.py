@@ -156,14 +156,15 @@ def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     views, off = [], 0
     for name in order:
-        t = tensors[name].contiguous()
+        t = tensors[name]
+        t = t if t.is_contiguous() else t.contiguous()
         if t.dtype not in _ST_DTYPES:
             raise ValueError(f"tensor {name}: dtype {t.dtype} is not in the schema")
         nb = t.numel() * t.element_size()
         header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + nb]}
         off += nb
         if nb:
-            views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            views.append(memoryview((t if t.dim() else t.reshape(1)).view(torch.uint8).numpy()))  # one torch call
     h = json.dumps(header, separators=(",", ":")).encode("utf-8")
     h += b" " * (-len(h) % 8)
     return [len(h).to_bytes(8, "little") + h, *views]

@@ -17,6 +17,7 @@ from collections import deque
 from typing import Iterable, Iterator, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from eagle_data.format.fp8 import to_storage
 from eagle_data.format.schema import hidden_dtype, storage_dtype_of
@@ -145,9 +146,11 @@ class HFBackend:
                                 self.out_dtype, 3, check=False)
         fin, fin_s = to_storage(self._store["final"], self.final_out_dtype, 1, check=False)
         self._store.clear()
-        # [B, T] every stored value of the token finite (fp8: its scales), checked here, not on the host
+        # [B] every stored value of the sample's tokens finite (fp8: its scales; padding rows ignored),
+        # checked here, not on the host
         ok = torch.stack([x.isfinite().all(-1) for x in (aux_s if aux_s is not None else aux,
                                                           fin_s if fin_s is not None else fin)]).all(0)
+        ok = (ok if attn is None else ok | (attn == 0)).all(-1)
         if aux.shape[:2] != (b, t) or fin.shape[:2] != (b, t):
             raise RuntimeError(f"the model returned states {tuple(aux.shape)} / {tuple(fin.shape)} for a "
                                f"[{b}, {t}] batch (keys {[k for k, _ in batch][:4]})")
@@ -171,16 +174,15 @@ def right_padded(seqs: Sequence[torch.Tensor], device: torch.device | str, non_b
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(input_ids [B, T], attention_mask [B, T] or None)`` on ``device`` for sequences of lengths
     ``T_i`` (``T = max T_i``): right padding with 0, and a mask only when some sequence is shorter
-    (what the causal forward of :class:`HFBackend` takes)."""
+    (what the causal forward of :class:`HFBackend` takes). A few torch calls per batch, none per
+    sample: every call releases and retakes the GIL, which the thread launching the forward shares."""
     lens = [int(x.shape[0]) for x in seqs]
     b, t = len(seqs), max(lens)
-    input_ids = torch.zeros(b, t, dtype=torch.long)
-    attn = torch.zeros(b, t, dtype=torch.long)
-    for i, x in enumerate(seqs):
-        input_ids[i, : lens[i]] = x
-        attn[i, : lens[i]] = 1
-    return (input_ids.to(device, non_blocking=non_blocking),
-            attn.to(device, non_blocking=non_blocking) if b > 1 and min(lens) < t else None)
+    input_ids = pad_sequence(list(seqs), batch_first=True).to(device, non_blocking=non_blocking)
+    if b == 1 or min(lens) == t:
+        return input_ids, None
+    attn = (torch.arange(t)[None, :] < torch.tensor(lens)[:, None]).long()
+    return input_ids, attn.to(device, non_blocking=non_blocking)
 
 
 def _to_host(x: torch.Tensor | None, stream) -> torch.Tensor | None:
@@ -208,10 +210,16 @@ class PendingCapture:
     def result(self) -> list[Captured]:
         if self.event is not None:
             self.event.synchronize()
+        split = [_rows(x, self.lens) for x in (self.aux, self.fin, self.aux_s, self.fin_s)]
+        ok = [None] * len(self.keys) if self.ok is None else self.ok.tolist()
+        return [Captured(k, *(None if x is None else x[i] for x in split), ok[i]) for i, k in enumerate(self.keys)]
 
-        def rows(x, i, n):
-            return None if x is None else (x[i] if len(self.keys) == 1 else x[i, :n])
 
-        return [Captured(k, rows(self.aux, i, n), rows(self.fin, i, n), rows(self.aux_s, i, n), rows(self.fin_s, i, n),
-                         None if self.ok is None else bool(rows(self.ok, i, n).all()))
-                for i, (k, n) in enumerate(zip(self.keys, self.lens))]
+def _rows(x: torch.Tensor | None, lens: list[int]) -> list[torch.Tensor] | None:
+    """The views ``[T_i, ...]`` of each sample's rows of a right-padded batch ``x`` [B, T, ...], in
+    one torch call (the rows of all samples, padding between them, split in order)."""
+    if x is None:
+        return None
+    b, t = x.shape[:2]
+    sizes = [m for n in lens for m in (n, t - n)]
+    return list(x.reshape(b * t, *x.shape[2:]).split(sizes)[::2])
