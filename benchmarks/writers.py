@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,6 +62,14 @@ def _variant(name: str) -> Iterator[None]:
         sink.hashlib.sha256, sink._HashingFile.write = saved
 
 
+def _say(line: str) -> None:
+    """Print ``line``; a reader that went away (``| head``) ends the printing, not the run."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _samples(tokens: int, hidden_size: int, n: int = 32) -> list[dict[str, Any]]:
     import torch
 
@@ -93,10 +103,12 @@ def _write(root: Path, samples: list[dict[str, Any]], total: int, writers: int) 
 
 def bench_writers(gib: float = 8.0, writers: int = 4, tokens: int = 1360, hidden_size: int = 576,
                   repeats: int = 2, out: str | None = None, json_out: str | None = None) -> dict[str, Any]:
-    """GB/s of the shard writers alone (three variants, module doc) and of the raw disk after each.
+    """GB/s of the shard writers alone in three variants (``shipped``: sha256 in a thread beside
+    each write; ``inline_hash``: hash, then write; ``no_hash``) and of the raw disk right after
+    each, with as many threads; medians over ``repeats`` rounds.
 
     Args:
-        gib: GiB written per variant and per disk measurement.
+        gib: GiB written per variant and per disk measurement (at least one sample per writer).
         writers: writer threads (as ``extract --writers``) and raw-disk threads.
         tokens: tokens per sample (SmolLM2 on ShareGPT: ~1,360).
         hidden_size: H (the sample holds [T, 3H] + [T, H] bf16 states); SmolLM2: 576.
@@ -111,10 +123,13 @@ def bench_writers(gib: float = 8.0, writers: int = 4, tokens: int = 1360, hidden
 
     for name, v in (("gib", gib), ("writers", writers), ("tokens", tokens), ("hidden_size", hidden_size),
                     ("repeats", repeats)):
-        if not v > 0:
-            raise ValueError(f"{name} must be > 0, got {v}")
+        if not 0 < v < math.inf:
+            raise ValueError(f"{name} must be > 0 and finite, got {v}")
+    total, per = int(gib * 2**30), tokens * (8 + 1 + 8 * hidden_size)  # ids int64, mask, [T, 4H] bf16
+    if total < writers * per:
+        raise ValueError(f"gib {gib} is less than one sample ({per} bytes) per writer: give at least "
+                         f"{writers * per / 2**30:.2g}")
     check_outputs(out, json_out)
-    total = int(gib * 2**30)
     buf = os.urandom(1 << 28)
     t0 = time.perf_counter()
     hashlib.sha256(buf).digest()
@@ -136,11 +151,11 @@ def bench_writers(gib: float = 8.0, writers: int = 4, tokens: int = 1360, hidden
                 disk = disk_write_rate(root, total, int(3e9), writers)
                 rounds[name].append(rate)
                 rounds[f"{name}_over_disk"].append(rate / disk)
-                print(f"round {r} {name:12s} {rate:6.3f} GB/s   raw disk right after {disk:6.3f} GB/s   "
-                      f"ratio {rate / disk:5.3f}", flush=True)
+                _say(f"round {r} {name:12s} {rate:6.3f} GB/s   raw disk right after {disk:6.3f} GB/s   "
+                     f"ratio {rate / disk:5.3f}")
     res.update({f"{k}{'' if k.endswith('disk') else '_GB_s'}": round(statistics.median(v), 3) for k, v in rounds.items()})
     res["rounds"] = {k: [round(x, 3) for x in v] for k, v in rounds.items()}
-    print(json.dumps({k: v for k, v in res.items() if k != "rounds"}, indent=1))
-    if json_out:
+    if json_out:  # before printing: a closed stdout (``| head``) must not lose the figures
         Path(json_out).write_text(json.dumps(res, indent=1))
+    _say(json.dumps({k: v for k, v in res.items() if k != "rounds"}, indent=1))
     return res

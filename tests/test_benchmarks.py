@@ -314,6 +314,9 @@ def test_bench_writers_measures_each_variant_against_the_disk_and_leaves_nothing
         assert len(res["rounds"][v]) == 2 and res[f"{v}_GB_s"] > 0 and res[f"{v}_over_disk"] > 0
     assert not (tmp_path / "d").exists() and capsys.readouterr().out.count("raw disk right after") == 6
     assert sink.hashlib.sha256 is hashlib.sha256 and sink._HashingFile.write.__name__ == "write"
-    with pytest.raises(SystemExit) as e:
-        main(["writers", "--gib", "0"])
-    assert e.value.code == 2 and "gib must be > 0" in capsys.readouterr().err
+    for gib, says in (("0", "gib must be > 0 and finite"), ("1e-9", "less than one sample")):
+        with pytest.raises(SystemExit) as e:
+            main(["writers", "--gib", gib])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    with pytest.raises(ValueError, match="gib must be > 0 and finite"):
+        bench_writers(gib=float("inf"))

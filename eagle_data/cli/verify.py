@@ -56,9 +56,13 @@ def print_report(rep: VerifyReport, max_problems: int = 30, console: Console | N
                        no_color=con.no_color)
         wide.print(r)
         if rep.dtype in EXPECTED_TOKEN_REL:
+            same = "a recompute in the same dtype and batch reproduces the stored values (0)"
+            if rep.recompute_bound:
+                same = (f"fp8 fields (last column): |Δ| is the quantisation error, within its bound when <= 1; "
+                        f"other fields: {same}")
             con.print(f"rounding to {rep.dtype} moves a token by about {EXPECTED_TOKEN_REL[rep.dtype]:.1e} "
-                      f"(relative): a recompute in the same dtype and batch reproduces the stored values "
-                      f"(0); another batch composition in bf16 differs by 1-8 % per token (cosine > 0.99)")
+                      f"(relative): {same}; another batch composition in bf16 differs by 1-8 % per token "
+                      f"(cosine > 0.99)")
     for c, where, what in rep.problems[:max_problems]:
         con.print(f"[red]{c}[/] {where}: {what}", markup=True, highlight=False, soft_wrap=True)  # whole, never cut
     if len(rep.problems) > max_problems:
