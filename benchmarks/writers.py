@@ -95,9 +95,13 @@ def _write(root: Path, samples: list[dict[str, Any]], total: int, writers: int) 
     w = AsyncShardWriter([ShardSink(root, 0, i, 1000, 3e9, shard_step=writers) for i in range(writers)])
     n = max(1, total // per)
     t0 = time.perf_counter()
-    for i in range(n):
-        w.put(f"b_{i:09d}", samples[i % len(samples)], meta)
-    w.close()
+    try:
+        for i in range(n):
+            w.put(f"b_{i:09d}", samples[i % len(samples)], meta)
+        w.close()
+    except BaseException:  # Ctrl-C: stop the writer threads before the interpreter ends
+        w.abort()
+        raise
     return n * per / (time.perf_counter() - t0) / 1e9
 
 

@@ -165,8 +165,10 @@ def test_bad_key_and_row_mismatch_refused(tmp_path):
     assert sink.published == [] and not list(tmp_path.glob("*.tar*"))
 
 
-def test_shard_bytes_equal_tarfile_ustar_and_safetensors_save(tmp_path):
-    """The zero-copy writer produces exactly tarfile's USTAR archive of safetensors.torch.save payloads."""
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_shard_bytes_equal_tarfile_ustar_and_safetensors_save(tmp_path, layout):
+    """The zero-copy writer produces exactly tarfile's USTAR archive of safetensors.torch.save payloads,
+    also from views: a non-contiguous one, and a "contiguous" [T, 1] one whose last stride is not 1."""
     import io
 
     from safetensors.torch import save
@@ -175,10 +177,15 @@ def test_shard_bytes_equal_tarfile_ustar_and_safetensors_save(tmp_path):
 
     t = {"input_ids": torch.arange(7), "loss_mask": torch.tensor([0, 1, 1, 0, 1, 1, 1], dtype=torch.uint8),
          "aux_hidden_states": torch.randn(7, 6).bfloat16(), "hidden_states": torch.randn(7, 2).bfloat16()}
+    if layout == "strided":
+        t["aux_hidden_states"] = torch.randn(7, 12).bfloat16()[:, ::4]  # [7, 3], strides (12, 4)
+        t["hidden_states"] = torch.randn(2, 7).bfloat16().t()[:, :1]  # [7, 1], strides (1, 7)
+        assert t["hidden_states"].is_contiguous() and t["hidden_states"].stride(-1) != 1
+    ours_t, t = t, {k: v.contiguous() for k, v in t.items()}  # the reference is written from copies
     meta = {"source_id": "x", "source_row": 3, "num_turns": 2, "truncated": False}
     sink = ShardSink(tmp_path)
     for k in ("k_1", "k_2"):
-        sink.write(k, t, meta)
+        sink.write(k, ours_t, meta)
     sink.close()
     ours = (tmp_path / sink.published[0]["name"]).read_bytes()
     buf = io.BytesIO()

@@ -66,3 +66,14 @@ def test_layer_id_defaults_and_validation():
                      ([1, 2], "exactly 3"), ([-1, 2, 3], "out of range")):
         with pytest.raises(ValueError, match=msg):
             validate_aux_layer_ids(bad, 8)
+
+
+@pytest.mark.parametrize("lens", [(5, 5), (5, 3)])
+def test_a_model_returning_too_few_positions_is_named(lens):
+    """States with fewer positions than the batch: one clear error naming the shapes and keys,
+    for a padded batch too (not a torch broadcasting error from the finiteness check)."""
+    m = tiny_llama()
+    m.model.norm.register_forward_hook(lambda _m, _i, out: out[:, :-1])  # before the backend's own hook
+    be = HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m)
+    with pytest.raises(RuntimeError, match=r"the model returned states .* for a \[2, 5\] batch \(keys \['a', 'b'\]\)"):
+        be.capture([("a", torch.randint(0, 600, (lens[0],))), ("b", torch.randint(0, 600, (lens[1],)))])

@@ -138,3 +138,41 @@ def test_writev_all_finishes_short_writes(tmp_path_factory, sizes, cuts):
     with mock.patch.object(sink.os, "writev", short), open(path, "wb", buffering=0) as f:
         n = sink._writev_all(f.fileno(), [memoryview(d) for d in data if d])
     assert n == sum(sizes) and path.read_bytes() == b"".join(data)
+
+
+@pytest.mark.parametrize("fail", ["archive_end", "hash"])
+def test_a_shard_whose_ending_fails_leaves_no_thread_file_or_handle(tmp_path, monkeypatch, fail):
+    """ENOSPC while ending a shard, or an error of its hashing thread: the error reaches the caller,
+    and after abort() no hashing thread, no open handle and no temporary file remain."""
+    import threading
+
+    import torch
+
+    import eagle_data.extract.sink as sink
+
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    t = {"input_ids": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.uint8),
+         "aux_hidden_states": torch.randn(5, 6).bfloat16(), "hidden_states": torch.randn(5, 2).bfloat16()}
+    s = sink.ShardSink(tmp_path)
+    s.write("k_1", t, {"source_id": "x", "source_row": 1, "num_turns": 2, "truncated": False})
+    real_writev, real_hash = sink._writev_all, sink._HashingFile._hash
+
+    def no_space(fd, views):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def bad_hash(self, views):
+        raise RuntimeError("hash failed")
+    if fail == "archive_end":
+        monkeypatch.setattr(sink, "_writev_all", no_space)
+    else:
+        monkeypatch.setattr(sink._HashingFile, "_hash", bad_hash)
+        s.write("k_2", t, {"source_id": "x", "source_row": 2, "num_turns": 2, "truncated": False})
+    with pytest.raises((OSError, RuntimeError), match="No space left|hash failed"):
+        s.close()
+    s.abort()
+    monkeypatch.setattr(sink, "_writev_all", real_writev)
+    monkeypatch.setattr(sink._HashingFile, "_hash", real_hash)
+    assert not [th for th in threading.enumerate() if th.name.startswith("shard-hash")]
+    assert [p.name for p in tmp_path.iterdir()] == ["index"] and list((tmp_path / "index").iterdir()) == []
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds

@@ -290,8 +290,12 @@ class ShardSink:
         """End the current archive (two zero blocks + record padding) and publish it."""
         f, tmp = self._file, self._path
         self._file = None
-        f.write([archive_end(f.n)])
-        f.close()
+        try:
+            f.write([archive_end(f.n)])
+            f.close()
+        except BaseException:
+            f.discard()  # its hashing thread and handle go now (abort() no longer sees this file)
+            raise
         rows, self._rows = self._rows, []
         final = tmp.with_name(tmp.name.removesuffix(".tmp"))
         part = index_part(self.out, final.name)

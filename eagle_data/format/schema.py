@@ -164,7 +164,8 @@ def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
         header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + nb]}
         off += nb
         if nb:
-            views.append(memoryview((t if t.dim() else t.reshape(1)).view(torch.uint8).numpy()))  # one torch call
+            flat = t if t.dim() and t.stride(-1) == 1 else t.reshape(-1)  # (a size-1 last dim may have any stride)
+            views.append(memoryview(flat.view(torch.uint8).numpy()))
     h = json.dumps(header, separators=(",", ":")).encode("utf-8")
     h += b" " * (-len(h) % 8)
     return [len(h).to_bytes(8, "little") + h, *views]

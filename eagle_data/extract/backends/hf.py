@@ -146,14 +146,14 @@ class HFBackend:
                                 self.out_dtype, 3, check=False)
         fin, fin_s = to_storage(self._store["final"], self.final_out_dtype, 1, check=False)
         self._store.clear()
+        if aux.shape[:2] != (b, t) or fin.shape[:2] != (b, t):
+            raise RuntimeError(f"the model returned states {tuple(aux.shape)} / {tuple(fin.shape)} for a "
+                               f"[{b}, {t}] batch (keys {[k for k, _ in batch][:4]})")
         # [B] every stored value of the sample's tokens finite (fp8: its scales; padding rows ignored),
         # checked here, not on the host
         ok = torch.stack([x.isfinite().all(-1) for x in (aux_s if aux_s is not None else aux,
                                                           fin_s if fin_s is not None else fin)]).all(0)
         ok = (ok if attn is None else ok | (attn == 0)).all(-1)
-        if aux.shape[:2] != (b, t) or fin.shape[:2] != (b, t):
-            raise RuntimeError(f"the model returned states {tuple(aux.shape)} / {tuple(fin.shape)} for a "
-                               f"[{b}, {t}] batch (keys {[k for k, _ in batch][:4]})")
         keys = [k for k, _ in batch]
         if not on_gpu:
             return PendingCapture(keys, lens, aux, fin, None, aux_s, fin_s, ok)
