@@ -220,9 +220,8 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         def write_run():
             sinks = [ShardSink(root / "shards", 0, w, max_samples=64, max_bytes=2e9, shard_step=writers)
                      for w in range(writers)]
-            w = AsyncShardWriter(sinks, max_bytes=int(write_queue_gib * 2**30))
-            capture(w)
-            w.close()
+            with AsyncShardWriter(sinks, max_bytes=int(write_queue_gib * 2**30)) as w:  # Ctrl-C: aborted
+                capture(w)
 
         def write_run_no_write_behind():
             real, wb._sync_file_range = wb._sync_file_range, None

@@ -236,14 +236,13 @@ def _stages_alone(cfg, be, tok, root: Path, keep_gib: float) -> dict[str, Any]:
     shutil.rmtree(d, ignore_errors=True)
     sinks = [ShardSink(d, 0, w, cfg.shard_max_samples, cfg.shard_max_bytes, shard_step=cfg.writers)
              for w in range(cfg.writers)]
-    w = AsyncShardWriter(sinks, max_bytes=int(cfg.write_queue_gib * 2**30))
     t0, n = time.perf_counter(), 0
-    for i, s in enumerate(cycle(kept)):
-        if n >= tokens:
-            break
-        w.put(f"x_{i}", s.tensors, s.meta)
-        n += s.meta["num_tokens"]
-    w.close()
+    with AsyncShardWriter(sinks, max_bytes=int(cfg.write_queue_gib * 2**30)) as w:  # Ctrl-C: aborted
+        for i, s in enumerate(cycle(kept)):
+            if n >= tokens:
+                break
+            w.put(f"x_{i}", s.tensors, s.meta)
+            n += s.meta["num_tokens"]
     res["w_writers_tok_s"] = round(n / (time.perf_counter() - t0))
     shutil.rmtree(d, ignore_errors=True)
     return res

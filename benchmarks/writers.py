@@ -92,16 +92,11 @@ def _write(root: Path, samples: list[dict[str, Any]], total: int, writers: int) 
     per = sum(t.nbytes for t in samples[0].values())
     meta = {"source_dataset": "bench", "dataset_tag": "b", "source_id": "x", "source_row": 0, "num_turns": 2,
             "num_tokens": int(samples[0]["input_ids"].shape[0]), "num_loss_tokens": 0, "truncated": False}
-    w = AsyncShardWriter([ShardSink(root, 0, i, 1000, 3e9, shard_step=writers) for i in range(writers)])
     n = max(1, total // per)
     t0 = time.perf_counter()
-    try:
+    with AsyncShardWriter([ShardSink(root, 0, i, 1000, 3e9, shard_step=writers) for i in range(writers)]) as w:
         for i in range(n):
             w.put(f"b_{i:09d}", samples[i % len(samples)], meta)
-        w.close()
-    except BaseException:  # Ctrl-C: stop the writer threads before the interpreter ends
-        w.abort()
-        raise
     return n * per / (time.perf_counter() - t0) / 1e9
 
 

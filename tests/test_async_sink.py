@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -131,3 +132,34 @@ def test_put_counts_the_time_it_waits_for_the_writers():
         w.put(f"k{i}", {"x": torch.zeros(10, dtype=torch.uint8)}, {})
     w.close()
     assert w.wait_s < 0.05  # never full: no waiting
+
+
+def test_as_a_context_it_closes_after_the_block_and_aborts_when_the_block_raised():
+    """``with AsyncShardWriter(...)``: every sample written and the sinks closed after a normal
+    block; after an exception (e.g. KeyboardInterrupt) the sinks are aborted, no writer thread
+    outlives the block, and the exception propagates."""
+    class Recording(SlowSink):
+        def __init__(self, ref):
+            super().__init__(ref)
+            self.ended = None
+
+        def close(self):
+            self.ended = "close"
+
+        def abort(self):
+            self.ended = "abort"
+
+    for raised in (None, KeyboardInterrupt):
+        ref: list = [None, []]
+        sinks = [Recording(ref), Recording(ref)]
+        with pytest.raises(KeyboardInterrupt) if raised else nullcontext():
+            with AsyncShardWriter(sinks, max_bytes=10_000) as w:
+                ref[0] = w
+                for i in range(20):
+                    w.put(f"k{i}", {"x": torch.zeros(10, dtype=torch.uint8)}, {})
+                if raised:
+                    raise raised
+        assert not any(t.is_alive() for t in w.threads)
+        assert [s.ended for s in sinks] == ["abort" if raised else "close"] * 2
+        if not raised:
+            assert sorted(k for s in sinks for k in s.got) == sorted(f"k{i}" for i in range(20))

@@ -295,7 +295,10 @@ def test_a_benchmark_stopped_by_sigterm_removes_its_scratch_folder(tmp_path):
     time.sleep(0.5)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 130 and "interrupted (a benchmark does not resume)" in err
+    # 130 from the handler's sys.exit, or (2-3 runs in 8, also before session 11) CPython ending the
+    # process by SIGINT after that same handler ran: either way a shell reports 130
+    assert p.returncode in (130, -signal.SIGINT), (p.returncode, err[-3000:])
+    assert err.strip().splitlines()[-1] == "interrupted (a benchmark does not resume)"
     assert list(out.iterdir()) == []
 
 

@@ -118,6 +118,17 @@ class AsyncShardWriter:
         for s in self.sinks:
             s.abort()
 
+    def __enter__(self) -> "AsyncShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """``close()`` after the block, ``abort()`` when it raised (Ctrl-C included): the writer
+        threads never outlive it."""
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
     @property
     def bytes_written(self) -> int:
         return sum(s.bytes_written + s.pending_bytes for s in self.sinks)
