@@ -41,10 +41,13 @@ ids = st.one_of(st.sampled_from(["dup", "dup", "a.b/c d"]), st.integers(), text,
 good = st.builds(lambda q, a, sid: {"id": sid, "conversations": [{"from": "human", "value": q},
                                                                   {"from": "gpt", "value": a}]},
                  text, st.text(min_size=1, max_size=30).filter(str.strip), ids)
+tools = st.one_of(text, st.none(), st.lists(st.one_of(st.integers(), st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": text, "description": text})})), max_size=2))
 record = st.one_of(
     good,
     st.fixed_dictionaries({"conversations": st.lists(turn, max_size=5)}, optional={"id": ids, "system": content}),
-    st.fixed_dictionaries({"messages": st.lists(turn, max_size=5)}, optional={"id": ids, "system": content}),
+    st.fixed_dictionaries({"messages": st.lists(turn, max_size=5)}, optional={"id": ids, "system": content,
+                                                                                "tools": tools}),
     st.one_of(st.integers(), st.lists(st.integers(), max_size=3), text, st.none()),  # not an object
 )
 line = st.one_of(record.map(json.dumps), record.map(json.dumps),
@@ -53,7 +56,7 @@ REASONS = {"no_messages", "unknown_role", "non_string_content", "empty_assistant
            "broken_alternation", "misplaced_system", "bad_turn", "not_an_object", "invalid_unicode",
            "unreadable_record", "template_error", "no_loss_tokens", "token_id_out_of_range",
            "non_finite_hidden_states", "non_text_content", "bad_tool_call", "mask_unaligned",
-           "message_not_rendered", "tool_calls_not_rendered", "special_token_in_text", "ambiguous_record"}
+           "message_not_rendered", "tool_calls_not_rendered", "special_token_in_text", "ambiguous_record", "bad_tools"}
 
 
 @settings(max_examples=300, deadline=None)
@@ -184,6 +187,24 @@ def test_split_of_local_data_and_backend_options_are_checked(tiny, tmp_path):
     (empty / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="cannot load its weights"):
         run_extract(ExtractConfig(**{**base, "model": str(empty), "out": str(tmp_path / "o2")}))
+
+
+def test_an_output_folder_holding_other_files_is_refused_untouched(tiny, tmp_path):
+    """A folder with files no extraction wrote (the user's README.md, a checkpoint) is never
+    written into: the dataset card would replace the README."""
+    model, data = tiny
+    base = dict(model=str(model), data=str(data), dtype="float32", progress=False, num_samples=2)
+    for name in ("README.md", "last.ckpt", "notes"):
+        out = tmp_path / name.replace(".", "_")
+        out.mkdir()
+        (out / name).write_text("MY OWN NOTES")
+        with pytest.raises(ValueError, match=f"holds files that no extraction wrote \\({name}\\)"):
+            run_extract(ExtractConfig(out=str(out), **base))
+        assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).read_text() == "MY OWN NOTES"
+    done = tmp_path / "done"
+    run_extract(ExtractConfig(out=str(done), **base))  # its own files (card included): a rerun resumes
+    assert (done / "README.md").is_file()
+    assert run_extract(ExtractConfig(out=str(done), **base))["num_samples"] == 2
 
 
 def test_merge_refuses_missing_shards_and_damaged_progress(tiny, tmp_path):

@@ -26,6 +26,7 @@ def test_leading_assistant_turn_dropped_like_fastchat():
     c = normalize_record(0, {"conversations": [{"from": "gpt", "value": "cont."}, {"from": "human", "value": "q"},
                                                {"from": "gpt", "value": "a"}]})
     assert [m["content"] for m in c.messages] == ["q", "a"]
+    assert c.notes == [("leading_turns_dropped", "1 turn(s) before the first user turn dropped (no prompt in this record)")]
 
 
 @pytest.mark.parametrize("rec,reason", [
@@ -91,7 +92,7 @@ def test_openai_formats_users_have():
             {"type": "function", "id": "call1", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "sunny", "tool_call_id": "call1", "name": "get_weather"},
         {"role": "assistant", "content": "Sunny.", "reasoning_content": "the tool said so"}]
-    assert c.notes == []
+    assert c.notes == [("trailing_turns_dropped", "1 turn(s) after the last answer dropped")]
 
 
 def test_sharegpt_function_call_and_observation():

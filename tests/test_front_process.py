@@ -144,7 +144,7 @@ def test_child_ignores_sigint_and_close_stops_it(tmp_path, model_dir, data_file)
 class _Dies(ChatRenderer):
     """A renderer whose child dies (exit code 3) while rendering."""
 
-    def encode_batch(self, conversations):
+    def encode_batch(self, conversations, tools=None):
         os._exit(3)
 
 
@@ -250,7 +250,7 @@ time.sleep(600)
 class _Slow(ChatRenderer):
     """A renderer that never finishes its first conversations."""
 
-    def encode_batch(self, conversations):
+    def encode_batch(self, conversations, tools=None):
         time.sleep(3600)
 
 

@@ -14,7 +14,12 @@ rendered again, and the common prefix/suffix of the two renders bound the field.
     whitespace and at most one special token, and starts at the answer or at template text
     of the turn itself (a think block, a channel header, a tool-call opener);
 (d) nothing is skipped (the generated data is valid for every template), except tool calls on
-    templates that cannot render them, which must be skipped with that named reason.
+    templates that cannot render them, which must be skipped with that named reason, and a
+    tool-call turn's reasoning that the template drops;
+(e) where the template has a generation prompt and the render of the messages before an
+    assistant turn plus that prompt (what a server sends) is a prefix of the render, the turn's
+    masked run starts with the token at the prompt's end: everything the model generates for
+    the turn is supervised (a second tool call after a tool result included).
 """
 
 from __future__ import annotations
@@ -99,15 +104,19 @@ def conversations(draw, system_ok: bool, tools_ok: bool):
 
     for turn in range(draw(st.integers(1, 3))):
         add("user", content=maybe_blank())
-        if tools_ok and draw(st.integers(0, 3)) == 0:
+        for chained in range(draw(st.integers(1, 2)) if tools_ok and draw(st.integers(0, 3)) == 0 else 0):
             name = draw(st.sampled_from(["get_weather", "search_web"]))
-            call = {"type": "function", "function": {"name": name, "arguments": {"query": text()}}, "id": f"call{turn:05d}"}
-            add("assistant", content=("", "", ""))
+            cid = f"call{turn}{chained}000"
+            call = {"type": "function", "function": {"name": name, "arguments": {"query": text()}}, "id": cid}
+            if draw(st.integers(0, 3)) == 0:  # reasoning before the call
+                add("assistant", content=("", "", ""), reasoning_content=field())
+            else:
+                add("assistant", content=("", "", ""))
             msgs[-1]["tool_calls"] = [call]
             parts[-1]["tool_name"] = ("", name, "")
-            parts[-1]["tool_id"] = ("", f"call{turn:05d}", "")
+            parts[-1]["tool_id"] = ("", cid, "")
             add("tool", content=maybe_blank())
-            msgs[-1].update(name=name, tool_call_id=f"call{turn:05d}")
+            msgs[-1].update(name=name, tool_call_id=cid)
         style = draw(st.sampled_from(["plain", "plain", "reasoning_content", "inline_think", "reasoning_only"]))
         answer = field(draw(st.sampled_from(WORDS)) if draw(st.booleans()) else None)
         if style == "reasoning_only":  # no answer text: the turn ends in the template's </think> (if rendered)
@@ -178,14 +187,34 @@ def locate(r: ChatRenderer, msgs, i, key, parts, base: str) -> list[tuple[int, i
 
 def check(stem: str, msgs, parts) -> None:
     r, _, _ = renderer(stem)
-    text = r.render(msgs)
+    try:
+        text = r.render(msgs)
+    except NotRendered:  # legitimate only for a tool-call turn's reasoning that has no place in the template:
+        # it reads no reasoning field and a text put in that turn's content is not rendered with the calls
+        calls = [i for i, m in enumerate(msgs) if m.get("tool_calls") and m.get("reasoning_content", "").strip()]
+        assert calls, "render refused messages with no reasoning on a tool-call turn"
+        probe = [dict(m) for m in msgs]
+        for i in calls:
+            del probe[i]["reasoning_content"]
+            probe[i]["content"] = L + "MARK" + R
+            call = probe[i]["tool_calls"][0]
+            probe[i]["tool_calls"] = [{**call, "function": {**call["function"], "name": L + "CALL" + R}}]
+        for i in calls:
+            out = r.render(probe[:i + 1])
+            assert not (L + "MARK" + R in out and L + "CALL" + R in out)
+        with pytest.raises(NotRendered):
+            r.tokenize(msgs)
+        return
     try:
         ids, mask = r.tokenize(msgs)
     except ToolCallsNotRendered:
         pytest.fail("tool calls are rendered by this template (probe) but were skipped")
-    except NotRendered as e:  # legitimate only for a turn whose every field the template drops
+    except NotRendered as e:  # legitimate only for a turn whose every field the template drops,
+        # or a tool-call turn's reasoning the template drops (with the rest of that turn's text)
         lost = [i for i, (m, f) in enumerate(zip(msgs, parts)) if m["role"] == "assistant"
-                and not any(locate(r, msgs, i, k, parts, text) for k in f if f[k][1])]
+                and (not any(locate(r, msgs, i, k, parts, text) for k in f if f[k][1])
+                     or ("tool_calls" in m and f.get("reasoning_content", ("", "", ""))[1]
+                         and not locate(r, msgs, i, "reasoning_content", parts, text)))]
         assert lost, f"skipped as {e.reason} but the oracle finds every turn rendered: {e}"
         return
     except MaskError as e:
@@ -206,7 +235,7 @@ def check(stem: str, msgs, parts) -> None:
             cur = None
     if cur is not None:
         runs.append(tuple(cur))
-    turns = []
+    turns, starts = [], []
     for i, (m, fields) in enumerate(zip(msgs, parts)):
         where = {k: locate(r, msgs, i, k, parts, text) for k in fields if fields[k][1]}
         if m["role"] != "assistant":
@@ -224,8 +253,15 @@ def check(stem: str, msgs, parts) -> None:
             cov = [mm for (a, b), mm in zip(off, masked) if a < reg[1] and b > reg[0]]
             assert cov and all(cov), f"(b) assistant text not masked: {text[reg[0]:reg[1]]!r}"
         turns.append((min(a for a, _ in regs), max(b for _, b in regs), where, "tool_calls" in m))
+        starts.append(served_prompt_end(r, msgs[:i], text))
     assert len(runs) == len(turns), f"(c) {len(runs)} masked runs for {len(turns)} assistant turns: " + \
         repr([text[a:b] for a, b in runs])
+    for (ra, _), p in zip(runs, starts):  # (e)
+        if p is not None:
+            first = next(a for (a, b), mm in zip(off, masked) if mm and b > p - 1 and a >= ra)
+            at_p = next(a for a, b in off if b > p)
+            assert first == at_p, f"(e) the run starts at {text[first:first + 30]!r}, the served prompt ends " \
+                                  f"before {text[p:p + 30]!r}"
     for (ra, rb), (fa, fb, where, tool) in zip(runs, turns):  # (c)
         assert ra <= fa and fb <= rb
         head, tail = text[ra:fa], text[fb:rb]
@@ -239,6 +275,18 @@ def check(stem: str, msgs, parts) -> None:
             after = next((s for s in sorted(specials, key=len, reverse=True) if nxt.startswith(s)), None)
             if after is not None:
                 assert eot == after, f"(b) end-of-turn {after!r} after the answer is not masked"
+
+
+def served_prompt_end(r: ChatRenderer, head, text: str) -> int | None:
+    """End of the prompt a server renders for the turn after ``head`` (``add_generation_prompt``)
+    when the template has a generation prompt and ``text`` starts with that prompt; else None."""
+    if not r.markers.prompt:
+        return None
+    try:
+        p = r.render(head, add_generation_prompt=True)
+    except Exception:
+        return None
+    return len(p) if text.startswith(p) else None
 
 
 @pytest.mark.parametrize("stem", [p.stem for p in TEMPLATES])

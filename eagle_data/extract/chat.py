@@ -40,10 +40,10 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from eagle_data.extract.conversations import Conversation, normalize_message
+from eagle_data.extract.conversations import Conversation, normalize_message, normalize_tools
 from eagle_data.extract.fault import ErrorPolicy, Skip
-from eagle_data.extract.mask import (PLACEHOLDER, MaskError, SpecialTokenInText, TurnMarkers, align, assistant_spans, first_marker,
-                   placeholder_messages)
+from eagle_data.extract.mask import (PLACEHOLDER, MaskError, NotRendered, SpecialTokenInText, TurnMarkers, align,
+                                     assistant_spans, first_marker, placeholder_messages)
 from eagle_data.format.schema import sample_key
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,30 @@ class ChatRenderer:
         self._special_re = re.compile("|".join([PLACEHOLDER.pattern] + [re.escape(s) for s in self._specials]))
         # how messages are handed to the template; the probe settles each (see _for_template)
         self.reasoning_rendered, self.args_as_json, self.call_content_none, self.call_anchor = True, False, False, "name"
+        self.call_content_rendered, self.tools_rendered = True, False
         self._probe()
+        self._refuse_structural_tokens()
+        # added tokens that take in the whitespace beside them: their offsets reach into the
+        # neighbouring text, so the mask uses the position of the token's own string instead
+        self._strip_tokens = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()
+                              if (t.lstrip or t.rstrip) and t.content}
+        self._strip_ids = np.fromiter(self._strip_tokens, dtype=np.int64)
+
+    def _refuse_structural_tokens(self) -> None:
+        """Message text is refused (:meth:`check_text`) when it holds a special token's string,
+        or the string of a NON-special added token that the template itself writes around the
+        messages (DeepSeek-R1-Distill's ``<｜User｜>``/``<｜Assistant｜>`` are not special): typed
+        into a message, it would become that role marker. ``<think>``/``</think>`` stay
+        allowed (inline reasoning is content)."""
+        msgs = [{"role": "user", "content": _ph(0)}, {"role": "assistant", "content": _ph(1)},
+                {"role": "user", "content": _ph(2)}]
+        frame = PLACEHOLDER.sub("\x00", self.render(msgs, add_generation_prompt=True) + self.markers.boundary)
+        extra = {t.content for t in self.tokenizer.added_tokens_decoder.values()
+                 if not t.special and t.content and t.content.strip() and t.content in frame
+                 and t.content not in ("<think>", "</think>")}
+        if extra - set(self._specials):
+            self._specials = sorted(set(self._specials) | extra, key=len, reverse=True)
+            self._special_re = re.compile("|".join([PLACEHOLDER.pattern] + [re.escape(x) for x in self._specials]))
 
     @classmethod
     def from_path(cls, tokenizer: Any, template_path: str | Path | None, **kw) -> "ChatRenderer":
@@ -160,30 +183,38 @@ class ChatRenderer:
                 "tool_call_anchor": self.call_anchor,
                 "reasoning": "template" if self.reasoning_rendered else "inline"}
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        """Full conversation text (reasoning handed over as described in the module docstring)."""
-        return self._apply(self._for_template(messages), add_generation_prompt)
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """Full conversation text (reasoning handed over as described in the module docstring);
+        ``tools``: the record's tool schemas (the template's ``tools`` variable)."""
+        return self._apply(self._for_template(messages), add_generation_prompt, tools)
 
-    def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> str:
         """The template on messages already in the form it takes (:meth:`_for_template`)."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
                                                   chat_template=self.template, **self._render_vars)
 
     def _for_template(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not any("reasoning_content" in m or "tool_calls" in m for m in messages):
             return messages
         out = []
-        for m in messages:
+        for i, m in enumerate(messages):
             if "tool_calls" in m and self.args_as_json:
                 m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
                     c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
-            if "tool_calls" in m and not m["content"] and self.call_content_none:
-                m = {**m, "content": None}
             if "reasoning_content" in m:
                 r = m["reasoning_content"]
+                if not self.reasoning_rendered and m.get("tool_calls") and not self.call_content_rendered:
+                    raise NotRendered(f"message {i} (assistant reasoning) is not rendered: the template reads no "
+                                      "reasoning field and does not render a tool-call turn's text with its calls "
+                                      "(where the reasoning would go inline)")
                 m = ({**m, "thinking": r} if self.reasoning_rendered else
-                     {k: v for k, v in {**m, "content": f"<think>\n{r}\n</think>\n\n{m['content']}"}.items()
+                     {k: v for k, v in {**m, "content": f"<think>\n{r}\n</think>\n\n{m['content'] or ''}"}.items()
                       if k != "reasoning_content"})
+            if "tool_calls" in m and not m["content"] and self.call_content_none:
+                m = {**m, "content": None}
             out.append(m)
         return out
 
@@ -232,6 +263,11 @@ class ChatRenderer:
         self.reasoning_rendered |= bool(_READS_REASONING.search(code))
         self.markers = TurnMarkers(prompt, self._prompt_cuts(prompt), boundary, eots)
         self.markers = replace(self.markers, call_end=self._probe_tool_call(msgs))
+        schema = [{"type": "function", "function": {"name": _ph(6), "description": "", "parameters": {}}}]
+        try:
+            self.tools_rendered = _ph(6) in self.render(msgs, tools=schema)
+        except Exception:
+            self.tools_rendered = False
 
     def _prompt_cuts(self, prompt: str) -> tuple[int, ...]:
         """See :class:`~eagle_data.extract.mask.TurnMarkers`: ``prompt_cuts``."""
@@ -264,6 +300,14 @@ class ChatRenderer:
                 self.args_as_json, self.call_content_none = as_json, none
                 # the call's name anchors its position, else its id (Kimi-K2 writes only the id)
                 self.call_anchor = "name" if _ph(4) in text else "id"
+                # whether a tool-call turn's own text is rendered with its calls (Llama-3.1 drops
+                # the text, DeepSeek-V3 the calls)
+                with_text = [conv[0], {**conv[1], "content": _ph(5)}, *conv[2:]]
+                try:
+                    out = self.render(with_text)
+                    self.call_content_rendered = _ph(5) in out and _ph(1) in out
+                except Exception:
+                    self.call_content_rendered = False
                 tail = text[text.index(_ph(1)) + len(_ph(1)):text.index(_ph(2))]
                 if any(m in tail for m in self.markers.eot):
                     return ()
@@ -272,47 +316,67 @@ class ChatRenderer:
         return ()
 
     # ---- per conversation ---------------------------------------------------------------------
-    def assistant_spans(self, text: str, messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    def assistant_spans(self, text: str, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None = None) -> list[tuple[int, int]]:
         """Character spans ``[start, end)`` of each assistant turn's output in ``text`` (the
         render of ``messages``); see :mod:`eagle_data.extract.mask`.
 
         Raises:
             MaskError: (a subclass naming) why the conversation cannot be masked exactly.
         """
-        self.check_text(messages)
-        return self._locate(text, self._for_template(messages))[0]
+        self.check_text(messages, tools)
+        return self._locate(text, self._for_template(messages), tools)[0]
 
-    def _locate(self, text: str, msgs: list[dict[str, Any]]) -> tuple[list[tuple[int, int]], list[str]]:
+    def _locate(self, text: str, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                ) -> tuple[list[tuple[int, int]], list[str]]:
         """Spans in ``text``, the render of ``msgs`` (already in the template's form), plus notes:
         ``final_reasoning_not_rendered`` when the template drops the last turn's reasoning
-        (Kimi-K2-Thinking keeps reasoning only inside tool-call sequences)."""
+        (Kimi-K2-Thinking keeps reasoning only inside tool-call sequences), ``tools_not_rendered``
+        when the record has tool schemas and the template does not render them."""
         pmsgs, pieces = placeholder_messages(msgs, self.call_anchor)
-        where = align(text, self._apply(pmsgs), pieces, msgs)
-        spans = assistant_spans(text, msgs, pieces, where, self.markers)
+        where = align(text, self._apply(pmsgs, tools=tools), pieces, msgs)
+        spans = assistant_spans(text, msgs, pieces, where, self.markers,
+                                lambda i: self._prompt_end(text, msgs[:i], tools))
         rendered = {j for _, _, j in where}
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
         dropped = any(p.kind == "reasoning" and p.msg == last and j not in rendered for j, p in enumerate(pieces))
-        return spans, ["final_reasoning_not_rendered"] if dropped else []
+        return spans, (["final_reasoning_not_rendered"] if dropped else []) + \
+            (["tools_not_rendered"] if tools and not self.tools_rendered else [])
+
+    def _prompt_end(self, text: str, head: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int | None:
+        """Length of the prompt the template renders for the turn after ``head`` (with, else
+        without, the generation prompt) when ``text`` starts with it; else None."""
+        for gen in (True, False):
+            try:
+                p = self._apply(head, gen, tools)
+            except Exception:  # e.g. a template that insists on ending with a user turn
+                continue
+            if text.startswith(p):
+                return len(p)
+        return None
 
     def find_special(self, text: str) -> str | None:
         """The first special token's string (or placeholder) in ``text``, else None."""
         hit = self._special_re.search(text)
         return hit.group() if hit else None
 
-    def check_text(self, messages: list[dict[str, Any]]) -> None:
-        """Raises :class:`SpecialTokenInText` naming the message and field whose text holds a
-        special token's string (it would become the real token)."""
+    def check_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> None:
+        """Raises :class:`SpecialTokenInText` naming the message and field (or the record's
+        ``tools``) whose text holds a special token's string (it would become the real token)."""
         for i, m in enumerate(messages):
             for key, value in m.items():
                 if key != "role" and (hit := self._special_re.search(str(value))):
                     raise SpecialTokenInText(f"message {i} ({m['role']}) field '{key}' contains {hit.group()!r}")
+        if tools and (hit := self._special_re.search(json.dumps(tools, ensure_ascii=False))):
+            raise SpecialTokenInText(f"field 'tools' contains {hit.group()!r}")
 
-    def encode(self, messages: list[dict[str, Any]]) -> Encoded:
+    def encode(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Encoded:
         """Render, tokenise once and build the loss mask (see :class:`Encoded`).
 
         ``messages`` may be raw OpenAI messages: each goes through
         :func:`~eagle_data.extract.conversations.normalize_message` (list-of-parts content, ``content:
-        None`` on a tool-call turn, reasoning aliases, JSON-string tool arguments).
+        None`` on a tool-call turn, reasoning aliases, JSON-string tool arguments); ``tools``: the
+        record's tool schemas (:func:`~eagle_data.extract.conversations.normalize_tools`).
 
         Raises:
             ValueError: a message cannot be used (names it and the field), or no assistant turn.
@@ -323,27 +387,29 @@ class ChatRenderer:
         messages = [normalize_message(i, m) for i, m in enumerate(messages)]
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError("messages have no assistant turn: nothing to supervise")
-        return self.encode_normalized(messages)
+        return self.encode_normalized(messages, normalize_tools(tools))
 
-    def encode_normalized(self, messages: list[dict[str, Any]]) -> Encoded:
+    def encode_normalized(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Encoded:
         """:meth:`encode` of messages already normalised (the pipeline's conversations)."""
-        out = self.encode_batch([messages])[0]
+        out = self.encode_batch([messages], [tools])[0]
         if isinstance(out, Exception):
             raise out
         return out
 
-    def encode_batch(self, batch: list[list[dict[str, Any]]]) -> list[Encoded | Exception]:
+    def encode_batch(self, batch: list[list[dict[str, Any]]], tools: list[list[dict[str, Any]] | None] | None = None
+                     ) -> list[Encoded | Exception]:
         """:meth:`encode_normalized` of several conversations, with ONE tokenizer call for all of
         them (a fast tokenizer encodes a list on all cores with the GIL released; the result is
         the same as one call per text). A conversation that cannot be rendered or masked has its
-        exception in its place (:class:`MaskError`, or what the template raised)."""
+        exception in its place (:class:`MaskError`, or what the template raised). ``tools``: each
+        conversation's tool schemas (or None), aligned with ``batch``."""
         prepared: list[tuple[str, list[tuple[int, int]], list[str]] | Exception] = []
-        for messages in batch:
+        for messages, schemas in zip(batch, tools or [None] * len(batch)):
             try:
-                self.check_text(messages)
+                self.check_text(messages, schemas)
                 msgs = self._for_template(messages)
-                text = self._apply(msgs)
-                prepared.append((text, *self._locate(text, msgs)))
+                text = self._apply(msgs, tools=schemas)
+                prepared.append((text, *self._locate(text, msgs, schemas)))
             except Exception as e:  # handed back in place: the caller names the reason
                 prepared.append(e)
         texts = [p[0] for p in prepared if not isinstance(p, Exception)]
@@ -357,11 +423,24 @@ class ChatRenderer:
             ids = np.asarray(enc["input_ids"][j], dtype=np.int64)
             off = np.asarray(enc["offset_mapping"][j], dtype=np.int64).reshape(-1, 2)
             j += 1
+            if self._strip_ids.size:
+                self._own_offsets(p[0], ids, off)
             mask = np.zeros(ids.shape[0], dtype=bool)
             for s, e in p[1]:  # a token overlapping an assistant span is supervised
                 mask |= (off[:, 0] < e) & (off[:, 1] > s)
             out.append(Encoded(torch.from_numpy(ids), torch.from_numpy(mask.view(np.uint8)), p[2]))
         return out
+
+    def _own_offsets(self, text: str, ids: np.ndarray, off: np.ndarray) -> None:
+        """In place: the offsets of each lstrip/rstrip added token narrowed to its own string
+        (the tokenizer reports them with the whitespace the token took in, which may lie in an
+        assistant span: Phi-3's ``<|assistant|>`` takes the answer's leading newline)."""
+        for t in np.flatnonzero(np.isin(ids, self._strip_ids)):
+            s, e = off[t]
+            c = self._strip_tokens[int(ids[t])]
+            k = text.find(c, s, e)
+            if k >= 0:
+                off[t] = (k, k + len(c))
 
     def tokenize(self, messages: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids [T] int64, loss_mask [T] uint8)`` of :meth:`encode`."""
@@ -371,6 +450,9 @@ class ChatRenderer:
 
 #: conversations rendered, then tokenised in one call, at a time by :func:`tokenize`
 ENCODE_GROUP = 64
+#: kept-but-changed reasons of :meth:`ChatRenderer.encode` and what each means
+NOTES = {"final_reasoning_not_rendered": "the template does not render the last turn's reasoning",
+         "tools_not_rendered": "the record's tool schemas ('tools') are not rendered by the template"}
 
 
 def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag: str,
@@ -381,13 +463,14 @@ def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag:
     Skips (counted in ``policy``): ``template_error`` (the template raised), the
     :class:`~eagle_data.extract.mask.MaskError` reasons (``mask_unaligned``, ``message_not_rendered``,
     ``tool_calls_not_rendered``, ``special_token_in_text``), ``no_loss_tokens`` (nothing
-    supervised after truncation). Notes: ``final_reasoning_not_rendered``.
+    supervised after truncation). Notes (:data:`NOTES`): ``final_reasoning_not_rendered``,
+    ``tools_not_rendered``, ``truncated``.
     """
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     it = iter(convs)
     while group := list(islice(it, ENCODE_GROUP)):
-        for c, enc in zip(group, renderer.encode_batch([c.messages for c in group])):  # normalize() made them
+        for c, enc in zip(group, renderer.encode_batch([c.messages for c in group], [c.tools for c in group])):
             if isinstance(enc, MaskError):
                 policy.handle(Skip(c.row, c.source_id, enc.reason, str(enc)))
                 continue
@@ -403,12 +486,16 @@ def _sample(c: Conversation, enc: Encoded, dataset_tag: str, max_length: int, po
     """The sample of one encoded conversation, truncated; None (skipped) when nothing is supervised."""
     ids, mask = enc.input_ids, enc.loss_mask
     for n in enc.notes:
-        policy.note(Skip(c.row, c.source_id, n, "the template does not render the last turn's reasoning"))
+        policy.note(Skip(c.row, c.source_id, n, NOTES[n]))
     truncated = ids.shape[0] > max_length
     ids, mask = ids[:max_length], mask[:max_length]
     if int(mask.sum()) == 0:
         policy.handle(Skip(c.row, c.source_id, "no_loss_tokens",
                            f"{ids.shape[0]} tokens, none supervised" + (" after truncation" if truncated else "")))
         return None
+    if truncated:
+        policy.note(Skip(c.row, c.source_id, "truncated",
+                         f"{enc.input_ids.shape[0]} tokens cut to max_length {max_length}: "
+                         f"{int(enc.loss_mask[max_length:].sum())} supervised tokens dropped"))
     return TokenizedSample(sample_key(dataset_tag, c.row), c.row, c.source_id, len(c.messages),
                            ids.contiguous(), mask.contiguous(), truncated)

@@ -28,10 +28,15 @@ Message fields (OpenAI style, as HF chat templates take them):
 * ``tool`` messages (ShareGPT ``tool``/``observation``/``function``): the tool's result;
   ``tool_call_id`` and ``name`` are kept.
 
+A top-level ``"tools"`` (OpenAI tool schemas: a list of objects, or that list as JSON text) is
+handed to the template as its ``tools`` variable (template text: never supervised); a template
+that does not render it gets the note ``tools_not_rendered``.
+
 Rules: optional leading system message, then turns starting with user (leading assistant
-turns are dropped, as FastChat/SpecForge do for ShareGPT continuations); a user turn is
-followed by an assistant turn; tool results follow an assistant turn or another tool result;
-a trailing user/tool turn is dropped. An assistant turn with no content, reasoning or tool
+turns are dropped, as FastChat/SpecForge do for ShareGPT continuations: note
+``leading_turns_dropped``); a user turn is followed by an assistant turn; tool results follow
+an assistant turn or another tool result; trailing user/tool turns are dropped (note
+``trailing_turns_dropped``). An assistant turn with no content, reasoning or tool
 call (blank) **cuts the conversation before the user turn it answers** (the note
 ``cut_at_blank_reply``; later turns would refer to an exchange that is gone); if nothing is
 left the record is skipped (``empty_assistant``). A record that is not a JSON object is skipped
@@ -73,12 +78,14 @@ class Conversation:
         notes: ``(reason, detail)`` of changes made to the record (e.g. ``cut_at_blank_reply``).
         turn_index: for each message, its index in the record's turn list (``None``: the
             top-level ``"system"`` field), so a message can be written back in place.
+        tools: the record's tool schemas (OpenAI ``tools``), handed to the template; None if none.
     """
     row: int
     source_id: str
     messages: list[dict[str, Any]]
     notes: list[tuple[str, str]] = field(default_factory=list)
     turn_index: list[int | None] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
 
 
 def _text(value: Any, where: str, allow_none: bool = False) -> str | None:
@@ -164,11 +171,9 @@ def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "conten
     content = _text(turn.get(ckey), f"turn {i} field '{ckey}'", allow_none=calls is not None)
     msg["content"] = content or ""
     if role == "assistant":
-        for k in REASONING_KEYS:
-            if turn.get(k) is not None:
-                reasoning = _text(turn[k], f"turn {i} field '{k}'")
-                if reasoning.strip():
-                    msg["reasoning_content"] = reasoning
+        for k in REASONING_KEYS:  # the first that is not blank ("" next to the real one is common)
+            if turn.get(k) is not None and (reasoning := _text(turn[k], f"turn {i} field '{k}'")).strip():
+                msg["reasoning_content"] = reasoning
                 break
         if calls is not None:
             msg["tool_calls"] = _tool_calls(calls, f"turn {i} field 'tool_calls'")
@@ -177,6 +182,29 @@ def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "conten
             if isinstance(turn.get(k), str):
                 msg[k] = _text(turn[k], f"turn {i} field '{k}'")
     return msg
+
+
+def normalize_tools(tools: Any, where: str = "field 'tools'") -> list[dict[str, Any]] | None:
+    """A record's tool schemas (OpenAI ``tools``: a list of objects, or that list as JSON text)
+    -> the list, None when absent or empty. Raises :class:`BadRecord` (``bad_tools``)."""
+    if isinstance(tools, str):
+        if not tools.strip():
+            return None
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise BadRecord("bad_tools", f"{where} is not JSON: {e}") from None
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRecord("bad_tools", f"{where} is not a list of objects")
+    try:
+        _text(json.dumps(tools, ensure_ascii=False, allow_nan=False), where)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, BadRecord):
+            raise
+        raise BadRecord("bad_tools", f"{where} is not JSON-serialisable: {e}") from None
+    return tools
 
 
 def _is_blank(m: dict[str, Any]) -> bool:
@@ -217,7 +245,9 @@ def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
         m = normalize_message(i, turn, rkey, ckey)
         if m["role"] == "system":
             if system or chat:
-                raise BadRecord("misplaced_system", f"turn {i} is a system message after other turns")
+                where = "after other turns" if chat else ("but the record's 'system' field already gives one"
+                                                          if system_at == [None] else "after another system message")
+                raise BadRecord("misplaced_system", f"turn {i} is a system message {where}")
             if m["content"].strip():
                 system.append(m)
                 system_at.append(i)
@@ -231,7 +261,8 @@ def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
     if not any(m["role"] == "assistant" for m in chat):
         raise BadRecord("no_assistant_turn", f"{len(chat)} non-system turn(s), none from the assistant")
     _order(chat)
-    notes = []
+    notes = [("leading_turns_dropped", f"{lead} turn(s) before the first user turn dropped (no prompt in this record)")
+             ] if lead else []
     blank = next((i for i, m in enumerate(chat) if m["role"] == "assistant" and _is_blank(m)), None)
     if blank is not None:
         cut = max(i for i in range(blank) if chat[i]["role"] == "user")
@@ -240,9 +271,12 @@ def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
         notes.append(("cut_at_blank_reply", f"turn {blank + lead} (assistant) is blank: the conversation is cut "
                                             f"before turn {cut + lead}, {len(chat) - cut} of {len(chat)} turns dropped"))
         chat = chat[:cut]
-    while chat[-1]["role"] != "assistant":  # a trailing user/tool turn has no supervised answer
-        chat.pop()
-    return Conversation(row, sid, system + chat, notes, system_at + at[:len(chat)])
+    trail = len(chat) - 1 - max(i for i, m in enumerate(chat) if m["role"] == "assistant")
+    if trail:  # a trailing user/tool turn has no supervised answer
+        notes.append(("trailing_turns_dropped", f"{trail} turn(s) after the last answer dropped"))
+        chat = chat[:len(chat) - trail]
+    tools = normalize_tools(record.get("tools"))
+    return Conversation(row, sid, system + chat, notes, system_at + at[:len(chat)], tools)
 
 
 def normalize_record(row: int, record: Any) -> Conversation | Skip:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 PLACEHOLDER = re.compile(r"EAGLEPH(\d+)HP")  # ASCII: survives tojson unchanged
 _THINK_TAGS = re.compile(r"(<think>|</think>)")
@@ -65,7 +65,10 @@ def _hole(text: str, pieces: list[Piece], msg: int, kind: str) -> str:
 
 def _call_holes(call: dict[str, Any], pieces: list[Piece], i: int, anchor: str) -> dict[str, Any]:
     if anchor == "id":
-        return {**call, "id": _hole(call["id"], pieces, i, "tool_call")} if isinstance(call.get("id"), str) else call
+        if not isinstance(call.get("id"), str) or not call["id"].strip():
+            raise ToolCallsNotRendered(f"message {i} (assistant) has a tool call without an 'id': this template "
+                                       f"writes a call's id, not its name, so the call would be rendered nameless")
+        return {**call, "id": _hole(call["id"], pieces, i, "tool_call")}
     return {**call, "function": {**call["function"], "name": _hole(call["function"]["name"], pieces, i, "tool_call")}}
 
 
@@ -160,23 +163,24 @@ class TurnMarkers:
     call_end: tuple[str, ...] = ()
 
 
-def _output_start(text: str, before: int, first: int, mk: TurnMarkers) -> int:
+def _output_start(text: str, before: int, first: int, mk: TurnMarkers) -> int | None:
     """Where a turn's output starts in ``text[before:first]`` (the template text before its
     first piece): after the last generation prompt (or the longest of its ``prompt_cuts``)
     there; with no generation prompt, after the user->answer boundary that ends the text
     (the turn's own leading whitespace aside), else after the last boundary in it (Mistral's
-    ``[/INST]`` before ``[TOOL_CALLS]``); else at the first piece."""
+    ``[/INST]`` before ``[TOOL_CALLS]``); None when the text holds neither (a turn right
+    after a tool result, in templates that write no header there)."""
     if mk.prompt:
         for n in mk.prompt_cuts:
             k = text.rfind(mk.prompt[:n], before, first)
             if k >= 0:
                 return k + n
-        return first
+        return None
     head, bound = text[before:first], mk.boundary.rstrip()
     if bound and head.rstrip().endswith(bound):
         return before + len(head.rstrip())
     k = head.rfind(bound) if bound else -1
-    return before + k + len(bound) if k >= 0 else first
+    return before + k + len(bound) if k >= 0 else None
 
 
 def first_marker(text: str, markers: Iterable[str]) -> tuple[int, str] | None:
@@ -216,11 +220,16 @@ def _own_turn(mine: list[tuple[int, int, int]], where: list[tuple[int, int, int]
 
 
 def assistant_spans(text: str, messages: list[dict[str, Any]], pieces: list[Piece],
-                    where: list[tuple[int, int, int]], mk: TurnMarkers) -> list[tuple[int, int]]:
+                    where: list[tuple[int, int, int]], mk: TurnMarkers,
+                    prompt_end: Callable[[int], int | None] = lambda i: None) -> list[tuple[int, int]]:
     """``[start, end)`` of every assistant turn's output in ``text``, in message order: from
     :func:`_output_start` (so a ``<think>`` tag, a channel header or a tool-call opener the
     template writes inside the turn is supervised, as the model generates it) to
-    :func:`_output_end`.
+    :func:`_output_end`. Where the template text before a turn holds no generation prompt or
+    boundary, the turn starts at ``prompt_end(i)`` (the length of the prompt the template
+    renders for message ``i``, when ``text`` starts with it and it ends between the previous
+    piece and the turn's first), else at its first piece. A turn followed by a tool result is
+    ended like a tool-call turn (GLM writes ``<|observation|>`` there).
 
     Raises:
         NotRendered / ToolCallsNotRendered: a content or tool-call piece is not rendered
@@ -244,6 +253,11 @@ def assistant_spans(text: str, messages: list[dict[str, Any]], pieces: list[Piec
         first, last = mine[0][0], mine[-1][1]
         before = max((e for s, e, _ in where if e <= first), default=0)
         nxt = min((s for s, e, _ in where if s >= last), default=len(text))
-        end = last + _output_end(text[last:nxt], mk, bool(m.get("tool_calls")), nxt == len(text))
-        spans.append((_output_start(text, before, first, mk), end))
+        calls = bool(m.get("tool_calls")) or (i + 1 < len(messages) and messages[i + 1]["role"] == "tool")
+        end = last + _output_end(text[last:nxt], mk, calls, nxt == len(text))
+        start = _output_start(text, before, first, mk)
+        if start is None:
+            p = prompt_end(i)
+            start = p if p is not None and before <= p <= first else first
+        spans.append((start, end))
     return spans

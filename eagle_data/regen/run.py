@@ -93,8 +93,8 @@ class Regenerator:
         """Token ids of the next target's prompt, or None (the row was rejected or cut)."""
         msgs = job.conv.messages[:job.pending]
         try:
-            self.renderer.check_text(msgs)
-            text = self.renderer.render(msgs, add_generation_prompt=True)
+            self.renderer.check_text(msgs, job.conv.tools)
+            text = self.renderer.render(msgs, add_generation_prompt=True, tools=job.conv.tools)
         except MaskError as e:
             self._reject(part, job.row, job.source_id, "skipped", e.reason, str(e))
             return None
@@ -140,7 +140,7 @@ class Regenerator:
         """Reject (with extraction's own reason) a regenerated row that extraction would skip."""
         msgs = job.conv.messages[:job.done[-1].message + 1] if job.cut else job.conv.messages
         try:
-            self.renderer.encode_normalized(msgs)
+            self.renderer.encode_normalized(msgs, job.conv.tools)
         except MaskError as e:
             self._reject(part, job.row, job.source_id, "skipped", e.reason, f"extraction would skip it: {e}")
         except Exception as e:  # the template raised on the whole conversation
