@@ -22,6 +22,7 @@ fp32, CPU).
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import hashlib
 import json
@@ -46,16 +47,29 @@ def heldout_split(dataset_dir: str | Path, fraction: float = 0.1, seed: int = 0,
     return sorted(ranked[:n])
 
 
+def _cache_of(out):
+    """The KV cache of a transformers output: ``cache`` (transformers >= 5.2x), else ``past_key_values``."""
+    cache = out.get("cache") if hasattr(out, "get") else None
+    return cache if cache is not None else out.past_key_values
+
+
+def _cache_kwarg(target) -> str:
+    """The name the target's forward takes its KV cache by (``past_key_values`` is deprecated
+    for ``cache`` from transformers 5.2x and goes in 5.40)."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
 class GreedyOracle:
     """The target's exact greedy continuation of ``x[<=t]`` (see module doc)."""
 
     def __init__(self, target, ids: torch.Tensor):
         self.target, self.ids = target, ids
         self.device = next(target.parameters()).device
+        self.kv = _cache_kwarg(target)
         with torch.no_grad():
             out = target(ids[None].to(self.device), use_cache=True)
         self.tf = out.logits[0].argmax(-1).cpu()  # tf[t]: greedy next token after x[<=t]
-        self.cache = out.past_key_values     # KV of the whole sample; cropped copies serve prefixes
+        self.cache = _cache_of(out)          # KV of the whole sample; cropped copies serve prefixes
 
     def continuation(self, t: int, need: int, check=None) -> list[int]:
         """Up to ``need`` greedy tokens after ``x[<=t]``; ``check(i, tok) -> bool`` stops early."""
@@ -72,12 +86,11 @@ class GreedyOracle:
                         past = copy.deepcopy(self.cache)
                         if t + 1 < T:
                             past.crop(t + 1 - T)  # drop the last T - (t + 1) positions
-                        out = self.target(torch.tensor([ys], device=self.device), past_key_values=past,
-                                          use_cache=True)
+                        out = self.target(torch.tensor([ys], device=self.device), use_cache=True, **{self.kv: past})
                     else:
-                        out = self.target(torch.tensor([[ys[-1]]], device=self.device), past_key_values=past,
-                                          use_cache=True)
-                past = out.past_key_values
+                        out = self.target(torch.tensor([[ys[-1]]], device=self.device), use_cache=True,
+                                          **{self.kv: past})
+                past = _cache_of(out)
                 tok = int(out.logits[0, -1].argmax())
             ys.append(tok)
             if on_real and (t + i + 1 >= T or tok != int(self.ids[t + i + 1])):
@@ -226,6 +239,18 @@ def load_target(model_path: str | Path, device: str = "cpu"):
                                                 dtype=torch.float32).to(device).eval()
 
 
+def _check_dataset(dataset_dir: str, mod) -> None:
+    """The dataset must hold the states the drafter reads: the target's hidden size and the
+    drafter's aux layer ids (ValueError naming both)."""
+    from eagle_data.format.records import read_manifest
+
+    m = read_manifest(dataset_dir)
+    want = {"hidden_size": int(mod.target_config["hidden_size"]), "aux_layer_ids": mod.aux_layer_ids}
+    for name, mine in want.items():
+        if mine is not None and m.get(name) is not None and m[name] != mine:
+            raise ValueError(f"{dataset_dir}: {name} {m[name]} in its manifest, the checkpoint's drafter reads {mine}")
+
+
 def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_keys: Optional[str] = None,
              heldout_fraction: float = 0.1, num_samples: int = 16, positions_per_sample: int = 8, steps: int = 7,
              compare_untrained: bool = True, target_model: Optional[str] = None,
@@ -244,7 +269,10 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
 
     dev = _check_eval_args(device, num_samples, positions_per_sample, steps, heldout_fraction)
     check_positive(prompt_lookup_max=prompt_lookup_max)
-    mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu") if checkpoint else None
+    over = {"target_model_path": target_model} if target_model else {}
+    mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu", **over) if checkpoint else None
+    if mod is not None:
+        _check_dataset(dataset_dir, mod)
     trained_out = mod.hparams.get("exclude_keys") if mod is not None else None
     if heldout_keys is None and trained_out and Path(trained_out).is_file():
         heldout_keys, source = trained_out, "the checkpoint's exclude_keys"
@@ -255,6 +283,8 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
         log.warning("eval: the checkpoint records no held-out keys (train with --model.exclude_keys FILE); the "
                     "evaluated samples may be ones the drafter trained on, which overstates tau")
     keys = sorted(keys)[:num_samples]
+    if not keys:
+        raise ValueError(f"no held-out keys to evaluate ({source}: {heldout_keys or dataset_dir} gives none)")
     samples = read_samples(dataset_dir, keys)
     target = load_target(target_model or (mod.hparams.target_model_path if mod else None), dev)
     drafters: dict[str, Any] = {}

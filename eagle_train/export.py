@@ -118,7 +118,8 @@ def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[i
     if verifier is not None and not verifier.strip():
         raise ValueError("verifier must name the target (a hub name or a path), got an empty string")
     if not aux_layer_ids:
-        raise ValueError("aux_layer_ids are required (the dataset manifest's ids)")
+        raise ValueError("aux_layer_ids are required (the dataset manifest's ids): the checkpoint records none "
+                         "(trained without model.dataset_dir or model.aux_layer_ids); pass --aux_layer_ids")
     if getattr(drafter, "zero_features", False):
         raise ValueError("this drafter was trained with zero_features (a control that ignores the target's "
                          "states); a server would feed it real states, so it is not exported")
@@ -155,12 +156,17 @@ def default_verifier(target_model_path: str) -> str:
 def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16",
                       aux_layer_ids: Optional[list[int]] = None, format: str = "sglang",
                       verifier: Optional[str] = None, speculative_tokens: Optional[int] = None,
-                      overwrite: bool = False) -> Path:
+                      overwrite: bool = False, target_model: Optional[str] = None) -> Path:
     """Export a Lightning checkpoint of :class:`eagle_train.module.EagleDrafterModule`
-    (``verifier`` default: the checkpoint's target folder, as an absolute path)."""
+    (``verifier`` default: the checkpoint's target folder, as an absolute path; ``target_model``:
+    the target's folder when it moved since training)."""
     from eagle_train.module import EagleDrafterModule
 
-    mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu")
+    over = {"target_model_path": target_model} if target_model else {}
+    mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu", **over)
+    if aux_layer_ids and mod.aux_layer_ids and list(aux_layer_ids) != list(mod.aux_layer_ids):
+        raise ValueError(f"aux_layer_ids {list(aux_layer_ids)}: the checkpoint's drafter was trained on layers "
+                         f"{list(mod.aux_layer_ids)}")
     ids = aux_layer_ids or mod.aux_layer_ids
     if format == "speculators" and verifier is None:
         verifier = default_verifier(mod.hparams.target_model_path)

@@ -21,6 +21,11 @@ import lightning.pytorch as pl
 import torch
 
 from eagle_train.loss import ttt_loss
+
+
+def _ints(x: Any) -> list[int]:
+    """An int or a sequence of ints as a list (for comparing settings)."""
+    return [int(v) for v in x] if isinstance(x, (list, tuple)) else [int(x)]
 from eagle_train.model import DraftConfig, Eagle3Drafter, load_target_tensors, read_target_config
 from eagle_train.vocab import build_vocab, load_vocab, read_key_list
 
@@ -172,6 +177,30 @@ class EagleDrafterModule(pl.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def setup(self, stage: str) -> None:
+        """Hold the data module (:class:`~eagle_data.stream.datamodule.EagleDataModule`) to this
+        drafter's facts: its manifests must have the target's hidden size and the drafter's aux
+        layer ids (the export tells the server which layers to capture); a module built without
+        ``aux_layer_ids`` or ``dataset_dir`` takes them from the training data's manifest.
+
+        Raises:
+            ValueError: the data module expects another hidden size or other aux layer ids."""
+        dm = getattr(self.trainer, "datamodule", None)
+        cfg = getattr(dm, "cfg", None)
+        if not isinstance(cfg, dict) or "aux_layer_ids" not in cfg:
+            return
+        facts = {"hidden_size": (int(self.target_config["hidden_size"]), "the target's (model.target_model_path)"),
+                 "aux_layer_ids": (self.aux_layer_ids, "the drafter's (model.aux_layer_ids / model.dataset_dir)")}
+        for name, (mine, whose) in facts.items():
+            theirs = cfg.get(name)
+            if mine is not None and theirs is not None and _ints(theirs) != _ints(mine):
+                raise ValueError(f"data.{name} is {theirs}, {whose} is {mine}")
+            if mine is not None:
+                cfg[name] = mine  # the loader refuses a manifest with other facts, naming it
+        if self.aux_layer_ids is None:  # from the training data (checked there against every source)
+            self.aux_layer_ids = list(dm.train_dataloader().dataset.facts["aux_layer_ids"])
+            self.hparams["aux_layer_ids"] = self.aux_layer_ids
+
     def on_train_start(self) -> None:
         pb = self.trainer.progress_bar_callback  # "Epoch 0/-2" when only time or steps bound the run
         if (self.trainer.max_epochs or 0) < 0 and hasattr(pb, "_get_train_description"):
@@ -217,6 +246,11 @@ class EagleDrafterModule(pl.LightningModule):
         # instantiator that re-parses the arguments and would refuse the vocabulary tensors.
         hp = {k: v for k, v in (ckpt.get("hyper_parameters") or {}).items() if not k.startswith("_")}
         hp.update(kwargs)
+        from eagle_train.model import resolve_model_path
+
+        if hp.get("target_model_path") and not (resolve_model_path(hp["target_model_path"]) / "config.json").is_file():
+            raise ValueError(f"{checkpoint_path}: its target folder {hp['target_model_path']} (target_model_path) has no "
+                             "config.json (moved or deleted?): give the target's folder (--target_model)")
         if hp.get("exclude_keys") and not Path(hp["exclude_keys"]).is_file():  # only training filters by it
             log.warning("%s: its held-out key file %s is gone; the loaded module filters no keys",
                         checkpoint_path, hp["exclude_keys"])

@@ -79,8 +79,9 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
 
     if threads:
         torch.set_num_threads(threads)
-    out = Path(out_dir)
+    out = Path(out_dir).expanduser().resolve()  # absolute: the checkpoint names files in it
     out.mkdir(parents=True, exist_ok=True)
+    dataset_dir = str(Path(dataset_dir).expanduser().resolve())
     held = heldout_split(dataset_dir, heldout_fraction, seed=seed, min_count=2)
     (out / "heldout_keys.json").write_text(json.dumps(held))
     vocab_path = out / f"draft_vocab_{draft_vocab_size}.safetensors"

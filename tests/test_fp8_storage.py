@@ -50,6 +50,21 @@ def test_dequantisation_error_is_within_the_stated_bound(rows, groups, width, da
         assert (q.float().abs() == FP8_MAX).all()  # the row maximum maps to +-448
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(-2, 2, allow_nan=False), st.integers(-149, -100)), min_size=1, max_size=24),
+       st.sampled_from([1, 2]))
+def test_float32_rows_of_tiny_values_keep_a_positive_scale_and_the_bound(vals, groups):
+    """float32 capture: a row whose maximum is below ~6e-43 (448 x the smallest subnormal) once
+    got a zero scale (0/0 = NaN on dequantisation); bf16 subnormals round by an absolute step."""
+    x = torch.tensor([m * 2.0 ** e for m, e in vals], dtype=torch.float32)
+    x = x.repeat(groups).view(1, -1)  # G groups of the same values
+    q, scale = quantize(x, groups)
+    assert (scale > 0).all() and torch.isfinite(scale).all()
+    for dt in (torch.float32, torch.bfloat16):
+        d = dequantize(q, scale, dt).float()
+        assert torch.isfinite(d).all() and ((d - x).abs() <= error_bound(x, scale, dt)).all()
+
+
 def test_the_bound_is_tight_and_saturation_keeps_the_maximum():
     x = torch.linspace(-1, 1, 4097).view(1, -1)
     q, s = quantize(x, 1)

@@ -85,7 +85,8 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
 
 
 def export(checkpoint: str, out: str, dtype: str = "bfloat16", format: Literal["sglang", "speculators"] = "sglang",
-           verifier: Optional[str] = None, speculative_tokens: Optional[int] = None, overwrite: bool = False) -> None:
+           verifier: Optional[str] = None, speculative_tokens: Optional[int] = None, overwrite: bool = False,
+           target_model: Optional[str] = None, aux_layer_ids: Optional[list[int]] = None) -> None:
     """Export a drafter checkpoint for serving: SGLang or vLLM (speculators format).
 
     sglang: a LlamaForCausalLMEagle3 folder (--speculative-draft-model-path DIR).
@@ -101,11 +102,14 @@ def export(checkpoint: str, out: str, dtype: str = "bfloat16", format: Literal["
             the checkpoint's target folder, a path on this machine: give what vLLM will find).
         speculative_tokens: speculators only: draft tokens per step vLLM proposes by default (7).
         overwrite: replace an export already in OUT (otherwise refused).
+        target_model: the target's folder, when it moved since training (default: the checkpoint's).
+        aux_layer_ids: the target layers the drafter reads, for a checkpoint that records none
+            (default: the checkpoint's).
     """
     from eagle_train.export import export_checkpoint
 
-    print(export_checkpoint(checkpoint, out, dtype, format=format, verifier=verifier,
-                            speculative_tokens=speculative_tokens, overwrite=overwrite))
+    print(export_checkpoint(checkpoint, out, dtype, aux_layer_ids=aux_layer_ids, format=format, verifier=verifier,
+                            speculative_tokens=speculative_tokens, overwrite=overwrite, target_model=target_model))
 
 
 def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_vocab_size: int = 2048,

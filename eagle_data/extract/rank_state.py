@@ -24,8 +24,8 @@ from eagle_data.extract.fault import Skip
 from eagle_data.extract.manifest import check_resume, config_hash, load_progress, repair_rank
 from eagle_data.extract.sink import atomic_write_bytes, atomic_write_json
 from eagle_data.extract.sources import check_unchanged, combine, iter_records, record_fingerprint
-from eagle_data.format.layout import (MANIFEST_NAME, PROGRESS_GLOB, parse_progress_name, parse_shard_name,
-                                      progress_path, rank_shard_prefix, skip_log_name)
+from eagle_data.format.layout import (CARD_NAME, MANIFEST_NAME, PROGRESS_GLOB, is_own_name, parse_progress_name,
+                                      parse_shard_name, progress_path, rank_shard_prefix, skip_log_name)
 from eagle_data.format.schema import sample_key
 
 
@@ -147,6 +147,22 @@ def fresh_rows(cfg: ExtractConfig, tag: str, done: set[str]) -> Iterator[tuple[i
     for r, rec in iter_records(cfg.data, cfg.split, cfg.rank, cfg.world_size, rows_to_read(cfg)):
         if (key := sample_key(tag, r)) not in done:
             yield r, rec, key, record_fingerprint(r, rec)
+
+
+def refuse_foreign(out: Path) -> None:
+    """Refuse an existing output directory holding files no extraction wrote (a user's
+    ``README.md`` would be replaced by the dataset card, a checkpoint folder mixed with shards).
+
+    Raises:
+        ValueError: names the directory and the first such files."""
+    if not out.is_dir():
+        return
+    ours = (out / MANIFEST_NAME).exists() or any(out.glob(PROGRESS_GLOB))
+    foreign = sorted(p.name for p in out.iterdir() if not is_own_name(p.name) or (p.name == CARD_NAME and not ours))
+    if foreign:
+        raise ValueError(f"{out} holds files that no extraction wrote ({', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}): refusing to write a dataset into it (its "
+                         f"{CARD_NAME} would be replaced). Use a new or empty --out directory.")
 
 
 def _previous(out: Path, rank: int, run_cfg: dict[str, Any]) -> dict[str, Any] | None:

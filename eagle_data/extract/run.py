@@ -44,7 +44,7 @@ from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage
 from eagle_data.extract.front_process import FrontProcess
 from eagle_data.extract.fault import ErrorPolicy
 from eagle_data.extract.manifest import load_progress, merge, open_out, weights_fingerprint
-from eagle_data.extract.rank_state import RankState
+from eagle_data.extract.rank_state import RankState, refuse_foreign
 from eagle_data.extract.signals import ExtractionInterrupted, Signals, interruptible_iter
 from eagle_data.extract.sink import ShardSink
 from eagle_data.extract.sources import resolve
@@ -71,6 +71,7 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
             a SIGTERM with the default handler terminates the process after cleanup.
     """
     check_paths(cfg)
+    refuse_foreign(Path(cfg.out))
     out, lock = open_out(cfg.out, cfg.rank)
     try:
         return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer)

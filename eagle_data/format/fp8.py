@@ -2,14 +2,16 @@
 
 A stored fp8 field ``F`` ([T, G*H], ``G`` layer groups of width ``H``: 3 for the aux states, 1 for
 the final state) comes with ``F_scale`` [T, G] float32 in the same safetensors payload. Row ``t``,
-group ``g``: ``scale = max|x| / 448`` (1 when the group is all zeros), ``q = x / scale`` rounded to
+group ``g``: ``scale = max|x| / 448`` (1 when the group is all zeros; at least the smallest
+normal float32, :data:`SCALE_MIN`, so tiny values never give a zero scale), ``q = x / scale`` rounded to
 e4m3 with saturation at +-448; the reader computes ``q * scale``.
 
 Error bound (:func:`error_bound`), per element, of the float32 dequantisation: e4m3 keeps 3
 mantissa bits, so a value in the normal range (``|q| >= 2^-6``) is off by at most half a unit in
 the last place, ``2^-4 |x|``; below it the spacing is ``2^-9``, i.e. at most ``2^-10 * scale``
 absolute. The float32 division adds ``2^-23`` relative, covered by the slack below. Dequantising
-to bfloat16 rounds once more: ``+ 2^-8 |x|`` (:data:`BF16_REL`).
+to bfloat16 rounds once more: ``+ 2^-8 |x|`` (:data:`BF16_REL`), and among bfloat16's subnormals
+``+ 2^-134`` absolute (:data:`BF16_SUB`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ SCALE_SUFFIX = "_scale"
 REL = 2.0 ** -4            # half an ulp of a 3-bit mantissa, relative
 SUB = 2.0 ** -10           # half the subnormal spacing 2^-9, in units of the scale
 BF16_REL = 2.0 ** -8       # one more rounding to bfloat16 (8 significant bits; slack included)
+BF16_SUB = 2.0 ** -134     # half the spacing of bfloat16's subnormals (2^-133)
+SCALE_MIN = torch.finfo(torch.float32).tiny  # smallest scale stored (a normal float32)
 
 
 def scale_name(field: str) -> str:
@@ -47,7 +51,9 @@ def quantize(x: torch.Tensor, groups: int, check: bool = True) -> tuple[torch.Te
     if check and not torch.isfinite(xf).all():
         raise ValueError("NaN/Inf in hidden states: not quantised (fp8 storage refuses non-finite values)")
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)  # NaN/Inf stay in the scale
+    # a row of tiny values (max < ~6e-43) would give a scale that underflows to 0: floored at the
+    # smallest normal float32 (its values then round to 0 or a subnormal step; the bound holds)
+    scale = torch.where(amax == 0, torch.ones_like(amax), (amax / FP8_MAX).clamp_min(SCALE_MIN))  # NaN/Inf stay
     q = (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(*lead, w), scale.view(*lead, groups)
 
@@ -80,8 +86,8 @@ def error_bound(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
     g = scale.shape[1]
     ax = x.float().abs()
     b = (ax.view(t, g, w // g) * REL + scale.float().view(t, g, 1) * SUB).view(t, w)
-    if dtype != torch.float32:
-        b = b * (1 + BF16_REL) + ax * BF16_REL
+    if dtype != torch.float32:  # one more rounding, relative, or half a step among bf16's subnormals
+        b = b * (1 + BF16_REL) + ax * BF16_REL + BF16_SUB
     return b * (1 + 2.0 ** -20)
 
 

@@ -32,6 +32,19 @@ _SHARD_RE = re.compile(r"(\d{5})-(\d{6})\.tar")
 _PROGRESS_RE = re.compile(r"progress-(\d{5})\.json")
 
 
+_SKIP_LOG_RE = re.compile(r"skips-(\d{5})\.jsonl")
+_TMP_RE = re.compile(r"(.+)\.\d+\.tmp")  # NAME.<pid>.tmp of an atomic write
+
+
+def is_own_name(name: str) -> bool:
+    """Whether a directory entry's name is one an extraction writes (shards and their ``.tmp``,
+    the index folder, progress files, skip logs, the manifest, index, card and lock, and the
+    temporaries of atomic writes of those)."""
+    name = m[1] if (m := _TMP_RE.fullmatch(name)) else name.removesuffix(".tmp")
+    return bool(name in (MANIFEST_NAME, INDEX_NAME, CARD_NAME, INDEX_DIR, LOCK_NAME) or _SHARD_RE.fullmatch(name)
+                or _PROGRESS_RE.fullmatch(name) or _SKIP_LOG_RE.fullmatch(name))
+
+
 def shard_name(rank: int, shard: int) -> str:
     """The file name of shard ``shard`` of rank ``rank`` (:data:`SHARD_NAME`)."""
     return SHARD_NAME.format(rank=rank, shard=shard)

@@ -1,0 +1,77 @@
+"""Training, eval and export hold the data to the drafter's facts (aux layers, hidden size) and
+take the target from where it is now (found by a breaking pass)."""
+
+import json
+import shutil
+
+import lightning.pytorch as pl
+import pytest
+
+from eagle_data.stream.datamodule import EagleDataModule
+from eagle_train.evaluate import evaluate
+from eagle_train.export import export_checkpoint
+from eagle_train.module import EagleDrafterModule
+from eagle_train.vocab import build_vocab
+
+
+def _module(model, dataset, tmp_path, **kw):
+    _, _, vf = build_vocab(dataset, 32, out=tmp_path / "vocab.safetensors")
+    return EagleDrafterModule(target_model_path=str(model), draft_vocab=str(vf), draft_vocab_size=32, ttt_steps=2,
+                              exclude_oov=False, **kw)
+
+
+def _fit(mod, dataset, tmp_path, **dm_kw):
+    dm = EagleDataModule(train=str(dataset), batch_size=2, num_workers=0, pin_memory=False, **dm_kw)
+    tr = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    tr.fit(mod, datamodule=dm)
+    ck = tmp_path / "a.ckpt"
+    tr.save_checkpoint(str(ck))
+    return ck
+
+
+def test_training_refuses_data_of_other_aux_layers_or_hidden_size(tiny, reference, tmp_path):
+    model, _ = tiny
+    with pytest.raises(ValueError, match=r"aux_layer_ids"):  # the data has layers [1, 3, 5]
+        _fit(_module(model, reference, tmp_path, aux_layer_ids=[0, 2, 4]), reference, tmp_path)
+    with pytest.raises(ValueError, match=r"data.aux_layer_ids is \[0, 2, 4\], the drafter's"):
+        _fit(_module(model, reference, tmp_path, aux_layer_ids=[1, 3, 5]), reference, tmp_path, aux_layer_ids=[0, 2, 4])
+    with pytest.raises(ValueError, match=r"data.hidden_size is 7, the target's"):
+        _fit(_module(model, reference, tmp_path), reference, tmp_path, hidden_size=7)
+
+
+def test_a_drafter_trained_without_dataset_dir_records_the_datas_aux_layers(tiny, reference, tmp_path):
+    model, _ = tiny
+    ck = _fit(_module(model, reference, tmp_path), reference, tmp_path)
+    back = EagleDrafterModule.load_from_checkpoint(str(ck))
+    assert back.aux_layer_ids == [1, 3, 5]
+    out = export_checkpoint(str(ck), str(tmp_path / "export"), dtype="float32")
+    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    with pytest.raises(ValueError, match=r"aux_layer_ids \[0, 2, 4\]: the checkpoint's drafter was trained on"):
+        export_checkpoint(str(ck), str(tmp_path / "export2"), aux_layer_ids=[0, 2, 4])
+
+
+def test_eval_and_export_take_a_moved_target_and_refuse_foreign_data(tiny, reference, kr, tmp_path):
+    model, data = tiny
+    moved = tmp_path / "target"
+    shutil.copytree(model, moved)
+    ck = _fit(_module(moved, reference, tmp_path), reference, tmp_path)
+    shutil.rmtree(moved)
+    with pytest.raises(ValueError, match=r"target folder .*target \(target_model_path\) has no config.json"):
+        EagleDrafterModule.load_from_checkpoint(str(ck))
+    kw = dict(num_samples=2, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
+    s = evaluate(str(reference), str(ck), str(tmp_path / "ev"), target_model=str(model), **kw)
+    assert s["trained"]["num_chains"] > 0
+    assert (export_checkpoint(str(ck), str(tmp_path / "ex"), target_model=str(model)) / "config.json").is_file()
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    with pytest.raises(ValueError, match="no held-out keys"):
+        evaluate(str(reference), str(ck), str(tmp_path / "ev2"), heldout_keys=str(empty), target_model=str(model), **kw)
+    from eagle_data.extract.run import run_extract
+    import dataclasses
+
+    other = tmp_path / "other"
+    run_extract(dataclasses.replace(kr.config(other, model, data, shard_max_samples=8), aux_layer_ids=[0, 2, 4],
+                                    num_samples=4))
+    with pytest.raises(ValueError, match=r"aux_layer_ids \[0, 2, 4\] in its manifest, the checkpoint's drafter reads"):
+        evaluate(str(other), str(ck), str(tmp_path / "ev3"), target_model=str(model), **kw)
