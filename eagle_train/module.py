@@ -22,10 +22,6 @@ import torch
 
 from eagle_train.loss import ttt_loss
 
-
-def _ints(x: Any) -> list[int]:
-    """An int or a sequence of ints as a list (for comparing settings)."""
-    return [int(v) for v in x] if isinstance(x, (list, tuple)) else [int(x)]
 from eagle_train.model import DraftConfig, Eagle3Drafter, load_target_tensors, read_target_config
 from eagle_train.vocab import build_vocab, load_vocab, read_key_list
 
@@ -178,28 +174,21 @@ class EagleDrafterModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def setup(self, stage: str) -> None:
-        """Hold the data module (:class:`~eagle_data.stream.datamodule.EagleDataModule`) to this
-        drafter's facts: its manifests must have the target's hidden size and the drafter's aux
-        layer ids (the export tells the server which layers to capture); a module built without
-        ``aux_layer_ids`` or ``dataset_dir`` takes them from the training data's manifest.
+        """Hold the data module (:meth:`~eagle_data.stream.datamodule.EagleDataModule.hold_to`)
+        to this drafter's facts: every manifest must have the target's hidden size and the
+        drafter's aux layer ids (the export tells the server which layers to capture); a module
+        built without ``aux_layer_ids`` or ``dataset_dir`` takes them from the training data and
+        records them.
 
         Raises:
-            ValueError: the data module expects another hidden size or other aux layer ids."""
+            ValueError: the data module expects, or a manifest has, other facts."""
         dm = getattr(self.trainer, "datamodule", None)
-        cfg = getattr(dm, "cfg", None)
-        if not isinstance(cfg, dict) or "aux_layer_ids" not in cfg:
+        if not callable(getattr(dm, "hold_to", None)):
             return
-        facts = {"hidden_size": (int(self.target_config["hidden_size"]), "the target's (model.target_model_path)"),
-                 "aux_layer_ids": (self.aux_layer_ids, "the drafter's (model.aux_layer_ids / model.dataset_dir)")}
-        for name, (mine, whose) in facts.items():
-            theirs = cfg.get(name)
-            if mine is not None and theirs is not None and _ints(theirs) != _ints(mine):
-                raise ValueError(f"data.{name} is {theirs}, {whose} is {mine}")
-            if mine is not None:
-                cfg[name] = mine  # the loader refuses a manifest with other facts, naming it
-        if self.aux_layer_ids is None:  # from the training data (checked there against every source)
-            self.aux_layer_ids = list(dm.train_dataloader().dataset.facts["aux_layer_ids"])
-            self.hparams["aux_layer_ids"] = self.aux_layer_ids
+        ids = dm.hold_to(int(self.target_config["hidden_size"]), self.aux_layer_ids)
+        if self.aux_layer_ids is None:
+            self.aux_layer_ids = ids
+            self.hparams["aux_layer_ids"] = ids
 
     def on_train_start(self) -> None:
         pb = self.trainer.progress_bar_callback  # "Epoch 0/-2" when only time or steps bound the run
@@ -248,15 +237,20 @@ class EagleDrafterModule(pl.LightningModule):
         hp.update(kwargs)
         from eagle_train.model import resolve_model_path
 
+        whose = "the target folder given" if "target_model_path" in kwargs else "its target folder"
         if hp.get("target_model_path") and not (resolve_model_path(hp["target_model_path"]) / "config.json").is_file():
-            raise ValueError(f"{checkpoint_path}: its target folder {hp['target_model_path']} (target_model_path) has no "
+            raise ValueError(f"{checkpoint_path}: {whose}, {hp['target_model_path']} (target_model_path), has no "
                              "config.json (moved or deleted?): give the target's folder (--target_model)")
         if hp.get("exclude_keys") and not Path(hp["exclude_keys"]).is_file():  # only training filters by it
             log.warning("%s: its held-out key file %s is gone; the loaded module filters no keys",
                         checkpoint_path, hp["exclude_keys"])
             hp["exclude_keys"] = None
         mod = cls(**hp, _vocab=(sd["drafter.d2t"], sd["drafter.t2d"]))
-        mod.load_state_dict(sd, strict=True)
+        try:
+            mod.load_state_dict(sd, strict=True)
+        except RuntimeError as e:  # size mismatches: a target of another shape
+            raise ValueError(f"{checkpoint_path}: its drafter does not fit {whose}, {hp.get('target_model_path')} "
+                             f"({str(e).splitlines()[-1].strip()[:200]})") from None
         mod.on_load_checkpoint(ckpt)
         if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
             mod.to(map_location)

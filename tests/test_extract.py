@@ -564,3 +564,31 @@ def test_resume_accepts_another_spelling_of_the_same_data_file_only(tmp_path, mo
     other.write_bytes(data_file.read_bytes())  # same rows, another file
     with pytest.raises(ValueError, match=r"data: existing"):
         run_extract(cfg(out, model_dir, other))
+
+
+def test_a_row_keeps_all_its_notes_and_a_skipped_row_none(tmp_path, model_dir):
+    """Notes per row are a list (a row both cut at its leading turns and truncated keeps both, in
+    the progress file and the manifest); the notes of a row skipped afterwards (nothing supervised
+    after truncation) count nowhere: run stats, progress and manifest agree."""
+    from transformers import AutoTokenizer
+
+    from eagle_data.extract.chat import ChatRenderer
+
+    r = ChatRenderer(AutoTokenizer.from_pretrained(model_dir))
+    prompt = len(r.tokenizer(r.render([{"role": "user", "content": "q"}], add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"])
+    lead = {"from": "gpt", "value": "continued."}
+    rows = [{"id": "both", "conversations": [lead, {"from": "human", "value": "q"},
+                                             {"from": "gpt", "value": " ".join(["fine"] * 60)}]},
+            {"id": "skipped", "conversations": [lead, {"from": "human", "value": " ".join(["why"] * 80)},
+                                                {"from": "gpt", "value": "a"}]},
+            {"id": "plain", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "ok"}]}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    out = tmp_path / "ds"
+    res = run_extract(cfg(out, model_dir, data, max_length=prompt + 6))
+    want = {"leading_turns_dropped": 1, "truncated": 1}
+    assert res["num_samples"] == 2 and res["skip_counts"] == {"no_loss_tokens": 1} and res["note_counts"] == want
+    assert res["run_stats"]["note_counts"] == want
+    prog = json.loads((out / "progress-00000.json").read_text())
+    assert prog["notes"] == {"0": ["leading_turns_dropped", "truncated"]}

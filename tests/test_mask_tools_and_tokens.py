@@ -57,6 +57,17 @@ def test_a_tool_call_after_a_tool_result_supervises_its_opener(stem, want):
     assert runs(renderer(stem), CHAIN) == want
 
 
+@pytest.mark.parametrize("stem,noted", [("deepseek_r1", True), ("deepseek_v3", True), ("trl_deepseekv3_training", True),
+                                        ("deepseek_v3_1", False), ("mistral_v3_instruct", False), ("qwen3", False)])
+def test_a_turn_whose_start_the_template_leaves_open_is_noted(stem, noted):
+    """DeepSeek-V3/R1 write a second call after a tool result with no header, and the prompt they
+    render for that turn is not a prefix of the conversation: supervised from the call's name,
+    with a note, not silently."""
+    chain = [{**m, "content": None} if m.get("tool_calls") else m for m in CHAIN[:5]] + \
+        [{"role": "assistant", "content": "Done."}]
+    assert ("turn_start_at_first_field" in renderer(stem).encode(chain).notes) == noted
+
+
 def _phi3_tokenizer(**flags):
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(templates._base_tokenizer_json()),
                                   bos_token="<s>", eos_token="<|endoftext|>")

@@ -34,10 +34,51 @@ def test_training_refuses_data_of_other_aux_layers_or_hidden_size(tiny, referenc
     model, _ = tiny
     with pytest.raises(ValueError, match=r"aux_layer_ids"):  # the data has layers [1, 3, 5]
         _fit(_module(model, reference, tmp_path, aux_layer_ids=[0, 2, 4]), reference, tmp_path)
-    with pytest.raises(ValueError, match=r"data.aux_layer_ids is \[0, 2, 4\], the drafter's"):
+    with pytest.raises(ValueError, match=r"data.aux_layer_ids is \[0, 2, 4\], the drafter"):
         _fit(_module(model, reference, tmp_path, aux_layer_ids=[1, 3, 5]), reference, tmp_path, aux_layer_ids=[0, 2, 4])
-    with pytest.raises(ValueError, match=r"data.hidden_size is 7, the target's"):
+    with pytest.raises(ValueError, match=r"data.hidden_size is 7, the drafter"):
         _fit(_module(model, reference, tmp_path), reference, tmp_path, hidden_size=7)
+
+
+@pytest.fixture(scope="module")
+def other_layers(tiny, kr, tmp_path_factory):
+    """A small dataset of the tiny target captured at layers [0, 2, 4] (the reference: [1, 3, 5])."""
+    import dataclasses
+
+    from eagle_data.extract.run import run_extract
+
+    model, data = tiny
+    out = tmp_path_factory.mktemp("other") / "ds"
+    run_extract(dataclasses.replace(kr.config(out, model, data, shard_max_samples=8), aux_layer_ids=[0, 2, 4],
+                                    num_samples=4))
+    return out
+
+
+def test_validation_data_and_loaders_built_early_are_held_to_the_drafter(tiny, reference, other_layers, tmp_path):
+    model, _ = tiny
+    with pytest.raises(ValueError, match=r"aux_layer_ids"):  # layers adopted from train, val has others
+        _fit(_module(model, reference, tmp_path), reference, tmp_path, val=str(other_layers))
+    mod = _module(model, reference, tmp_path, aux_layer_ids=[1, 3, 5])
+    dm = EagleDataModule(train=str(other_layers), batch_size=2, num_workers=0, pin_memory=False)
+    dm.train_dataloader()  # built before fit (e.g. to count steps): still checked
+    tr = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    with pytest.raises(ValueError, match=r"aux_layer_ids"):
+        tr.fit(mod, datamodule=dm)
+
+
+def test_a_target_of_another_shape_is_named_not_a_traceback(tiny, reference, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model, _ = tiny
+    ck = _fit(_module(model, reference, tmp_path), reference, tmp_path)
+    cfg = LlamaConfig.from_pretrained(model)
+    cfg.hidden_size = cfg.hidden_size * 2
+    cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    wrong = tmp_path / "wide"
+    LlamaForCausalLM(cfg).save_pretrained(wrong)
+    with pytest.raises(ValueError, match=r"does not fit the target folder given, .*wide"):
+        EagleDrafterModule.load_from_checkpoint(str(ck), target_model_path=str(wrong))
 
 
 def test_a_drafter_trained_without_dataset_dir_records_the_datas_aux_layers(tiny, reference, tmp_path):
@@ -51,13 +92,13 @@ def test_a_drafter_trained_without_dataset_dir_records_the_datas_aux_layers(tiny
         export_checkpoint(str(ck), str(tmp_path / "export2"), aux_layer_ids=[0, 2, 4])
 
 
-def test_eval_and_export_take_a_moved_target_and_refuse_foreign_data(tiny, reference, kr, tmp_path):
-    model, data = tiny
+def test_eval_and_export_take_a_moved_target_and_refuse_foreign_data(tiny, reference, other_layers, tmp_path):
+    model, _ = tiny
     moved = tmp_path / "target"
     shutil.copytree(model, moved)
     ck = _fit(_module(moved, reference, tmp_path), reference, tmp_path)
     shutil.rmtree(moved)
-    with pytest.raises(ValueError, match=r"target folder .*target \(target_model_path\) has no config.json"):
+    with pytest.raises(ValueError, match=r"its target folder, .*target \(target_model_path\), has no config.json"):
         EagleDrafterModule.load_from_checkpoint(str(ck))
     kw = dict(num_samples=2, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
     s = evaluate(str(reference), str(ck), str(tmp_path / "ev"), target_model=str(model), **kw)
@@ -67,11 +108,5 @@ def test_eval_and_export_take_a_moved_target_and_refuse_foreign_data(tiny, refer
     empty.write_text("[]")
     with pytest.raises(ValueError, match="no held-out keys"):
         evaluate(str(reference), str(ck), str(tmp_path / "ev2"), heldout_keys=str(empty), target_model=str(model), **kw)
-    from eagle_data.extract.run import run_extract
-    import dataclasses
-
-    other = tmp_path / "other"
-    run_extract(dataclasses.replace(kr.config(other, model, data, shard_max_samples=8), aux_layer_ids=[0, 2, 4],
-                                    num_samples=4))
     with pytest.raises(ValueError, match=r"aux_layer_ids \[0, 2, 4\] in its manifest, the checkpoint's drafter reads"):
-        evaluate(str(other), str(ck), str(tmp_path / "ev3"), target_model=str(model), **kw)
+        evaluate(str(other_layers), str(ck), str(tmp_path / "ev3"), target_model=str(model), **kw)

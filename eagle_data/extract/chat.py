@@ -216,13 +216,15 @@ class ChatRenderer(TemplateProbe):
         when the record has tool schemas and the template does not render them."""
         pmsgs, pieces = placeholder_messages(msgs, self.call_anchor)
         where = align(text, self._apply(pmsgs, tools=tools), pieces, msgs)
+        unsure: list[int] = []
         spans = assistant_spans(text, msgs, pieces, where, self.markers,
-                                lambda i: self._prompt_end(text, msgs[:i], tools))
+                                lambda i: self._prompt_end(text, msgs[:i], tools), unsure)
         rendered = {j for _, _, j in where}
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
         dropped = any(p.kind == "reasoning" and p.msg == last and j not in rendered for j, p in enumerate(pieces))
         return spans, (["final_reasoning_not_rendered"] if dropped else []) + \
-            (["tools_not_rendered"] if tools and not self.tools_rendered else [])
+            (["tools_not_rendered"] if tools and not self.tools_rendered else []) + \
+            (["turn_start_at_first_field"] if unsure else [])
 
     def _prompt_end(self, text: str, head: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int | None:
         """Length of the prompt the template renders for the turn after ``head`` (with, else
@@ -333,7 +335,10 @@ class ChatRenderer(TemplateProbe):
 ENCODE_GROUP = 64
 #: kept-but-changed reasons of :meth:`ChatRenderer.encode` and what each means
 NOTES = {"final_reasoning_not_rendered": "the template does not render the last turn's reasoning",
-         "tools_not_rendered": "the record's tool schemas ('tools') are not rendered by the template"}
+         "tools_not_rendered": "the record's tool schemas ('tools') are not rendered by the template",
+         "turn_start_at_first_field": "a turn after a tool result has no header and no prompt of the template's "
+                                      "own that leads to it: supervised from its first field (template text the "
+                                      "turn writes before it, e.g. a call opener, is not)"}
 
 
 def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag: str,
@@ -345,7 +350,7 @@ def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag:
     :class:`~eagle_data.extract.mask.MaskError` reasons (``mask_unaligned``, ``message_not_rendered``,
     ``tool_calls_not_rendered``, ``special_token_in_text``), ``no_loss_tokens`` (nothing
     supervised after truncation). Notes (:data:`NOTES`): ``final_reasoning_not_rendered``,
-    ``tools_not_rendered``, ``truncated``.
+    ``tools_not_rendered``, ``turn_start_at_first_field``, ``truncated``.
     """
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -45,16 +45,34 @@ class RowError(ValueError):
         return type(self), (self.skip,), self.__dict__
 
 
+#: rows whose notes :class:`DropCounter` remembers (far more than the samples in flight)
+NOTED_WINDOW = 1 << 16
+
+
 class DropCounter:
-    """Counts skipped samples (and notes) per reason and logs each one (first ``log_first`` in full)."""
+    """Counts skipped samples (and notes) per reason and logs each one (first ``log_first`` in full).
+    ``notes`` counts the notes of rows that were not skipped afterwards (a skipped row is not in
+    the dataset, so its notes are not counted: the manifest's ``note_counts`` agree)."""
 
     def __init__(self, log_first: int = 20):
         self.counts: Counter[str] = Counter()
         self.notes: Counter[str] = Counter()
         self.log_first = log_first
+        # row -> its notes, for the rows still in flight (a skip follows its notes within the
+        # pipeline's few batches; the oldest entries go beyond NOTED_WINDOW rows)
+        self._noted: OrderedDict[int, list[str]] = OrderedDict()
 
     def add(self, skip: Skip, note: bool = False) -> None:
-        (self.notes if note else self.counts)[skip.reason] += 1
+        if note:
+            self.notes[skip.reason] += 1
+            self._noted.setdefault(skip.row, []).append(skip.reason)
+            if len(self._noted) > NOTED_WINDOW:
+                self._noted.popitem(last=False)
+        else:
+            self.counts[skip.reason] += 1
+            for reason in self._noted.pop(skip.row, []):
+                self.notes[reason] -= 1
+            self.notes = +self.notes  # drop reasons at zero
         n = sum(self.counts.values()) + sum(self.notes.values())
         msg = "%s row %d (id %s): %s%s" % ("note" if note else "skip", skip.row, skip.source_id, skip.reason,
                                             f": {skip.detail[:300]}" if skip.detail else "")

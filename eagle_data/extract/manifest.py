@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from eagle_data.format.layout import (CARD_NAME, INDEX_DIR, INDEX_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_GLOB,
                                       PROGRESS_NAME, index_part, progress_path, rank_shard_prefix, shard_of_index_part)
 from eagle_data.format.card import dataset_card
-from eagle_data.format.records import Manifest, RankProgress
+from eagle_data.format.records import Manifest, RankProgress, note_reasons
 from eagle_data.format.schema import FINAL_STATE_NORM, INDEX_SCHEMA, LAYER_ID_CONVENTION, SCHEMA_VERSION
 from eagle_data.extract.sink import atomic_write_bytes, atomic_write_json, write_parquet_atomic
 
@@ -297,7 +297,7 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
     skips, notes = Counter(), Counter()
     for p in progs:
         skips.update(p["skipped"].values())
-        notes.update(p.get("notes", {}).values())
+        notes.update(r for v in p.get("notes", {}).values() for r in note_reasons(v))
     damaged = [f"{s['name']} ({'missing' if not (out / s['name']).is_file() else 'size differs from the record'})"
                for s in shards if not (out / s["name"]).is_file() or (out / s["name"]).stat().st_size != s["bytes"]]
     if damaged:

@@ -221,14 +221,17 @@ def _own_turn(mine: list[tuple[int, int, int]], where: list[tuple[int, int, int]
 
 def assistant_spans(text: str, messages: list[dict[str, Any]], pieces: list[Piece],
                     where: list[tuple[int, int, int]], mk: TurnMarkers,
-                    prompt_end: Callable[[int], int | None] = lambda i: None) -> list[tuple[int, int]]:
+                    prompt_end: Callable[[int], int | None] = lambda i: None,
+                    unsure: list[int] | None = None) -> list[tuple[int, int]]:
     """``[start, end)`` of every assistant turn's output in ``text``, in message order: from
     :func:`_output_start` (so a ``<think>`` tag, a channel header or a tool-call opener the
     template writes inside the turn is supervised, as the model generates it) to
     :func:`_output_end`. Where the template text before a turn holds no generation prompt or
     boundary, the turn starts at ``prompt_end(i)`` (the length of the prompt the template
     renders for message ``i``, when ``text`` starts with it and it ends between the previous
-    piece and the turn's first), else at its first piece. A turn followed by a tool result is
+    piece and the turn's first), else at its first piece (its index then goes to ``unsure``:
+    DeepSeek-V3/R1 write a second call after a tool result with no header, and the prompt they
+    render for it is not a prefix of the render). A turn followed by a tool result is
     ended like a tool-call turn (GLM writes ``<|observation|>`` there).
 
     Raises:
@@ -258,6 +261,9 @@ def assistant_spans(text: str, messages: list[dict[str, Any]], pieces: list[Piec
         start = _output_start(text, before, first, mk)
         if start is None:
             p = prompt_end(i)
-            start = p if p is not None and before <= p <= first else first
+            found = p is not None and before <= p <= first
+            start = p if found else first
+            if not found and text[before:first].strip() and unsure is not None:
+                unsure.append(i)
         spans.append((start, end))
     return spans

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 from eagle_data.extract.config import ExtractConfig, rows_to_read
 from eagle_data.extract.fault import Skip
 from eagle_data.extract.manifest import check_resume, config_hash, load_progress, repair_rank
+from eagle_data.format.records import note_reasons
 from eagle_data.extract.sink import atomic_write_bytes, atomic_write_json
 from eagle_data.extract.sources import check_unchanged, combine, iter_records, record_fingerprint
 from eagle_data.format.layout import (CARD_NAME, MANIFEST_NAME, PROGRESS_GLOB, is_own_name, parse_progress_name,
@@ -60,7 +61,8 @@ class RankState:
         self._check_source()
         self._prune()
         atomic_write_json(self.path, self.state)
-        self._unsaved: dict[str, dict[str, str]] = {"skipped": {}, "notes": {}}  # str(row) -> reason
+        # str(row) -> reason (skipped) or [reasons] (notes)
+        self._unsaved: dict[str, dict[str, Any]] = {"skipped": {}, "notes": {}}
         self._fps: dict[str, int] = {}  # key -> fingerprint of its source row, until published or skipped
         self._log = _reopen_skip_log(out / skip_log_name(cfg.rank), self.state)
 
@@ -102,7 +104,10 @@ class RankState:
                 self._fps.pop(sample_key(self.tag, skip.row), None)
                 self._unsaved["notes"].pop(row, None)
                 self.state["notes"].pop(row, None)
-            self._unsaved["notes" if note else "skipped"][row] = skip.reason
+                self._unsaved["skipped"][row] = skip.reason
+            else:  # a row may have several notes (e.g. leading turns dropped, then truncated)
+                had = self._unsaved["notes"].get(row) or note_reasons(self.state["notes"].get(row))
+                self._unsaved["notes"][row] = [*had, skip.reason]
             self._log.write(json.dumps({"row": skip.row, "id": skip.source_id, "kind": "note" if note else "skip",
                                         "reason": skip.reason, "detail": skip.detail}, ensure_ascii=False) + "\n")
 
@@ -160,9 +165,10 @@ def refuse_foreign(out: Path) -> None:
     ours = (out / MANIFEST_NAME).exists() or any(out.glob(PROGRESS_GLOB))
     foreign = sorted(p.name for p in out.iterdir() if not is_own_name(p.name) or (p.name == CARD_NAME and not ours))
     if foreign:
+        card = f" (its {CARD_NAME} would be replaced)" if CARD_NAME in foreign else ""
         raise ValueError(f"{out} holds files that no extraction wrote ({', '.join(foreign[:3])}"
-                         f"{', ...' if len(foreign) > 3 else ''}): refusing to write a dataset into it (its "
-                         f"{CARD_NAME} would be replaced). Use a new or empty --out directory.")
+                         f"{', ...' if len(foreign) > 3 else ''}): refusing to write a dataset into it{card}. "
+                         "Use a new or empty --out directory.")
 
 
 def _previous(out: Path, rank: int, run_cfg: dict[str, Any]) -> dict[str, Any] | None:

@@ -35,7 +35,7 @@ class RankProgress(TypedDict, total=False):
     model: dict[str, Any]         #: model facts (hidden_size, num_layers, aux_layer_ids, dtype...)
     shards: list[ShardRecord]
     skipped: dict[str, str]       #: str(source row) -> reason
-    notes: dict[str, str]         #: str(source row) -> reason (kept but changed)
+    notes: dict[str, list[str]]   #: str(source row) -> reasons (kept but changed); one str in older files
     finished: bool
 
 
@@ -90,3 +90,9 @@ def read_manifest(path: str | Path) -> Manifest:
     if not isinstance(m, dict):
         raise ValueError(f"{p}: not a manifest.json (a JSON {type(m).__name__}, not an object)")
     return m
+
+
+def note_reasons(value: Any) -> list[str]:
+    """The note reasons of one row of :attr:`RankProgress.notes`: a list, or one string (files
+    written before a row kept several notes), or none."""
+    return [] if value is None else [value] if isinstance(value, str) else list(value)

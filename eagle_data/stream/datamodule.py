@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 
 from lightning.pytorch import LightningDataModule
@@ -94,6 +95,25 @@ class EagleDataModule(LightningDataModule):
     def _loader(self, sources, **over: Any) -> EagleDataLoader:
         ds = EagleShardDataset(sources, **{**self.cfg, **over})
         return EagleDataLoader(ds, num_workers=self.num_workers, pin_memory=self.pin_memory)
+
+    def hold_to(self, hidden_size: int, aux_layer_ids: Optional[list[int]]) -> list[int]:
+        """Expect these model facts from every source (the drafter's; loaders built before are
+        dropped so that none escapes the check); ``aux_layer_ids`` None: take the training
+        data's and expect them from the validation data. Returns the aux layer ids.
+
+        Raises:
+            ValueError: this module was given other facts, or a manifest differs (names it)."""
+        for name, mine in (("hidden_size", hidden_size), ("aux_layer_ids", aux_layer_ids)):
+            theirs = self.cfg.get(name)
+            if mine is not None and theirs is not None and [int(v) for v in np.atleast_1d(theirs)] != \
+                    [int(v) for v in np.atleast_1d(mine)]:
+                raise ValueError(f"data.{name} is {theirs}, the drafter's is {mine}")
+            if mine is not None:
+                self.cfg[name] = mine
+        self._train = self._val = None
+        if aux_layer_ids is None:
+            self.cfg["aux_layer_ids"] = list(self.train_dataloader().dataset.facts["aux_layer_ids"])
+        return list(self.cfg["aux_layer_ids"])
 
     def train_dataloader(self) -> EagleDataLoader:
         """The (cached) training loader; each iteration is the next epoch."""
