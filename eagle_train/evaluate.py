@@ -251,6 +251,41 @@ def _check_dataset(dataset_dir: str, mod) -> None:
             raise ValueError(f"{dataset_dir}: {name} {m[name]} in its manifest, the checkpoint's drafter reads {mine}")
 
 
+#: below this share of supervised positions where the stored final state's greedy token equals
+#: the target's own, the target is not the one that produced the dataset
+MIN_TARGET_AGREEMENT = 0.5
+
+
+@torch.no_grad()
+def check_target_matches(target, samples: dict[str, dict[str, torch.Tensor]], oracles: dict[str, "GreedyOracle"],
+                         max_length: Optional[int] = None) -> float:
+    """The share of supervised positions where ``lm_head(stored final state)`` and the target's
+    own teacher-forced greedy token agree (filling ``oracles``, which the protocol reuses).
+
+    Raises:
+        ValueError: below :data:`MIN_TARGET_AGREEMENT`: another model than the dataset's target
+            (a same-shaped one would otherwise give a plausible, meaningless tau)."""
+    head = target.get_output_embeddings().weight
+    agree = total = 0
+    for key in sorted(samples):
+        s = {k: v[:max_length] for k, v in samples[key].items()} if max_length is not None else samples[key]
+        ids, m = s["input_ids"], s["loss_mask"].bool()
+        rows = torch.nonzero(m[1:]).flatten()  # taught rows (the only ones a taught layout stores)
+        if rows.numel() == 0:
+            continue
+        if key not in oracles:
+            oracles[key] = GreedyOracle(target, ids)
+        stored = (s["hidden_states"][rows].to(head.device, head.dtype) @ head.T).argmax(-1).cpu()
+        agree += int((stored == oracles[key].tf[rows]).sum())
+        total += rows.numel()
+    share = agree / total if total else 1.0
+    if share < MIN_TARGET_AGREEMENT:
+        raise ValueError(f"the target model does not produce this dataset's states: its greedy token equals the "
+                         f"stored final states' at {share:.1%} of {total} supervised positions (expected ~100 %); "
+                         "give the target the dataset was extracted with (--target_model)")
+    return share
+
+
 def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_keys: Optional[str] = None,
              heldout_fraction: float = 0.1, num_samples: int = 16, positions_per_sample: int = 8, steps: int = 7,
              compare_untrained: bool = True, target_model: Optional[str] = None,
@@ -295,6 +330,7 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
                                                        _vocab=(mod.drafter.d2t, mod.drafter.t2d)).drafter
     drafters["prompt_lookup"] = PromptLookupDrafter(max_n=prompt_lookup_max)
     oracles: dict = {}
+    agreement = check_target_matches(target, samples, oracles, max_length)
     results = {name: acceptance(d.float().to(dev) if isinstance(d, torch.nn.Module) else d, target, samples, steps,
                                 positions_per_sample, max_length, oracles)
                for name, d in drafters.items()}
@@ -305,6 +341,7 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
     summary["heldout_keys"] = keys
     summary["heldout_source"] = source
     summary["num_samples"] = len(keys)
+    summary["target_agreement"] = agreement
     (out / "acceptance.json").write_text(json.dumps(summary, indent=1))
     summary["plot"] = str(plot_acceptance(results, out / "acceptance.png"))
     return summary

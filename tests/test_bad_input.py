@@ -194,7 +194,8 @@ def test_an_output_folder_holding_other_files_is_refused_untouched(tiny, tmp_pat
     written into: the dataset card would replace the README."""
     model, data = tiny
     base = dict(model=str(model), data=str(data), dtype="float32", progress=False, num_samples=2)
-    for name in ("README.md", "last.ckpt", "notes"):
+    for name in ("README.md", "last.ckpt", "notes", "skips-00000.jsonl", "index.parquet"):  # the last two: our names,
+        # but with no progress file or manifest beside them not ours
         out = tmp_path / name.replace(".", "_")
         out.mkdir()
         (out / name).write_text("MY OWN NOTES")

@@ -102,7 +102,7 @@ def test_eval_and_export_take_a_moved_target_and_refuse_foreign_data(tiny, refer
         EagleDrafterModule.load_from_checkpoint(str(ck))
     kw = dict(num_samples=2, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
     s = evaluate(str(reference), str(ck), str(tmp_path / "ev"), target_model=str(model), **kw)
-    assert s["trained"]["num_chains"] > 0
+    assert s["trained"]["num_chains"] > 0 and s["target_agreement"] > 0.95
     assert (export_checkpoint(str(ck), str(tmp_path / "ex"), target_model=str(model)) / "config.json").is_file()
     empty = tmp_path / "empty.json"
     empty.write_text("[]")
@@ -110,3 +110,21 @@ def test_eval_and_export_take_a_moved_target_and_refuse_foreign_data(tiny, refer
         evaluate(str(reference), str(ck), str(tmp_path / "ev2"), heldout_keys=str(empty), target_model=str(model), **kw)
     with pytest.raises(ValueError, match=r"aux_layer_ids \[0, 2, 4\] in its manifest, the checkpoint's drafter reads"):
         evaluate(str(other_layers), str(ck), str(tmp_path / "ev3"), target_model=str(model), **kw)
+
+
+def test_eval_refuses_a_same_shaped_target_that_did_not_make_the_data(tiny, reference, tmp_path):
+    """A random model of the target's exact shape loads, runs and would report a plausible tau:
+    the stored final states' greedy tokens must agree with the target's own."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model, _ = tiny
+    ck = _fit(_module(model, reference, tmp_path), reference, tmp_path)
+    torch.manual_seed(99)
+    impostor = tmp_path / "impostor"
+    LlamaForCausalLM(LlamaForCausalLM.config_class.from_pretrained(model)).save_pretrained(impostor)
+    kw = dict(num_samples=2, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
+    with pytest.raises(ValueError, match=r"does not produce this dataset's states: its greedy token equals"):
+        evaluate(str(reference), str(ck), str(tmp_path / "ev"), target_model=str(impostor), **kw)
+    with pytest.raises(ValueError, match=r"does not produce this dataset's states"):  # prompt lookup alone too
+        evaluate(str(reference), None, str(tmp_path / "ev2"), target_model=str(impostor), **kw)

@@ -25,8 +25,9 @@ from eagle_data.extract.manifest import check_resume, config_hash, load_progress
 from eagle_data.format.records import note_reasons
 from eagle_data.extract.sink import atomic_write_bytes, atomic_write_json
 from eagle_data.extract.sources import check_unchanged, combine, iter_records, record_fingerprint
-from eagle_data.format.layout import (CARD_NAME, MANIFEST_NAME, PROGRESS_GLOB, is_own_name, parse_progress_name,
-                                      parse_shard_name, progress_path, rank_shard_prefix, skip_log_name)
+from eagle_data.format.layout import (CARD_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_GLOB, is_own_name,
+                                      parse_progress_name, parse_shard_name, progress_path, rank_shard_prefix,
+                                      skip_log_name)
 from eagle_data.format.schema import sample_key
 
 
@@ -163,7 +164,10 @@ def refuse_foreign(out: Path) -> None:
     if not out.is_dir():
         return
     ours = (out / MANIFEST_NAME).exists() or any(out.glob(PROGRESS_GLOB))
-    foreign = sorted(p.name for p in out.iterdir() if not is_own_name(p.name) or (p.name == CARD_NAME and not ours))
+    # before any progress file, an extraction has only its lock and a progress file being
+    # written (another rank starting); shards without progress are refused by _previous, by name
+    early = (lambda n: n == LOCK_NAME or n.startswith("progress-") or parse_shard_name(n.removesuffix(".tmp")))
+    foreign = sorted(p.name for p in out.iterdir() if not is_own_name(p.name) or not (ours or early(p.name)))
     if foreign:
         card = f" (its {CARD_NAME} would be replaced)" if CARD_NAME in foreign else ""
         raise ValueError(f"{out} holds files that no extraction wrote ({', '.join(foreign[:3])}"
