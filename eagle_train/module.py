@@ -21,8 +21,7 @@ import lightning.pytorch as pl
 import torch
 
 from eagle_train.loss import ttt_loss
-
-from eagle_train.model import DraftConfig, Eagle3Drafter, load_target_tensors, read_target_config
+from eagle_train.model import DraftConfig, Eagle3Drafter, load_target_tensors, read_target_config, resolve_model_path
 from eagle_train.vocab import build_vocab, load_vocab, read_key_list
 
 
@@ -235,8 +234,6 @@ class EagleDrafterModule(pl.LightningModule):
         # instantiator that re-parses the arguments and would refuse the vocabulary tensors.
         hp = {k: v for k, v in (ckpt.get("hyper_parameters") or {}).items() if not k.startswith("_")}
         hp.update(kwargs)
-        from eagle_train.model import resolve_model_path
-
         whose = "the target folder given" if "target_model_path" in kwargs else "its target folder"
         if hp.get("target_model_path") and not (resolve_model_path(hp["target_model_path"]) / "config.json").is_file():
             raise ValueError(f"{checkpoint_path}: {whose}, {hp['target_model_path']} (target_model_path), has no "
