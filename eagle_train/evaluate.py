@@ -258,17 +258,23 @@ MIN_TARGET_AGREEMENT = 0.5
 
 @torch.no_grad()
 def check_target_matches(target, samples: dict[str, dict[str, torch.Tensor]], oracles: dict[str, "GreedyOracle"],
-                         max_length: Optional[int] = None) -> float:
+                         max_length: Optional[int] = None) -> Optional[float]:
     """The share of supervised positions where ``lm_head(stored final state)`` and the target's
-    own teacher-forced greedy token agree (filling ``oracles``, which the protocol reuses).
+    own teacher-forced greedy token agree (filling ``oracles``, which the protocol reuses); None
+    when no position is supervised (nothing to check, nor to score).
 
     Raises:
-        ValueError: below :data:`MIN_TARGET_AGREEMENT`: another model than the dataset's target
-            (a same-shaped one would otherwise give a plausible, meaningless tau)."""
+        ValueError: the stored states are of another width than the target's head, or the share
+            is below :data:`MIN_TARGET_AGREEMENT`: another model than the dataset's target (a
+            same-shaped one would otherwise give a plausible, meaningless tau)."""
     head = target.get_output_embeddings().weight
     agree = total = 0
     for key in sorted(samples):
         s = {k: v[:max_length] for k, v in samples[key].items()} if max_length is not None else samples[key]
+        if s["hidden_states"].shape[-1] != head.shape[1]:
+            raise ValueError(f"the target model's hidden size is {head.shape[1]}, the dataset's states are "
+                             f"{s['hidden_states'].shape[-1]} wide ({key}): give the target the dataset was extracted "
+                             "with (--target_model)")
         ids, m = s["input_ids"], s["loss_mask"].bool()
         rows = torch.nonzero(m[1:]).flatten()  # taught rows (the only ones a taught layout stores)
         if rows.numel() == 0:
@@ -278,7 +284,9 @@ def check_target_matches(target, samples: dict[str, dict[str, torch.Tensor]], or
         stored = (s["hidden_states"][rows].to(head.device, head.dtype) @ head.T).argmax(-1).cpu()
         agree += int((stored == oracles[key].tf[rows]).sum())
         total += rows.numel()
-    share = agree / total if total else 1.0
+    if not total:
+        return None
+    share = agree / total
     if share < MIN_TARGET_AGREEMENT:
         raise ValueError(f"the target model does not produce this dataset's states: its greedy token equals the "
                          f"stored final states' at {share:.1%} of {total} supervised positions (expected ~100 %); "

@@ -128,3 +128,19 @@ def test_eval_refuses_a_same_shaped_target_that_did_not_make_the_data(tiny, refe
         evaluate(str(reference), str(ck), str(tmp_path / "ev"), target_model=str(impostor), **kw)
     with pytest.raises(ValueError, match=r"does not produce this dataset's states"):  # prompt lookup alone too
         evaluate(str(reference), None, str(tmp_path / "ev2"), target_model=str(impostor), **kw)
+
+
+def test_eval_names_a_target_of_another_width_and_reports_no_agreement_without_positions(tiny, reference, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model, _ = tiny
+    cfg = LlamaConfig.from_pretrained(model)
+    cfg.hidden_size = cfg.hidden_size * 2
+    cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    wide = tmp_path / "wide"
+    LlamaForCausalLM(cfg).save_pretrained(wide)
+    kw = dict(num_samples=2, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
+    with pytest.raises(ValueError, match=r"hidden size is 128, the dataset's states are 64 wide"):
+        evaluate(str(reference), None, str(tmp_path / "ev"), target_model=str(wide), **kw)
+    s = evaluate(str(reference), None, str(tmp_path / "ev2"), target_model=str(model), max_length=2, **kw)
+    assert s["target_agreement"] is None
