@@ -241,14 +241,14 @@ def load_target(model_path: str | Path, device: str = "cpu"):
 
 def _check_dataset(dataset_dir: str, mod) -> None:
     """The dataset must hold the states the drafter reads: the target's hidden size and the
-    drafter's aux layer ids (ValueError naming both)."""
+    drafter's aux layer ids (:func:`~eagle_data.format.schema.check_manifest_compat`: ValueError
+    naming the field, the manifest's value and the drafter's)."""
     from eagle_data.format.records import read_manifest
+    from eagle_data.format.schema import check_manifest_compat
 
-    m = read_manifest(dataset_dir)
-    want = {"hidden_size": int(mod.target_config["hidden_size"]), "aux_layer_ids": mod.aux_layer_ids}
-    for name, mine in want.items():
-        if mine is not None and m.get(name) is not None and m[name] != mine:
-            raise ValueError(f"{dataset_dir}: {name} {m[name]} in its manifest, the checkpoint's drafter reads {mine}")
+    check_manifest_compat(read_manifest(dataset_dir),
+                          {"hidden_size": int(mod.target_config["hidden_size"]), "aux_layer_ids": mod.aux_layer_ids},
+                          where=f"{dataset_dir} (evaluating the checkpoint's drafter)")
 
 
 #: below this share of supervised positions where the stored final state's greedy token equals

@@ -71,8 +71,6 @@ class TokenizedSample:
         return int(self.input_ids.shape[0])
 
 
-
-
 @dataclass
 class Encoded:
     """One rendered, tokenised conversation.
@@ -124,8 +122,7 @@ class ChatRenderer(TemplateProbe):
         }
         specials = set(self.tokenizer.all_special_tokens)
         specials.update(t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special)
-        self._specials = sorted((s for s in specials if s), key=len, reverse=True)
-        self._special_re = re.compile("|".join([PLACEHOLDER.pattern] + [re.escape(s) for s in self._specials]))
+        self._use_specials(specials)
         # how messages are handed to the template; the probe settles each (see _for_template)
         self.reasoning_rendered, self.args_as_json, self.call_content_none, self.call_anchor = True, False, False, "name"
         self.call_content_rendered, self.tools_rendered = True, False
@@ -136,6 +133,11 @@ class ChatRenderer(TemplateProbe):
         self._strip_tokens = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()
                               if (t.lstrip or t.rstrip) and t.content}
         self._strip_ids = np.fromiter(self._strip_tokens, dtype=np.int64)
+
+    def _use_specials(self, specials: set[str]) -> None:
+        """The strings refused in message text (:meth:`check_text`), longest first, and their regex."""
+        self._specials = sorted((s for s in specials if s), key=len, reverse=True)
+        self._special_re = re.compile("|".join([PLACEHOLDER.pattern] + [re.escape(s) for s in self._specials]))
 
     @classmethod
     def from_path(cls, tokenizer: Any, template_path: str | Path | None, **kw) -> "ChatRenderer":

@@ -112,6 +112,17 @@ def _text(value: Any, where: str, allow_none: bool = False) -> str | None:
     return value
 
 
+def _json_text(value: Any, where: str, reason: str, failure: str) -> None:
+    """``value`` must be JSON (no bytes, sets, NaN) whose text is UTF-8: else
+    :class:`BadRecord` ``reason`` with ``failure: <why>`` (or ``invalid_unicode`` naming ``where``)."""
+    try:
+        _text(json.dumps(value, ensure_ascii=False, allow_nan=False), where)
+    except (TypeError, ValueError) as e:  # a BadRecord is a ValueError too
+        if isinstance(e, BadRecord):
+            raise
+        raise BadRecord(reason, f"{failure}: {e}") from None
+
+
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     """OpenAI ``tool_calls`` -> ``[{"type": "function", "function": {"name", "arguments": dict}}]``."""
     if isinstance(calls, (dict, str)):
@@ -136,12 +147,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
                 raise BadRecord("bad_tool_call", f"{where}[{j}] arguments are not JSON: {e}") from None
         if not isinstance(args, dict):
             raise BadRecord("bad_tool_call", f"{where}[{j}] arguments are {type(args).__name__}, not an object")
-        try:
-            _text(json.dumps(args, ensure_ascii=False, allow_nan=False), f"{where}[{j}] arguments")
-        except (TypeError, ValueError) as e:  # bytes, sets, NaN (a BadRecord is a ValueError too)
-            if isinstance(e, BadRecord):
-                raise
-            raise BadRecord("bad_tool_call", f"{where}[{j}] arguments are not JSON: {e}") from None
+        _json_text(args, f"{where}[{j}] arguments", "bad_tool_call", f"{where}[{j}] arguments are not JSON")
         _text(fn["name"], f"{where}[{j}] name")
         new = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
         if isinstance(call, dict) and isinstance(call.get("id"), str):
@@ -198,12 +204,7 @@ def normalize_tools(tools: Any, where: str = "field 'tools'") -> list[dict[str, 
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise BadRecord("bad_tools", f"{where} is not a list of objects")
-    try:
-        _text(json.dumps(tools, ensure_ascii=False, allow_nan=False), where)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, BadRecord):
-            raise
-        raise BadRecord("bad_tools", f"{where} is not JSON-serialisable: {e}") from None
+    _json_text(tools, where, "bad_tools", f"{where} is not JSON-serialisable")
     return tools
 
 

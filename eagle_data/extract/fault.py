@@ -72,7 +72,8 @@ class DropCounter:
             self.counts[skip.reason] += 1
             for reason in self._noted.pop(skip.row, []):
                 self.notes[reason] -= 1
-            self.notes = +self.notes  # drop reasons at zero
+                if not self.notes[reason]:
+                    del self.notes[reason]
         n = sum(self.counts.values()) + sum(self.notes.values())
         msg = "%s row %d (id %s): %s%s" % ("note" if note else "skip", skip.row, skip.source_id, skip.reason,
                                             f": {skip.detail[:300]}" if skip.detail else "")

@@ -26,9 +26,9 @@ def _ph(j: int) -> str:
 
 class TemplateProbe:
     """Mixin of :class:`~eagle_data.extract.chat.ChatRenderer`: the probes (it provides
-    ``render``, ``tokenizer``, ``template``, ``name``, ``_specials``; the probes set ``markers``,
-    ``reasoning_rendered``, ``args_as_json``, ``call_content_none``, ``call_anchor``,
-    ``call_content_rendered``, ``tools_rendered``, and extend ``_specials``/``_special_re``)."""
+    ``render``, ``tokenizer``, ``template``, ``name``, ``_specials`` and ``_use_specials``; the
+    probes set ``markers``, ``reasoning_rendered``, ``args_as_json``, ``call_content_none``,
+    ``call_anchor``, ``call_content_rendered``, ``tools_rendered``, and add to the specials)."""
 
     def _leading_special(self, text: str) -> str | None:
         body = text.lstrip()
@@ -139,5 +139,4 @@ class TemplateProbe:
                  if not t.special and t.content and t.content.strip() and t.content in frame
                  and t.content not in ("<think>", "</think>")}
         if extra - set(self._specials):
-            self._specials = sorted(set(self._specials) | extra, key=len, reverse=True)
-            self._special_re = re.compile("|".join([PLACEHOLDER.pattern] + [re.escape(x) for x in self._specials]))
+            self._use_specials(set(self._specials) | extra)
