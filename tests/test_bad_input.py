@@ -115,6 +115,13 @@ def test_run_extract_end_to_end_on_hostile_jsonl(tiny, tok, lines):
         stored = {int(k.rsplit("_", 1)[1]) for s in prog["shards"] for k in s["keys"]}
         skipped = {int(r) for r in prog["skipped"]}
         assert not stored & skipped and stored | skipped == set(range(len(lines)))
+        # every note of a stored row counted once in the manifest and this run's stats; a skipped
+        # row's notes nowhere
+        from collections import Counter
+
+        log = [json.loads(x) for x in (work / "out" / "skips-00000.jsonl").read_text().splitlines()]
+        want = Counter(x["reason"] for x in log if x["kind"] == "note" and x["row"] in stored)
+        assert m["note_counts"] == dict(want) == m["run_stats"]["note_counts"]
         rep = verify_dataset(work / "out")
         assert rep.ok, rep.problems
     finally:
