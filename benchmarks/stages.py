@@ -40,7 +40,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
                  max_length: int = 2048, batch_tokens: int = 65536, writers: int = 2, write_queue_gib: float = 2.0,
                  out: str | None = None, keep_gib: float = 2.0, switch_interval: float | None = None,
                  write_behind_chunks: int | None = None, pipeline_only: bool = False, front: str = "auto",
-                 json_out: str | None = None) -> dict[str, Any]:
+                 cuda_graphs: bool = False, json_out: str | None = None) -> dict[str, Any]:
     """Tokens/s of each extraction stage alone and of the whole pipeline, and the disk's rate:
     (f) front, (a) plain forward, (b) capture to host, (w) the shard writers alone, (c) the whole
     pipeline (``run_extract``; ``c_waits_s``: where its capture loop waited), (d) the raw disk.
@@ -65,6 +65,9 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
             suit a network disk.
         pipeline_only: only (c) and (d) (after a warm-up capture of the first batches).
         front: where (c) runs its front (as ``extract --front``: "auto", "process", "thread").
+        cuda_graphs: (b) and (c) run the prefill through CUDA graphs (as ``extract --backend_kwargs
+            '{"cuda_graphs": true}'``); (a) stays the eager forward, and ``graph_max_abs_diff`` is
+            the largest difference of the graphed states from the eager ones on the first batches.
         json_out: also write the figures to this JSON file.
     """
     import sys
@@ -95,10 +98,10 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     path = model_dir(model)
     tok = load_tokenizer(path, False)
     be = make_backend("hf", model_path=path, aux_layer_ids=None, dtype=dtype, device=device,
-                      out_dtype=stored(cfg), final_out_dtype=final_storage_dtype(cfg))
+                      out_dtype=stored(cfg), final_out_dtype=final_storage_dtype(cfg), cuda_graphs=cuda_graphs)
     res: dict[str, Any] = {"model": model, "data": data, "device": torch.cuda.get_device_name() if device.startswith("cuda")
                            else "cpu", "dtype": dtype, "storage_dtype": stored(cfg), "batch_tokens": batch_tokens,
-                           "writers": writers, "front": front}
+                           "writers": writers, "front": front, "cuda_graphs": cuda_graphs}
     old = wb.IN_FLIGHT, sys.getswitchinterval()
     with scratch(out, "eagle-stages-") as root:
         cfg = replace(cfg, out=str(root / "c"))
@@ -179,6 +182,26 @@ def _warm_up(cfg, be, tok, num_batches: int = 8) -> None:
         quiet.setLevel(level)
 
 
+def _graph_vs_eager(be, batches) -> float:
+    """The largest |graphed - eager| of any state of any real token of ``batches`` (bf16: kernel
+    rounding, as between two batch compositions)."""
+    import torch
+
+    from eagle_data.extract.backends.hf import right_padded
+
+    worst = 0.0
+    for b in batches:
+        seqs = [s.input_ids for s in b]
+        with torch.inference_mode():
+            eager = be._states(*right_padded(seqs, be.device))
+            graphed = be._graphs(seqs)
+        for name, x in eager.items():
+            for i, s in enumerate(seqs):
+                n = s.shape[0]
+                worst = max(worst, (x[i, :n].float() - graphed[name][i, :n].float()).abs().max().item())
+    return worst
+
+
 def _stages_alone(cfg, be, tok, root: Path, keep_gib: float) -> dict[str, Any]:
     """(f), (a), (b) and (w) of the module doc on ``cfg``'s rows, one after the other."""
     import torch
@@ -225,6 +248,8 @@ def _stages_alone(cfg, be, tok, root: Path, keep_gib: float) -> dict[str, Any]:
         sync()
 
     plain()  # warm-up: kernels, allocator
+    if be._graphs is not None:
+        res["graph_max_abs_diff"] = _graph_vs_eager(be, batches[:4])
     for name, fn in (("a_plain_tok_s", plain), ("b_capture_tok_s", lambda: captured(False))):
         t0 = time.perf_counter()
         fn()

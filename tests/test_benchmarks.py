@@ -196,6 +196,7 @@ def test_bench_stages_measures_every_stage_on_the_same_rows(tmp_path, tiny):
     (["--switch_interval", "0"], "switch_interval must be in (0, 1]"),
     (["--keep_gib", "0"], "keep_gib must be > 0"),
     (["--write_behind_chunks", "0"], "write_behind_chunks must be >= 1"),
+    (["--cuda_graphs", "true"], "CUDA graphs need a CUDA device, got device cpu"),
     (["--data", "{tmp}/bad.jsonl", "--pipeline_only", "true"], "nothing to measure"),
     (["--data", "{tmp}/bad.jsonl"], "nothing to measure"),
 ])

@@ -73,6 +73,10 @@ class HFBackend:
             device-to-host traffic. ``"float8_e4m3fn"``: quantised on the device, with scales
             (:attr:`Captured.aux_scale` / ``hidden_scale``).
         final_out_dtype: dtype of returned final states (default: ``out_dtype``).
+        cuda_graphs: run the prefill through CUDA graphs of bucketed batch shapes
+            (:mod:`eagle_data.extract.backends.cuda_graphs`; CUDA, ``sdpa`` or ``eager`` attention):
+            for small targets, whose forward is launch-bound. Default off.
+        graph_length_step: with ``cuda_graphs``, batch lengths are rounded up to a multiple of this.
 
     On CUDA, :meth:`capture_async` overlaps: the device-to-host copy of batch ``i`` runs on a
     side stream into pinned host memory (torch's caching host allocator) while batch ``i+1``
@@ -82,7 +86,7 @@ class HFBackend:
     def __init__(self, model_path: str | Path, aux_layer_ids: Sequence[int] | None = None,
                  dtype: str = "bfloat16", device: str = "cpu", attn_implementation: str = "sdpa",
                  trust_remote_code: bool = False, model=None, out_dtype: str | None = None,
-                 final_out_dtype: str | None = None):
+                 final_out_dtype: str | None = None, cuda_graphs: bool = False, graph_length_step: int = 256):
         compute = hidden_dtype(dtype)
         self.device = torch.device(device)
         if model is None:
@@ -101,6 +105,53 @@ class HFBackend:
         self._store: dict[str, torch.Tensor] = {}
         self._handles = [layers[k].register_forward_hook(self._hook(f"aux{j}")) for j, k in enumerate(ids)]
         self._handles.append(norm.register_forward_hook(self._hook("final")))
+        self._graphs = self._graphed(cuda_graphs, attn_implementation, graph_length_step)
+
+    def _graphed(self, on: bool, attn_implementation: str, length_step: int):
+        """The :class:`GraphedPrefill` of this backend (None: off).
+
+        Raises:
+            ValueError: on a device other than CUDA, or with an attention that takes no 4D mask.
+        """
+        if not isinstance(on, bool):
+            raise ValueError(f"backend_kwargs cuda_graphs must be true or false, got {on!r}")
+        if not on:
+            return None
+        if self.device.type != "cuda":
+            raise ValueError(f"backend_kwargs cuda_graphs: CUDA graphs need a CUDA device, got device {self.device}")
+        if attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"backend_kwargs cuda_graphs: attn_implementation {attn_implementation!r} takes no 4D "
+                             "mask; use 'sdpa' or 'eager'")
+        from eagle_data.extract.backends.cuda_graphs import GraphedPrefill
+
+        return GraphedPrefill(self._graph_forward(attn_implementation), self.device, length_step=length_step)
+
+    def _graph_forward(self, attn_implementation: str):
+        """The forward :class:`GraphedPrefill` runs: ``(ids [B, T], bool mask [B, 1, T, T]) -> states``;
+        eager attention adds its mask to the scores, so it gets 0 / the dtype's minimum instead."""
+        if attn_implementation != "eager":
+            return self._states
+
+        def forward(ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+            dt = self.model.dtype
+            return self._states(ids, torch.zeros(mask.shape, dtype=dt, device=mask.device).masked_fill(
+                ~mask, torch.finfo(dt).min))
+
+        return forward
+
+    def _states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """One forward of the base model -> the hooks' outputs {aux0, aux1, aux2, final} [B, T, H].
+
+        Raises:
+            RuntimeError: a hook did not fire.
+        """
+        self._store = {}
+        self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        missing = {"aux0", "aux1", "aux2", "final"} - set(self._store)
+        if missing:
+            raise RuntimeError(f"forward hooks did not fire for {sorted(missing)}")
+        states, self._store = self._store, {}
+        return states
 
     def _hook(self, name: str):
         def fn(_mod, _inp, out):
@@ -134,18 +185,18 @@ class HFBackend:
         lens = [int(ids.shape[0]) for _, ids in batch]
         b, t = len(batch), max(lens)
         on_gpu = self._copy_stream is not None
-        input_ids, attn = right_padded([ids for _, ids in batch], self.device, non_blocking=on_gpu)
-        self._store.clear()
-        self.base(input_ids=input_ids, attention_mask=attn, use_cache=False)
-        missing = {"aux0", "aux1", "aux2", "final"} - set(self._store)
-        if missing:
-            raise RuntimeError(f"forward hooks did not fire for {sorted(missing)}")
+        if self._graphs is not None:
+            states = self._graphs([ids for _, ids in batch])
+            attn = padding_mask(lens, self.device, non_blocking=True)
+        else:
+            input_ids, attn = right_padded([ids for _, ids in batch], self.device, non_blocking=on_gpu)
+            states = self._states(input_ids, attn)
         # [B, T, 3H] and [B, T, H] in the output dtypes (fp8: + scales [B, T, 3] / [B, T, 1]), still on the device
         # (fp8 not checked by quantize: a non-finite value gives a non-finite scale, caught by `ok` below)
-        aux, aux_s = to_storage(torch.cat([self._store["aux0"], self._store["aux1"], self._store["aux2"]], dim=-1),
+        aux, aux_s = to_storage(torch.cat([states["aux0"], states["aux1"], states["aux2"]], dim=-1),
                                 self.out_dtype, 3, check=False)
-        fin, fin_s = to_storage(self._store["final"], self.final_out_dtype, 1, check=False)
-        self._store.clear()
+        fin, fin_s = to_storage(states["final"], self.final_out_dtype, 1, check=False)
+        del states
         if aux.shape[:2] != (b, t) or fin.shape[:2] != (b, t):
             raise RuntimeError(f"the model returned states {tuple(aux.shape)} / {tuple(fin.shape)} for a "
                                f"[{b}, {t}] batch (keys {[k for k, _ in batch][:4]})")
@@ -177,12 +228,17 @@ def right_padded(seqs: Sequence[torch.Tensor], device: torch.device | str, non_b
     (what the causal forward of :class:`HFBackend` takes). A few torch calls per batch, none per
     sample: every call releases and retakes the GIL, which the thread launching the forward shares."""
     lens = [int(x.shape[0]) for x in seqs]
-    b, t = len(seqs), max(lens)
     input_ids = pad_sequence(list(seqs), batch_first=True).to(device, non_blocking=non_blocking)
-    if b == 1 or min(lens) == t:
-        return input_ids, None
-    attn = (torch.arange(t)[None, :] < torch.tensor(lens)[:, None]).long()
-    return input_ids, attn.to(device, non_blocking=non_blocking)
+    return input_ids, padding_mask(lens, device, non_blocking)
+
+
+def padding_mask(lens: Sequence[int], device: torch.device | str, non_blocking: bool = False) -> torch.Tensor | None:
+    """int64 [B, max(lens)] on ``device``: 1 at the real tokens of right-padded rows of lengths
+    ``lens``; None when no row is shorter."""
+    t = max(lens)
+    if min(lens) == t:
+        return None
+    return (torch.arange(t)[None, :] < torch.tensor(lens)[:, None]).long().to(device, non_blocking=non_blocking)
 
 
 def _to_host(x: torch.Tensor | None, stream) -> torch.Tensor | None:

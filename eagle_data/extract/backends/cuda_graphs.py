@@ -1,0 +1,148 @@
+"""CUDA graphs of the HF backend's prefill over bucketed batch shapes (``backend_kwargs``
+``{"cuda_graphs": true}``).
+
+A small target's prefill is launch-bound: SmolLM2-135M's forward is ~1,900 kernels per batch and
+takes as long to launch from Python as to run on the GPU (BENCHMARKS.md, issue 16), so anything
+else the process does (the writers, the loop's own torch calls) stretches it. A CUDA graph
+launches the whole forward in one call.
+
+A batch ``[b, t]`` runs as the graph of its bucket ``[b', t']`` (``b`` rounded up to a multiple of
+``batch_step``, ``t`` to a multiple of ``length_step``), captured the first time the bucket is
+seen. Inputs are right-padded with token 0 and the model gets a 4D boolean mask built inside the
+graph from the row lengths: ``mask[i, 0, q, k] = k <= q and k < len_i`` — what the eager forward's
+padding mask is, so a real token reads exactly the keys it reads there (values may differ by
+kernel rounding, as between any two batch compositions). Padding rows get length 1 (no query row
+without a key: no NaN anywhere). Each graph copies the hook outputs into output buffers shared by
+all graphs (allocated outside the graphs' memory pool, which the graphs share too: replays are
+sequential on one stream), so memory does not grow with the number of graphs; the caller gets
+fresh copies of its rows, safe to hand to another stream while the next batch runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: ``forward(input_ids [B, T], attention_mask [B, 1, T, T] bool) -> {name: [B, T, H_name]}``
+Forward = Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def bucket(n: int, step: int) -> int:
+    """``n`` rounded up to a multiple of ``step``."""
+    return -(-n // step) * step
+
+
+def padded_causal_mask(lens: torch.Tensor, t: int) -> torch.Tensor:
+    """``lens`` [B] int64 -> bool [B, 1, t, t]: key ``k`` visible to query ``q`` of row ``i`` iff
+    ``k <= q`` and ``k < lens[i]`` (HF's causal mask with right padding)."""
+    ar = torch.arange(t, device=lens.device)
+    return ((ar[None, :] <= ar[:, None])[None] & (ar[None, None, :] < lens[:, None, None]))[:, None]
+
+
+class _Graph:
+    """One bucket: static inputs and the captured graph (``None`` = re-run eagerly on replay:
+    the CPU stand-in the tests use)."""
+
+    def __init__(self, b: int, t: int, device: torch.device):
+        self.b, self.t = b, t
+        self.ids = torch.zeros(b, t, dtype=torch.int64, device=device)
+        self.lens = torch.ones(b, dtype=torch.int64, device=device)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+
+
+class GraphedPrefill:
+    """The prefill ``forward`` run through CUDA graphs of bucketed shapes.
+
+    Args:
+        forward: the eager forward (see :data:`Forward`); its outputs' names and widths must not
+            change between calls.
+        device: where the model runs (CUDA; ``cpu`` replays eagerly: tests only).
+        length_step: ``t`` is rounded up to a multiple of this.
+        batch_step: ``b`` is rounded up to a multiple of this.
+        max_graphs: buckets captured at most; a batch of another bucket then runs eagerly.
+
+    Call with the batch's token ids (1-D tensors, any device): returns ``{name: [b, t, H]}``.
+    """
+
+    def __init__(self, forward: Forward, device: torch.device | str, length_step: int = 256, batch_step: int = 8,
+                 max_graphs: int = 64):
+        if length_step < 1 or batch_step < 1 or max_graphs < 0:
+            raise ValueError(f"cuda graphs: length_step, batch_step must be >= 1 and max_graphs >= 0, got "
+                             f"{length_step}, {batch_step}, {max_graphs}")
+        self.forward, self.device = forward, torch.device(device)
+        self.length_step, self.batch_step, self.max_graphs = length_step, batch_step, max_graphs
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.out: dict[str, torch.Tensor] = {}          # name -> [capacity, H] shared by every graph
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.eager_batches = 0
+
+    def __call__(self, seqs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        lens = [int(s.shape[0]) for s in seqs]
+        b, t = len(seqs), max(lens)
+        key = (bucket(b, self.batch_step), bucket(t, self.length_step))
+        g = self.graphs.get(key)
+        if g is None:
+            if len(self.graphs) >= self.max_graphs:
+                return self._eager(seqs, lens)
+            g = self._capture(*key, seqs, lens)
+        self._load(g, seqs, lens)
+        if g.graph is None:
+            self._body(g)
+        else:
+            g.graph.replay()
+        return {n: buf[: g.b * g.t].view(g.b, g.t, -1)[:b, :t].clone() for n, buf in self.out.items()}
+
+    def _load(self, g: _Graph, seqs: Sequence[torch.Tensor], lens: list[int]) -> None:
+        """The batch into the bucket's static inputs (padding: token 0, length 1)."""
+        ids = torch.nn.utils.rnn.pad_sequence(list(seqs), batch_first=True)
+        g.ids.zero_()
+        g.ids[: ids.shape[0], : ids.shape[1]].copy_(ids, non_blocking=True)
+        g.lens.fill_(1)
+        g.lens[: len(lens)].copy_(torch.tensor(lens), non_blocking=True)
+
+    def _body(self, g: _Graph) -> None:
+        """What the graph holds: the mask from the lengths, the forward, its outputs into the shared buffers."""
+        states = self.forward(g.ids, padded_causal_mask(g.lens, g.t))
+        n = g.b * g.t
+        for name, x in states.items():
+            self.out[name][:n].view(g.b, g.t, -1).copy_(x)
+
+    def _capture(self, b: int, t: int, seqs, lens) -> _Graph:
+        """A new bucket: a warm-up run (lazy initialisation; the first also sizes the output buffers), then the
+        capture."""
+        g = _Graph(b, t, self.device)
+        self._load(g, seqs, lens)
+        if not self.out or next(iter(self.out.values())).shape[0] < b * t:
+            states = self.forward(g.ids, padded_causal_mask(g.lens, t))  # names and widths of the outputs
+            cap = max([b * t] + [2 * buf.shape[0] for buf in self.out.values()])
+            self.out = {name: x.new_empty(cap, x.shape[-1]) for name, x in states.items()}
+            del states
+            if self.graphs:  # the captured graphs write to the old buffers: captured again when seen
+                log.info("cuda graphs: output buffers grown to %d tokens; %d graphs dropped", cap, len(self.graphs))
+                self.graphs.clear()
+        if self.device.type == "cuda":
+            g.graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._body(g)  # warm-up on a side stream, as torch's capture needs
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            with torch.cuda.graph(g.graph, pool=self.pool):
+                self._body(g)
+        self.graphs[(b, t)] = g
+        log.debug("cuda graphs: captured [%d, %d] (%d graphs)", b, t, len(self.graphs))
+        return g
+
+    def _eager(self, seqs, lens) -> dict[str, torch.Tensor]:
+        """A batch beyond ``max_graphs`` buckets: the forward as is (no padding beyond ``max(lens)``)."""
+        if self.eager_batches == 0:
+            log.warning("cuda graphs: %d buckets captured (max_graphs); batches of other shapes run without a graph",
+                        len(self.graphs))
+        self.eager_batches += 1
+        ids = torch.nn.utils.rnn.pad_sequence(list(seqs), batch_first=True).to(self.device, non_blocking=True)
+        lens_dev = torch.tensor(lens).to(self.device, non_blocking=True)
+        return self.forward(ids, padded_causal_mask(lens_dev, ids.shape[1]))

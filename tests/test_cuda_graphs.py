@@ -1,0 +1,98 @@
+"""CUDA graphs of the HF prefill over bucketed shapes (:mod:`eagle_data.extract.backends.cuda_graphs`).
+
+CI has no GPU: the graphs' replay is stood in by re-running the captured body eagerly (what the
+module does on a CPU device), so these tests check everything around the graph itself: the bucket
+padding, the mask built from the row lengths, the output buffers shared by all buckets (and their
+growth), the eager fallback beyond ``max_graphs``, and that the backend's samples equal the eager
+forward's. The graph itself (same kernels, replayed) is exercised by ``python -m benchmarks stages
+--cuda_graphs true`` on a GPU.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from eagle_data.extract.backends import make_backend
+from eagle_data.extract.backends.cuda_graphs import GraphedPrefill, bucket, padded_causal_mask
+from eagle_data.extract.backends.hf import HFBackend
+
+from tiny import AUX, tiny_llama
+
+
+def _backends(attn: str, **graph_kw):
+    m = tiny_llama()
+    m.config._attn_implementation = attn
+    eager = HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m)
+    graphed = HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m)
+    graphed._graphs = GraphedPrefill(graphed._graph_forward(attn), "cpu", **graph_kw)
+    return eager, graphed
+
+
+@pytest.fixture(scope="module")
+def sdpa_pair():
+    return _backends("sdpa", length_step=8, batch_step=4)
+
+
+def _same_samples(eager, graphed, seqs):
+    batch = [(f"k{i}", s) for i, s in enumerate(seqs)]
+    want, got = eager.capture(batch), graphed.capture(batch)
+    for w, g, s in zip(want, got, seqs):
+        assert g.key == w.key and g.finite is True and w.finite is True
+        assert g.aux_hidden_states.shape == (s.shape[0], 3 * 64) and g.hidden_states.shape == (s.shape[0], 64)
+        torch.testing.assert_close(g.aux_hidden_states, w.aux_hidden_states, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g.hidden_states, w.hidden_states, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 21), min_size=1, max_size=6), st.integers(0, 10**6))
+def test_bucketed_padded_batches_equal_the_eager_forward(sdpa_pair, lens, seed):
+    """Any batch, padded to its bucket (rows and length), gives every sample the states of the eager
+    padded forward: real tokens never see the bucket's padding."""
+    g = torch.Generator().manual_seed(seed)
+    _same_samples(*sdpa_pair, [torch.randint(0, 600, (n,), generator=g) for n in lens])
+
+
+def test_eager_attention_gets_an_additive_mask():
+    """Eager attention adds its mask to the scores: the bool mask becomes 0 / dtype-min, and the
+    states equal eager attention's own padded forward."""
+    eager, graphed = _backends("eager", length_step=8, batch_step=4)
+    _same_samples(eager, graphed, [torch.randint(0, 600, (n,)) for n in (7, 3, 12)])
+
+
+def test_buffers_grow_and_the_old_graphs_are_dropped():
+    eager, graphed = _backends("sdpa", length_step=4, batch_step=1)
+    gp = graphed._graphs
+    _same_samples(eager, graphed, [torch.randint(0, 600, (3,))])
+    assert set(gp.graphs) == {(1, 4)} and gp.out["final"].shape[0] == 4
+    _same_samples(eager, graphed, [torch.randint(0, 600, (n,)) for n in (9, 2)])      # [2, 12]: 24 > 4 tokens
+    assert set(gp.graphs) == {(2, 12)} and gp.out["final"].shape[0] == 24
+    _same_samples(eager, graphed, [torch.randint(0, 600, (3,))])                        # [1, 4] again: fits
+    assert set(gp.graphs) == {(2, 12), (1, 4)} and gp.out["final"].shape[0] == 24
+
+
+def test_beyond_max_graphs_batches_run_eagerly_and_are_counted(caplog):
+    eager, graphed = _backends("sdpa", length_step=4, batch_step=1, max_graphs=1)
+    for lens in ((5,), (3, 2), (6,), (3, 2)):
+        _same_samples(eager, graphed, [torch.randint(0, 600, (n,)) for n in lens])
+    assert set(graphed._graphs.graphs) == {(1, 8)} and graphed._graphs.eager_batches == 2
+    assert sum("max_graphs" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_mask_and_buckets():
+    m = padded_causal_mask(torch.tensor([3, 1]), 4)
+    assert m.shape == (2, 1, 4, 4) and m.dtype == torch.bool
+    want0 = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    assert torch.equal(m[0, 0], want0)
+    assert torch.equal(m[1, 0], torch.tensor([[1, 0, 0, 0]] * 4, dtype=torch.bool))
+    assert [bucket(n, 8) for n in (1, 8, 9, 16, 17)] == [8, 8, 16, 16, 24]
+
+
+def test_settings_are_checked():
+    m = tiny_llama()
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, got device cpu"):
+        make_backend("hf", model_path="tiny", model=m, aux_layer_ids=AUX, dtype="float32", cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs must be true or false, got 'yes'"):
+        HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m, cuda_graphs="yes")
+    with pytest.raises(ValueError, match="length_step, batch_step must be >= 1"):
+        GraphedPrefill(lambda ids, mask: {}, "cpu", length_step=0)
+    assert HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m)._graphs is None
