@@ -117,6 +117,8 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
                 _warm_up(cfg, be, tok)
             _settle()
             stats = run_extract(cfg, backend=be, tokenizer=tok)["run_stats"]
+            if be._graphs is not None:  # buckets captured in (b) and (c), batches past max_graphs
+                res.update(graphs=len(be._graphs.graphs), graph_eager_batches=be._graphs.eager_batches)
         finally:
             wb.IN_FLIGHT = old[0]
             sys.setswitchinterval(old[1])

@@ -145,3 +145,31 @@ def test_eval_names_a_target_of_another_width_and_reports_no_agreement_without_p
         evaluate(str(reference), None, str(tmp_path / "ev"), target_model=str(wide), **kw)
     s = evaluate(str(reference), None, str(tmp_path / "ev2"), target_model=str(model), max_length=2, **kw)
     assert s["target_agreement"] is None
+
+
+def test_eval_on_another_dataset_says_so_and_on_the_training_set_warns(tiny, kr, reference, tmp_path, caplog):
+    """A held-out set extracted apart (another folder, no key in common with the training index) is
+    named as such, without the "may be ones the drafter trained on" warning; the training folder
+    itself, or a copy sharing its keys, still gets the warning."""
+    import dataclasses
+
+    from eagle_data.extract.run import run_extract
+
+    model, data = tiny
+    held = tmp_path / "held"
+    run_extract(dataclasses.replace(kr.config(held, model, data, shard_max_samples=8), dataset_tag="held",
+                                    num_samples=4))
+    ck = _fit(_module(model, reference, tmp_path, dataset_dir=str(reference)), reference, tmp_path)
+    kw = dict(num_samples=2, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu",
+              heldout_fraction=1.0)
+    s = evaluate(str(held), str(ck), str(tmp_path / "ev"), **kw)
+    assert s["heldout_source"] == "another dataset than the training set (no key in common)"
+    assert all(k.startswith("held_") for k in s["heldout_keys"])
+    assert not any("may be ones the drafter trained on" in r.getMessage() for r in caplog.records)
+    copy = tmp_path / "copy"
+    shutil.copytree(reference, copy)
+    for where in (reference, copy):
+        caplog.clear()
+        s = evaluate(str(where), str(ck), str(tmp_path / "ev2"), **kw)
+        assert s["heldout_source"] == "index split (not excluded from training!)"
+        assert any("may be ones the drafter trained on" in r.getMessage() for r in caplog.records)

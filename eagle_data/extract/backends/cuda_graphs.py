@@ -124,6 +124,8 @@ class GraphedPrefill:
             if self.graphs:  # the captured graphs write to the old buffers: captured again when seen
                 log.info("cuda graphs: output buffers grown to %d tokens; %d graphs dropped", cap, len(self.graphs))
                 self.graphs.clear()
+            if self.pool is not None:  # a pool whose graphs are gone is not captured into again
+                self.pool = torch.cuda.graph_pool_handle()
         if self.device.type == "cuda":
             g.graph = torch.cuda.CUDAGraph()
             side = torch.cuda.Stream(self.device)
