@@ -339,7 +339,10 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
         source = "another dataset than the training set (no key in common)"
     else:
         source = "heldout_keys" if heldout_keys else "index split (not excluded from training!)"
-    keys = read_key_list(heldout_keys, "heldout_keys") if heldout_keys else heldout_split(dataset_dir, heldout_fraction)
+    if heldout_keys:
+        keys = read_key_list(heldout_keys, "heldout_keys")
+    else:  # a held-out folder of its own is held out whole
+        keys = heldout_split(dataset_dir, 1.0 if other else heldout_fraction)
     if mod is not None and not heldout_keys and not other:
         log.warning("eval: the checkpoint records no held-out keys (train with --model.exclude_keys FILE); the "
                     "evaluated samples may be ones the drafter trained on, which overstates tau")

@@ -58,7 +58,10 @@ def test_extract_end_to_end(tmp_path, model_dir, data_file):
     assert "turn 0 field 'from' = 'alien'" in next(x["detail"] for x in log if x["id"] == "b2")
     assert [s["num_samples"] for s in m["shards"]] == [4, 4, 2]
     assert read_manifest(out)["num_samples"] == 10
+    import datasets
+
     idx = eagle_data.load_index(out)
+    assert not datasets.are_progress_bars_disabled()  # silenced for the load only
     assert len(idx) == 10 and sorted(idx["source_row"]) == list(range(10))
     assert all("." not in k for k in idx["key"]) and set(idx["source_id"]) == {"s.0", "o.1"}
     # stock webdataset groups KEY.safetensors + KEY.json into one sample

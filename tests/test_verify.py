@@ -202,3 +202,17 @@ def test_recompute_table_keeps_every_number_whole_on_a_narrow_terminal():
     out = buf.getvalue()
     for number in ("1.590e-02", "1.23e-03", "4.56e-03", "7.89e-03", "0.999442", "0.941", "final (post-norm)"):
         assert number in out, (number, out)
+
+
+def test_a_folder_that_is_no_dataset_is_named_so_and_an_unmerged_one_points_to_merge(tmp_path):
+    import pytest
+
+    from eagle_data.format.layout import shard_name
+    from eagle_data.format.records import read_manifest
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"is not an eagle-data dataset \(no manifest.json, no shards"):
+        read_manifest(tmp_path)
+    (tmp_path / shard_name(0, 0)).write_bytes(b"")
+    with pytest.raises(ValueError, match=r"no manifest; run `eagle-data merge`"):
+        read_manifest(tmp_path)

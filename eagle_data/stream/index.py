@@ -28,11 +28,18 @@ def index_files(path: str | Path) -> list[str]:
 def load_index(path: str | Path):
     """Load the sample index as a ``datasets.Dataset`` (one row per sample; columns in
     :data:`eagle_data.format.schema.INDEX_COLUMNS`). Same as
-    ``datasets.load_dataset("parquet", data_files=index_files(path), split="train")``."""
+    ``datasets.load_dataset("parquet", data_files=index_files(path), split="train")``, without its
+    progress bars (a few seconds at most: noise in the output of inspect, vocab and eval)."""
     import datasets
     import pyarrow.parquet as pq
 
     files = index_files(path)
     if sum(pq.ParquetFile(f).metadata.num_rows for f in files) == 0:  # the parquet builder rejects 0 rows
         return datasets.Dataset(pq.read_table(files[0]))
-    return datasets.load_dataset("parquet", data_files=files, split="train")
+    bars = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset("parquet", data_files=files, split="train")
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
