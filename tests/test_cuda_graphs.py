@@ -93,6 +93,9 @@ def test_settings_are_checked():
         make_backend("hf", model_path="tiny", model=m, aux_layer_ids=AUX, dtype="float32", cuda_graphs=True)
     with pytest.raises(ValueError, match="cuda_graphs must be true or false, got 'yes'"):
         HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m, cuda_graphs="yes")
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=f"graph_length_step must be an integer >= 1, got {bad!r}"):
+            HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m, graph_length_step=bad)
     with pytest.raises(ValueError, match="length_step, batch_step must be >= 1"):
         GraphedPrefill(lambda ids, mask: {}, "cpu", length_step=0)
     assert HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m)._graphs is None

@@ -115,6 +115,8 @@ class HFBackend:
         """
         if not isinstance(on, bool):
             raise ValueError(f"backend_kwargs cuda_graphs must be true or false, got {on!r}")
+        if isinstance(length_step, bool) or not isinstance(length_step, int) or length_step < 1:
+            raise ValueError(f"backend_kwargs graph_length_step must be an integer >= 1, got {length_step!r}")
         if not on:
             return None
         if self.device.type != "cuda":
