@@ -99,3 +99,12 @@ def test_settings_are_checked():
     with pytest.raises(ValueError, match="length_step, batch_step must be >= 1"):
         GraphedPrefill(lambda ids, mask: {}, "cpu", length_step=0)
     assert HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m)._graphs is None
+
+
+def test_a_model_returning_too_few_positions_is_named():
+    m = tiny_llama()
+    m.model.norm.register_forward_hook(lambda _m, _i, out: out[:, :-1])  # before the backend's own hook
+    be = HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m)
+    be._graphs = GraphedPrefill(be._graph_forward("sdpa"), "cpu", length_step=8, batch_step=4)
+    with pytest.raises(RuntimeError, match=r"the model returned final states \(4, 7, 64\) for a \[4, 8\] batch"):
+        be.capture([("a", torch.randint(0, 600, (5,))), ("b", torch.randint(0, 600, (3,)))])

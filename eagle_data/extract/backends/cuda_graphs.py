@@ -109,6 +109,9 @@ class GraphedPrefill:
         states = self.forward(g.ids, padded_causal_mask(g.lens, g.t))
         n = g.b * g.t
         for name, x in states.items():
+            if x.shape[:2] != (g.b, g.t):
+                raise RuntimeError(f"cuda graphs: the model returned {name} states {tuple(x.shape)} for a "
+                                   f"[{g.b}, {g.t}] batch")
             self.out[name][:n].view(g.b, g.t, -1).copy_(x)
 
     def _capture(self, b: int, t: int, seqs, lens) -> _Graph:
