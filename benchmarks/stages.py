@@ -95,6 +95,8 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         raise ValueError(f"switch_interval must be in (0, 1] seconds, got {switch_interval}")
     if not keep_gib > 0:
         raise ValueError(f"keep_gib must be > 0, got {keep_gib}")
+    if cuda_graphs and not device.startswith("cuda"):
+        raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got device {device}")
     path = model_dir(model)
     tok = load_tokenizer(path, False)
     be = make_backend("hf", model_path=path, aux_layer_ids=None, dtype=dtype, device=device,

@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from eagle_data.extract.backends import make_backend
-from eagle_data.extract.backends.cuda_graphs import GraphedPrefill, bucket, padded_causal_mask
+from eagle_data.extract.backends.cuda_graphs import (GraphedPrefill, batch_bucket, bucket, graph_unsafe,
+                                                     padded_causal_mask)
 from eagle_data.extract.backends.hf import HFBackend
 
 from tiny import AUX, tiny_llama
@@ -70,12 +71,38 @@ def test_buffers_grow_and_the_old_graphs_are_dropped():
     assert set(gp.graphs) == {(2, 12), (1, 4)} and gp.out["final"].shape[0] == 24
 
 
-def test_beyond_max_graphs_batches_run_eagerly_and_are_counted(caplog):
-    eager, graphed = _backends("sdpa", length_step=4, batch_step=1, max_graphs=1)
-    for lens in ((5,), (3, 2), (6,), (3, 2)):
+def test_beyond_max_graphs_or_max_length_batches_run_the_backends_eager_forward(caplog):
+    eager, graphed = _backends("sdpa", length_step=4, batch_step=1, max_graphs=1, max_length=12)
+    for lens in ((5,), (3, 2), (6,), (3, 2), (13,)):
         _same_samples(eager, graphed, [torch.randint(0, 600, (n,)) for n in lens])
-    assert set(graphed._graphs.graphs) == {(1, 8)} and graphed._graphs.eager_batches == 2
-    assert sum("max_graphs" in r.getMessage() for r in caplog.records) == 1
+    assert set(graphed._graphs.graphs) == {(1, 8)} and graphed._graphs.eager_batches == 3
+    assert sum("not graphed" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("make, refused", [
+    (lambda T: T.LlamaConfig(), None),
+    (lambda T: T.LlamaConfig(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 8192}), None),
+    (lambda T: T.Qwen2Config(), None),          # sliding_window set but use_sliding_window false
+    (lambda T: T.Qwen3Config(), None),
+    (lambda T: T.MistralConfig(), "sliding_window 4096"),
+    (lambda T: T.Gemma3TextConfig(), "layer_types ['full_attention', 'sliding_attention']"),
+    (lambda T: T.Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=0), "sliding_attention"),
+    (lambda T: T.LlamaConfig(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+     "rope_type 'dynamic'"),
+    (lambda T: T.Phi3Config(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 48,
+                                             "long_factor": [1.0] * 48, "original_max_position_embeddings": 16}),
+     "rope_type 'longrope'"),
+])
+def test_models_the_graph_mask_or_rope_would_get_wrong_are_refused(make, refused):
+    """The graph's mask is full causal attention and its rope sees the bucket's length: a sliding
+    window (Mistral, Gemma, Qwen with use_sliding_window) or a length-dependent rope (dynamic,
+    longrope) would give other states than the eager forward, so those models are refused by name."""
+    import transformers
+
+    why = graph_unsafe(make(transformers))
+    assert why is None if refused is None else refused in why
 
 
 def test_mask_and_buckets():
@@ -85,6 +112,7 @@ def test_mask_and_buckets():
     assert torch.equal(m[0, 0], want0)
     assert torch.equal(m[1, 0], torch.tensor([[1, 0, 0, 0]] * 4, dtype=torch.bool))
     assert [bucket(n, 8) for n in (1, 8, 9, 16, 17)] == [8, 8, 16, 16, 24]
+    assert [batch_bucket(b, 8) for b in (1, 2, 3, 5, 7, 8, 9, 33)] == [1, 2, 4, 8, 8, 8, 16, 40]  # a lone row stays one
 
 
 def test_settings_are_checked():
@@ -93,10 +121,10 @@ def test_settings_are_checked():
         make_backend("hf", model_path="tiny", model=m, aux_layer_ids=AUX, dtype="float32", cuda_graphs=True)
     with pytest.raises(ValueError, match="cuda_graphs must be true or false, got 'yes'"):
         HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m, cuda_graphs="yes")
-    for bad in (0, 2.5, True):
-        with pytest.raises(ValueError, match=f"graph_length_step must be an integer >= 1, got {bad!r}"):
+    for bad in (0, 2.5, True, 10**9):
+        with pytest.raises(ValueError, match=rf"graph_length_step must be an integer in \[1, 65536\], got {bad!r}"):
             HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m, graph_length_step=bad)
-    with pytest.raises(ValueError, match="length_step, batch_step must be >= 1"):
+    with pytest.raises(ValueError, match="length_step, batch_step, max_length must be >= 1"):
         GraphedPrefill(lambda ids, mask: {}, "cpu", length_step=0)
     assert HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m)._graphs is None
 
@@ -106,5 +134,5 @@ def test_a_model_returning_too_few_positions_is_named():
     m.model.norm.register_forward_hook(lambda _m, _i, out: out[:, :-1])  # before the backend's own hook
     be = HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m)
     be._graphs = GraphedPrefill(be._graph_forward("sdpa"), "cpu", length_step=8, batch_step=4)
-    with pytest.raises(RuntimeError, match=r"the model returned final states \(4, 7, 64\) for a \[4, 8\] batch"):
+    with pytest.raises(RuntimeError, match=r"the model returned final states \(2, 7, 64\) for a \[2, 8\] batch"):
         be.capture([("a", torch.randint(0, 600, (5,))), ("b", torch.randint(0, 600, (3,)))])

@@ -211,8 +211,13 @@ def test_a_folder_that_is_no_dataset_is_named_so_and_an_unmerged_one_points_to_m
     from eagle_data.format.records import read_manifest
 
     (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "README.md").write_text("a model card")  # a model folder's card is no dataset's
+    (tmp_path / "index").mkdir()
     with pytest.raises(ValueError, match=r"is not an eagle-data dataset \(no manifest.json, no shards"):
         read_manifest(tmp_path)
     (tmp_path / shard_name(0, 0)).write_bytes(b"")
     with pytest.raises(ValueError, match=r"no manifest; run `eagle-data merge`"):
+        read_manifest(tmp_path)
+    (tmp_path / "manifest.json").mkdir()
+    with pytest.raises(ValueError, match=r"manifest.json: not a manifest.json \(not a file\)"):
         read_manifest(tmp_path)

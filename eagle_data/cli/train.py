@@ -65,10 +65,10 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
         checkpoint: Lightning checkpoint of the drafter.
         out: output directory (acceptance.json, acceptance.png).
         heldout_keys: JSON list of held-out sample keys (default: the checkpoint's exclude_keys file when
-            it still exists; every key of ``path`` when it is another folder than the one the drafter was
-            trained on and shares no key with it; else a deterministic index split of ``path``, with a
-            warning: those samples may have been trained on).
-        heldout_fraction: fraction of the keys held out when they come from the index split.
+            it still exists, else a deterministic index split of ``path``, with a warning: nothing
+            checks that the drafter did not train on those samples).
+        heldout_fraction: fraction of the keys held out when they come from the index split (1.0 for
+            a held-out set extracted apart from the training data).
         num_samples: evaluate at most this many held-out samples.
         positions_per_sample: draft chains per sample (positions inside assistant spans).
         steps: K draft tokens per chain.

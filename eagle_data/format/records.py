@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, TypedDict
 
-from eagle_data.format.layout import MANIFEST_NAME, is_own_name
+from eagle_data.format.layout import MANIFEST_NAME, parse_progress_name, parse_shard_name
 
 
 class ShardRecord(TypedDict, total=False):
@@ -81,10 +81,13 @@ def read_manifest(path: str | Path) -> Manifest:
     if given_dir:
         p = p / MANIFEST_NAME
     if not p.exists():
-        if given_dir and not any(is_own_name(c.name) for c in p.parent.iterdir()):
+        if given_dir and not any(parse_shard_name(c.name) or parse_progress_name(c.name) is not None
+                                 for c in p.parent.iterdir()):
             raise ValueError(f"{p.parent} is not an eagle-data dataset (no manifest.json, no shards or progress "
                              "files of `eagle-data extract`)")
         raise ValueError(f"{p}: no manifest; run `eagle-data merge` on the output directory first")
+    if not p.is_file():
+        raise ValueError(f"{p}: not a manifest.json (not a file)")
     try:
         m = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

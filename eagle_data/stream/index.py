@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from eagle_data.format.layout import INDEX_NAME
@@ -36,8 +37,10 @@ def load_index(path: str | Path):
     files = index_files(path)
     if sum(pq.ParquetFile(f).metadata.num_rows for f in files) == 0:  # the parquet builder rejects 0 rows
         return datasets.Dataset(pq.read_table(files[0]))
-    bars = not datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
+    # the user's HF_DATASETS_DISABLE_PROGRESS_BARS wins (datasets warns at each override attempt)
+    bars = not datasets.are_progress_bars_disabled() and "HF_DATASETS_DISABLE_PROGRESS_BARS" not in os.environ
+    if bars:
+        datasets.disable_progress_bars()
     try:
         return datasets.load_dataset("parquet", data_files=files, split="train")
     finally:

@@ -6,14 +6,17 @@ takes as long to launch from Python as to run on the GPU (BENCHMARKS.md, issue 1
 else the process does (the writers, the loop's own torch calls) stretches it. A CUDA graph
 launches the whole forward in one call.
 
-A batch ``[b, t]`` runs as the graph of its bucket ``[b', t']`` (``b`` rounded up to a multiple of
-``batch_step``, ``t`` to a multiple of ``length_step``), captured the first time the bucket is
-seen. Inputs are right-padded with token 0 and the model gets a 4D boolean mask built inside the
+A batch ``[b, t]`` runs as the graph of its bucket ``[b', t']`` (``b`` rounded up to a power of two
+below ``batch_step``, else to a multiple of it; ``t`` to a multiple of ``length_step``), captured
+the first time the bucket is seen; a batch longer than ``max_length`` or of a bucket beyond
+``max_graphs`` is not graphed (the caller runs its own eager forward). Inputs are right-padded with token 0 and the model gets a 4D boolean mask built inside the
 graph from the row lengths: ``mask[i, 0, q, k] = k <= q and k < len_i`` — what the eager forward's
 padding mask is, so a real token reads exactly the keys it reads there (values may differ by
 kernel rounding, as between any two batch compositions). Padding rows get length 1 (no query row
-without a key: no NaN anywhere). Each graph copies the hook outputs into output buffers shared by
-all graphs (allocated outside the graphs' memory pool, which the graphs share too: replays are
+without a key: no NaN anywhere). Only models whose every layer attends causally to all earlier tokens
+and whose rope does not depend on the sequence length are graphed (:func:`graph_unsafe`: the mask
+built here knows no sliding window, and the bucket's length is not the batch's). Each graph copies
+the hook outputs into output buffers shared by all graphs (allocated outside the graphs' memory pool, which the graphs share too: replays are
 sequential on one stream), so memory does not grow with the number of graphs; the caller gets
 fresh copies of its rows, safe to hand to another stream while the next batch runs.
 """
@@ -31,9 +34,40 @@ log = logging.getLogger(__name__)
 Forward = Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
 
 
+#: rope types whose tables depend on the config alone (not on the sequence length)
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
 def bucket(n: int, step: int) -> int:
     """``n`` rounded up to a multiple of ``step``."""
     return -(-n // step) * step
+
+
+def batch_bucket(b: int, step: int) -> int:
+    """``b`` rows rounded up to a power of two below ``step`` (a lone long row stays one row),
+    else to a multiple of ``step``."""
+    return 1 << (b - 1).bit_length() if b < step else bucket(b, step)
+
+
+def graph_unsafe(config) -> str | None:
+    """Why the HF ``config``'s model cannot run through :class:`GraphedPrefill` (None: it can): a
+    layer that does not attend causally to every earlier token (sliding window, chunked or
+    bidirectional attention), or a rope whose tables depend on the sequence length."""
+    types = set(getattr(config, "layer_types", None) or ())
+    if types - {"full_attention"}:
+        return f"layer_types {sorted(types)} (the graph's mask is full causal attention only)"
+    window = getattr(config, "sliding_window", None)
+    if window and not types and getattr(config, "use_sliding_window", True) is not False:
+        return f"sliding_window {window} (the graph's mask is full causal attention only)"
+    for name in ("attention_chunk_size", "use_bidirectional_attention"):
+        if getattr(config, name, None):
+            return f"{name} {getattr(config, name)!r} (the graph's mask is full causal attention only)"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    for r in (rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]):
+        kind = r.get("rope_type", r.get("type", "default"))
+        if kind not in STATIC_ROPE:
+            return f"rope_type {kind!r} (its tables depend on the sequence length, the graph's is the bucket's)"
+    return None
 
 
 def padded_causal_mask(lens: torch.Tensor, t: int) -> torch.Tensor:
@@ -62,32 +96,36 @@ class GraphedPrefill:
             change between calls.
         device: where the model runs (CUDA; ``cpu`` replays eagerly: tests only).
         length_step: ``t`` is rounded up to a multiple of this.
-        batch_step: ``b`` is rounded up to a multiple of this.
-        max_graphs: buckets captured at most; a batch of another bucket then runs eagerly.
+        batch_step: ``b`` is rounded up to a multiple of this (a power of two below it).
+        max_graphs: buckets captured at most.
+        max_length: longest bucket graphed (longer batches are compute-bound: nothing to gain, and
+            the 4D mask grows as ``t'^2``).
 
-    Call with the batch's token ids (1-D tensors, any device): returns ``{name: [b, t, H]}``.
+    Call with the batch's token ids (1-D tensors, any device): returns ``{name: [b, t, H]}``, or
+    None when the batch is not graphed (counted in ``eager_batches``; the caller runs it eagerly).
     """
 
     def __init__(self, forward: Forward, device: torch.device | str, length_step: int = 256, batch_step: int = 8,
-                 max_graphs: int = 64):
-        if length_step < 1 or batch_step < 1 or max_graphs < 0:
-            raise ValueError(f"cuda graphs: length_step, batch_step must be >= 1 and max_graphs >= 0, got "
-                             f"{length_step}, {batch_step}, {max_graphs}")
+                 max_graphs: int = 64, max_length: int = 4096):
+        if length_step < 1 or batch_step < 1 or max_graphs < 0 or max_length < 1:
+            raise ValueError(f"cuda graphs: length_step, batch_step, max_length must be >= 1 and max_graphs >= 0, "
+                             f"got {length_step}, {batch_step}, {max_length}, {max_graphs}")
         self.forward, self.device = forward, torch.device(device)
         self.length_step, self.batch_step, self.max_graphs = length_step, batch_step, max_graphs
+        self.max_length = max_length
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.out: dict[str, torch.Tensor] = {}          # name -> [capacity, H] shared by every graph
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.eager_batches = 0
 
-    def __call__(self, seqs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, seqs: Sequence[torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
         lens = [int(s.shape[0]) for s in seqs]
         b, t = len(seqs), max(lens)
-        key = (bucket(b, self.batch_step), bucket(t, self.length_step))
+        key = (batch_bucket(b, self.batch_step), bucket(t, self.length_step))
         g = self.graphs.get(key)
         if g is None:
-            if len(self.graphs) >= self.max_graphs:
-                return self._eager(seqs, lens)
+            if len(self.graphs) >= self.max_graphs or key[1] > self.max_length:
+                return self._not_graphed(key)
             g = self._capture(*key, seqs, lens)
         self._load(g, seqs, lens)
         if g.graph is None:
@@ -142,12 +180,10 @@ class GraphedPrefill:
         log.debug("cuda graphs: captured [%d, %d] (%d graphs)", b, t, len(self.graphs))
         return g
 
-    def _eager(self, seqs, lens) -> dict[str, torch.Tensor]:
-        """A batch beyond ``max_graphs`` buckets: the forward as is (no padding beyond ``max(lens)``)."""
+    def _not_graphed(self, key: tuple[int, int]) -> None:
+        """A batch beyond ``max_graphs`` buckets or ``max_length``: counted (logged once)."""
         if self.eager_batches == 0:
-            log.warning("cuda graphs: %d buckets captured (max_graphs); batches of other shapes run without a graph",
-                        len(self.graphs))
+            log.warning("cuda graphs: bucket %s not graphed (%d buckets captured, max_graphs %d, max_length %d); "
+                        "such batches run without a graph", key, len(self.graphs), self.max_graphs, self.max_length)
         self.eager_batches += 1
-        ids = torch.nn.utils.rnn.pad_sequence(list(seqs), batch_first=True).to(self.device, non_blocking=True)
-        lens_dev = torch.tensor(lens).to(self.device, non_blocking=True)
-        return self.forward(ids, padded_causal_mask(lens_dev, ids.shape[1]))
+        return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from collections import deque
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -89,6 +89,7 @@ class HFBackend:
                  final_out_dtype: str | None = None, cuda_graphs: bool = False, graph_length_step: int = 256):
         compute = hidden_dtype(dtype)
         self.device = torch.device(device)
+        _check_graph_settings(cuda_graphs, graph_length_step, self.device, attn_implementation)  # before loading
         if model is None:
             model = _load(model_path, compute, attn_implementation, trust_remote_code)
         self.model = model.to(device=self.device, dtype=compute).eval()
@@ -105,28 +106,15 @@ class HFBackend:
         self._store: dict[str, torch.Tensor] = {}
         self._handles = [layers[k].register_forward_hook(self._hook(f"aux{j}")) for j, k in enumerate(ids)]
         self._handles.append(norm.register_forward_hook(self._hook("final")))
-        self._graphs = self._graphed(cuda_graphs, attn_implementation, graph_length_step)
+        self._graphs = None
+        if cuda_graphs:
+            from eagle_data.extract.backends.cuda_graphs import GraphedPrefill, graph_unsafe
 
-    def _graphed(self, on: bool, attn_implementation: str, length_step: int):
-        """The :class:`GraphedPrefill` of this backend (None: off).
-
-        Raises:
-            ValueError: on a device other than CUDA, or with an attention that takes no 4D mask.
-        """
-        if not isinstance(on, bool):
-            raise ValueError(f"backend_kwargs cuda_graphs must be true or false, got {on!r}")
-        if isinstance(length_step, bool) or not isinstance(length_step, int) or length_step < 1:
-            raise ValueError(f"backend_kwargs graph_length_step must be an integer >= 1, got {length_step!r}")
-        if not on:
-            return None
-        if self.device.type != "cuda":
-            raise ValueError(f"backend_kwargs cuda_graphs: CUDA graphs need a CUDA device, got device {self.device}")
-        if attn_implementation not in ("sdpa", "eager"):
-            raise ValueError(f"backend_kwargs cuda_graphs: attn_implementation {attn_implementation!r} takes no 4D "
-                             "mask; use 'sdpa' or 'eager'")
-        from eagle_data.extract.backends.cuda_graphs import GraphedPrefill
-
-        return GraphedPrefill(self._graph_forward(attn_implementation), self.device, length_step=length_step)
+            why = graph_unsafe(cfg)
+            if why:
+                raise ValueError(f"backend_kwargs cuda_graphs: model {model_path} cannot run through CUDA graphs: {why}")
+            self._graphs = GraphedPrefill(self._graph_forward(attn_implementation), self.device,
+                                          length_step=graph_length_step)
 
     def _graph_forward(self, attn_implementation: str):
         """The forward :class:`GraphedPrefill` runs: ``(ids [B, T], bool mask [B, 1, T, T]) -> states``;
@@ -187,8 +175,8 @@ class HFBackend:
         lens = [int(ids.shape[0]) for _, ids in batch]
         b, t = len(batch), max(lens)
         on_gpu = self._copy_stream is not None
-        if self._graphs is not None:
-            states = self._graphs([ids for _, ids in batch])
+        states = self._graphs([ids for _, ids in batch]) if self._graphs is not None else None
+        if states is not None:
             attn = padding_mask(lens, self.device, non_blocking=True)
         else:
             input_ids, attn = right_padded([ids for _, ids in batch], self.device, non_blocking=on_gpu)
@@ -221,6 +209,24 @@ class HFBackend:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _check_graph_settings(on: Any, length_step: Any, device: torch.device, attn_implementation: str) -> None:
+    """The ``cuda_graphs`` / ``graph_length_step`` options, checked before the model is loaded.
+
+    Raises:
+        ValueError: a value of the wrong type, graphs on a device other than CUDA, or with an
+            attention that takes no 4D mask.
+    """
+    if not isinstance(on, bool):
+        raise ValueError(f"backend_kwargs cuda_graphs must be true or false, got {on!r}")
+    if isinstance(length_step, bool) or not isinstance(length_step, int) or not 1 <= length_step <= 65536:
+        raise ValueError(f"backend_kwargs graph_length_step must be an integer in [1, 65536], got {length_step!r}")
+    if on and device.type != "cuda":
+        raise ValueError(f"backend_kwargs cuda_graphs: CUDA graphs need a CUDA device, got device {device}")
+    if on and attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"backend_kwargs cuda_graphs: attn_implementation {attn_implementation!r} takes no 4D "
+                         "mask; use 'sdpa' or 'eager'")
 
 
 def right_padded(seqs: Sequence[torch.Tensor], device: torch.device | str, non_blocking: bool = False
