@@ -47,6 +47,18 @@ def heldout_split(dataset_dir: str | Path, fraction: float = 0.1, seed: int = 0,
     return sorted(ranked[:n])
 
 
+def _check_keys_present(dataset_dir: str | Path, keys: list[str], source: str) -> None:
+    """Raises ValueError naming where the held-out keys came from when some are not in ``dataset_dir``
+    (e.g. the checkpoint's held-out keys of its training folder, given another folder)."""
+    from eagle_data.stream.index import load_index
+
+    missing = sorted(set(keys) - set(load_index(dataset_dir)["key"]))
+    if missing:
+        raise ValueError(f"{dataset_dir}: {len(missing)} of the {len(keys)} held-out keys from {source} are not in "
+                         f"this dataset (e.g. {missing[:3]}): evaluate the dataset they were split from, or give "
+                         "--heldout_keys FILE (or --heldout_fraction for an index split)")
+
+
 def _cache_of(out):
     """The KV cache of a transformers output: ``cache`` (transformers >= 5.2x), else ``past_key_values``."""
     cache = out.get("cache") if hasattr(out, "get") else None
@@ -321,12 +333,16 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
         heldout_keys, source = trained_out, "the checkpoint's exclude_keys"
     else:
         source = "heldout_keys" if heldout_keys else "index split (not checked against the training data)"
-    keys = read_key_list(heldout_keys, "heldout_keys") if heldout_keys else heldout_split(dataset_dir, heldout_fraction)
+    if heldout_keys:
+        keys = read_key_list(heldout_keys, "heldout_keys")
+        _check_keys_present(dataset_dir, keys, f"{source} ({heldout_keys})")
+    else:
+        keys = heldout_split(dataset_dir, heldout_fraction)
     if mod is not None and not heldout_keys:
-        log.warning("eval: no held-out keys given and the checkpoint records none (train with --model.exclude_keys "
-                    "FILE): an index split of %s is evaluated, unchecked against the training data. If the drafter "
-                    "trained on it, tau is overstated; a set extracted apart from the training data is fine",
-                    dataset_dir)
+        log.warning("eval: no held-out key file (none given; the checkpoint's is missing or was never recorded: "
+                    "train with --model.exclude_keys FILE): an index split of %s is evaluated, unchecked against "
+                    "the training data. If the drafter trained on it, tau is overstated; a set extracted apart from "
+                    "the training data is fine", dataset_dir)
     keys = sorted(keys)[:num_samples]
     if not keys:
         raise ValueError(f"no held-out keys to evaluate ({source}: {heldout_keys or dataset_dir} gives none)")

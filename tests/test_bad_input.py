@@ -252,3 +252,57 @@ def test_cli_reports_a_missing_file_without_traceback(tiny, tmp_path, capsys):
         main(["inspect", str(out), "--sample", "0"])
     err = capsys.readouterr().err
     assert e.value.code == 1 and "error: " in err and "Traceback" not in err and ".tar" in err
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["a", "b"]), st.booleans()), max_size=30),
+       st.integers(0, 6))
+def test_drop_counter_counts_kept_rows_notes_and_says_once_that_the_rest_go_to_debug(events, log_first):
+    """Any order of notes and skips: ``notes`` counts the notes no later skip of their row took back, ``counts``
+    every skip, and each event is logged once: the first ``log_first`` as warnings, then one line
+    saying the rest go to debug (once, however the counts move when a noted row is skipped)."""
+    import logging
+
+    from eagle_data.extract.fault import DropCounter
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("eagle_data.extract.fault")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        c = DropCounter(log_first=log_first)
+        for row, reason, note in events:
+            c.add(Skip(row, f"id{row}", reason), note=note)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    want_notes = {}  # a row's notes come before its skip in the pipeline: a skip takes back the notes before it
+    for i, (row, reason, note) in enumerate(events):
+        if note and not any(r == row and not n for r, _, n in events[i + 1:]):
+            want_notes[reason] = want_notes.get(reason, 0) + 1
+    assert dict(c.notes) == want_notes
+    assert c.as_dict() == {r: n for r in ("a", "b") if (n := sum(1 for _, x, nt in events if x == r and not nt))}
+    more = [r for r in records if "logged at debug level" in r.getMessage()]
+    assert len(more) == (1 if len(events) > log_first else 0)
+    per_event = [r for r in records if "logged at debug level" not in r.getMessage()]
+    assert len(per_event) == len(events)
+    assert [r.levelno for r in per_event] == [logging.WARNING] * min(log_first, len(events)) + \
+        [logging.DEBUG] * max(0, len(events) - log_first)
+
+
+def test_a_run_refused_after_it_started_leaves_no_folder_behind(tiny, tmp_path):
+    """A backend option refused once the run has created and locked its folder (here: CUDA graphs on
+    the CPU) leaves no lock-only folder that later commands would misread; a folder that existed
+    before is left as it was."""
+    model, data = tiny
+    for out, existed in ((tmp_path / "new", False), (tmp_path / "old", True)):
+        if existed:
+            out.mkdir()
+        cfg = ExtractConfig(out=str(out), model=str(model), data=str(data), device="cpu", dtype="float32",
+                            backend_kwargs={"cuda_graphs": True}, progress=False)
+        with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+            run_extract(cfg)
+        assert out.exists() == existed

@@ -61,6 +61,7 @@ class DropCounter:
         # row -> its notes, for the rows still in flight (a skip follows its notes within the
         # pipeline's few batches; the oldest entries go beyond NOTED_WINDOW rows)
         self._noted: OrderedDict[int, list[str]] = OrderedDict()
+        self._logged = 0  # messages so far (the counts above can go down: a noted row skipped later)
 
     def add(self, skip: Skip, note: bool = False) -> None:
         if note:
@@ -74,13 +75,13 @@ class DropCounter:
                 self.notes[reason] -= 1
                 if not self.notes[reason]:
                     del self.notes[reason]
-        n = sum(self.counts.values()) + sum(self.notes.values())
+        self._logged += 1
         msg = "%s row %d (id %s): %s%s" % ("note" if note else "skip", skip.row, skip.source_id, skip.reason,
                                             f": {skip.detail[:300]}" if skip.detail else "")
-        if n <= self.log_first:
+        if self._logged <= self.log_first:
             log.warning(msg)
         else:
-            if n == self.log_first + 1:
+            if self._logged == self.log_first + 1:
                 log.warning("more skipped/noted rows are logged at debug level (an extraction writes every one, "
                             "with its detail, to skips-RANK.jsonl in its output directory)")
             log.debug(msg)

@@ -50,6 +50,7 @@ from eagle_data.extract.sink import ShardSink
 from eagle_data.extract.sources import resolve
 from eagle_data.extract.stages import capture, front, to_samples
 from eagle_data.format.schema import sample_key, storage_dtype_of
+from eagle_data.format.layout import LOCK_NAME
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +73,28 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
     """
     check_paths(cfg)
     refuse_foreign(Path(cfg.out))
+    created = not Path(cfg.out).exists()
     out, lock = open_out(cfg.out, cfg.rank)
     try:
         return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer)
+    except BaseException:
+        if created and cfg.world_size == 1:  # refused before writing anything: no folder left behind
+            _remove_if_only_lock(out)
+        raise
     finally:
         if lock is not None:
             os.close(lock)
+
+
+def _remove_if_only_lock(out: Path) -> None:
+    """Remove ``out`` when it holds nothing but the rank lock file (a single-rank run that failed
+    before its first file: e.g. a backend option refused once the run had started)."""
+    try:
+        if [c.name for c in out.iterdir()] == [LOCK_NAME]:
+            (out / LOCK_NAME).unlink()
+            out.rmdir()
+    except OSError:
+        pass
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool):
