@@ -47,16 +47,26 @@ def heldout_split(dataset_dir: str | Path, fraction: float = 0.1, seed: int = 0,
     return sorted(ranked[:n])
 
 
-def _check_keys_present(dataset_dir: str | Path, keys: list[str], source: str) -> None:
-    """Raises ValueError naming where the held-out keys came from when some are not in ``dataset_dir``
-    (e.g. the checkpoint's held-out keys of its training folder, given another folder)."""
+def _keys_in(dataset_dir: str | Path, keys: list[str], source: str) -> list[str]:
+    """The held-out ``keys`` that ``dataset_dir`` holds (a key list may span several training
+    folders: the others are logged, not an error).
+
+    Raises:
+        ValueError: keys were given but the folder holds none of them, naming where they came from
+            (e.g. the checkpoint's held-out keys of its training folder, given another folder).
+    """
     from eagle_data.stream.index import load_index
 
-    missing = sorted(set(keys) - set(load_index(dataset_dir)["key"]))
-    if missing:
-        raise ValueError(f"{dataset_dir}: {len(missing)} of the {len(keys)} held-out keys from {source} are not in "
-                         f"this dataset (e.g. {missing[:3]}): evaluate the dataset they were split from, or give "
+    held = set(load_index(dataset_dir)["key"])
+    present = [k for k in keys if k in held]
+    if keys and not present:
+        raise ValueError(f"{dataset_dir}: none of the {len(keys)} held-out keys from {source} is in this dataset "
+                         f"(e.g. {sorted(keys)[:3]}): evaluate the dataset they were split from, or give "
                          "--heldout_keys FILE (or --heldout_fraction for an index split)")
+    if len(present) < len(keys):
+        log.info("eval: %d of the %d held-out keys from %s are not in %s (other folders)", len(keys) - len(present),
+                 len(keys), source, dataset_dir)
+    return present
 
 
 def _cache_of(out):
@@ -334,8 +344,7 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
     else:
         source = "heldout_keys" if heldout_keys else "index split (not checked against the training data)"
     if heldout_keys:
-        keys = read_key_list(heldout_keys, "heldout_keys")
-        _check_keys_present(dataset_dir, keys, f"{source} ({heldout_keys})")
+        keys = _keys_in(dataset_dir, read_key_list(heldout_keys, "heldout_keys"), f"{source} ({heldout_keys})")
     else:
         keys = heldout_split(dataset_dir, heldout_fraction)
     if mod is not None and not heldout_keys:

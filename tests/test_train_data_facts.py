@@ -177,7 +177,7 @@ def test_eval_without_held_out_keys_warns_whatever_folder_it_reads(tiny, kr, ref
     assert not any("unchecked" in r.getMessage() for r in caplog.records)
 
 
-def test_held_out_keys_missing_from_the_evaluated_folder_are_named_with_their_source(tiny, kr, reference, tmp_path):
+def test_held_out_keys_none_of_which_the_evaluated_folder_holds_are_named_with_their_source(tiny, kr, reference, tmp_path):
     """The checkpoint's held-out keys belong to its training folder: given another folder, the error
     says where the keys came from (not a bare "samples not found")."""
     import dataclasses
@@ -193,10 +193,14 @@ def test_held_out_keys_missing_from_the_evaluated_folder_are_named_with_their_so
     excl.write_text(json.dumps(sorted(load_index(reference)["key"])[:3]))
     ck = _fit(_module(model, reference, tmp_path, exclude_keys=str(excl)), reference, tmp_path)
     kw = dict(num_samples=4, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
-    with pytest.raises(ValueError, match=r"held: 3 of the 3 held-out keys from the checkpoint's exclude_keys "
-                                         r"\(.*excl.json\) are not in this dataset"):
+    with pytest.raises(ValueError, match=r"held: none of the 3 held-out keys from the checkpoint's exclude_keys "
+                                         r"\(.*excl.json\) is in this dataset"):
         evaluate(str(held), str(ck), str(tmp_path / "ev"), **kw)
-    with pytest.raises(ValueError, match=r"3 of the 3 held-out keys from heldout_keys \(.*excl.json\)"):
+    with pytest.raises(ValueError, match=r"none of the 3 held-out keys from heldout_keys \(.*excl.json\)"):
         evaluate(str(held), None, str(tmp_path / "ev"), heldout_keys=str(excl), target_model=str(model), **kw)
     s = evaluate(str(reference), str(ck), str(tmp_path / "ev"), **kw)
     assert s["heldout_source"] == "the checkpoint's exclude_keys" and s["heldout_keys"] == json.loads(excl.read_text())
+    both = tmp_path / "both.json"  # a key list spanning two folders: each folder evaluates its own keys
+    both.write_text(json.dumps(json.loads(excl.read_text()) + sorted(load_index(held)["key"])[:2]))
+    s = evaluate(str(held), None, str(tmp_path / "ev"), heldout_keys=str(both), target_model=str(model), **kw)
+    assert s["heldout_keys"] == sorted(load_index(held)["key"])[:2]

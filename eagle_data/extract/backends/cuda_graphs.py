@@ -6,19 +6,23 @@ takes as long to launch from Python as to run on the GPU (BENCHMARKS.md, issue 1
 else the process does (the writers, the loop's own torch calls) stretches it. A CUDA graph
 launches the whole forward in one call.
 
-A batch ``[b, t]`` runs as the graph of its bucket ``[b', t']`` (``b`` rounded up to a power of two
-below ``batch_step``, else to a multiple of it; ``t`` to a multiple of ``length_step``), captured
-the first time the bucket is seen; a batch longer than ``max_length`` or of a bucket beyond
-``max_graphs`` is not graphed (the caller runs its own eager forward). Inputs are right-padded with token 0 and the model gets a 4D boolean mask built inside the
-graph from the row lengths: ``mask[i, 0, q, k] = k <= q and k < len_i`` — what the eager forward's
-padding mask is, so a real token reads exactly the keys it reads there (values may differ by
-kernel rounding, as between any two batch compositions). Padding rows get length 1 (no query row
-without a key: no NaN anywhere). Only models whose every layer attends causally to all earlier tokens
-and whose rope does not depend on the sequence length are graphed (:func:`graph_unsafe`: the mask
-built here knows no sliding window, and the bucket's length is not the batch's). Each graph copies
-the hook outputs into output buffers shared by all graphs (allocated outside the graphs' memory pool, which the graphs share too: replays are
-sequential on one stream), so memory does not grow with the number of graphs; the caller gets
-fresh copies of its rows, safe to hand to another stream while the next batch runs.
+A batch ``[b, t]`` runs as the graph of its bucket ``[b', t']`` (``b`` rounded up to a power of
+two below ``batch_step``, else to a multiple of it; ``t`` to a multiple of ``length_step``),
+captured the first time the bucket is seen; a batch longer than ``max_length`` or of a bucket
+beyond ``max_graphs`` is not graphed (the caller runs its own eager forward). Inputs are
+right-padded with token 0 and the model gets a 4D boolean mask built inside the graph from the row
+lengths: ``mask[i, 0, q, k] = k <= q and k < len_i``, the eager forward's padding mask, so a real
+token reads exactly the keys it reads there (values may differ by kernel rounding, as between any
+two batch compositions). Padding rows get length 1 (no query row without a key: no NaN anywhere).
+
+Only models whose every layer attends causally to all earlier tokens and whose rope does not
+depend on the sequence length are graphed (:func:`graph_unsafe`: the mask built here knows no
+sliding window, and the bucket's length is not the batch's).
+
+Each graph copies the hook outputs into output buffers shared by all graphs (allocated outside the
+graphs' memory pool, which the graphs share too: replays are sequential on one stream), so memory
+does not grow with the number of graphs; the caller gets fresh copies of its rows, safe to hand to
+another stream while the next batch runs.
 """
 
 from __future__ import annotations
