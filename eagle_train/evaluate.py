@@ -64,8 +64,8 @@ def _keys_in(dataset_dir: str | Path, keys: list[str], source: str) -> list[str]
                          f"(e.g. {sorted(keys)[:3]}): evaluate the dataset they were split from, or give "
                          "--heldout_keys FILE (or --heldout_fraction for an index split)")
     if len(present) < len(keys):
-        log.info("eval: %d of the %d held-out keys from %s are not in %s (other folders)", len(keys) - len(present),
-                 len(keys), source, dataset_dir)
+        log.warning("eval: %d of the %d held-out keys from %s are not in %s (other folders, or misspelt): "
+                    "%d evaluated at most", len(keys) - len(present), len(keys), source, dataset_dir, len(present))
     return present
 
 
@@ -338,18 +338,30 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
     mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu", **over) if checkpoint else None
     if mod is not None:
         _check_dataset(dataset_dir, mod)
+    if heldout_keys == "":
+        raise ValueError("heldout_keys: an empty path (give a JSON file of keys, or leave it out)")
+    recorded = mod.excluded_keys if mod is not None else None   # what training left out (None: not recorded)
     trained_out = mod.hparams.get("exclude_keys") if mod is not None else None
-    if heldout_keys is None and trained_out and Path(trained_out).is_file():
-        heldout_keys, source = trained_out, "the checkpoint's exclude_keys"
-    else:
-        source = "heldout_keys" if heldout_keys else "index split (not checked against the training data)"
-    if heldout_keys:
+    unchecked = False  # an index split: nothing says the drafter did not train on it
+    if heldout_keys is None and recorded:
+        keys, source = _keys_in(dataset_dir, recorded, "the checkpoint"), "the checkpoint's held-out keys"
+    elif heldout_keys is None and recorded is None and trained_out and Path(trained_out).is_file():
+        source = "the checkpoint's exclude_keys"  # a checkpoint from before the keys were recorded: its file
+        keys = _keys_in(dataset_dir, read_key_list(trained_out, "exclude_keys"), f"{source} ({trained_out})")
+    elif heldout_keys:
+        source = "heldout_keys"
         keys = _keys_in(dataset_dir, read_key_list(heldout_keys, "heldout_keys"), f"{source} ({heldout_keys})")
+        outside = len(set(keys) - set(recorded)) if recorded is not None else 0
+        if outside:
+            log.warning("eval: %d of the %d held-out keys given were not left out of this drafter's training (its "
+                        "checkpoint records %d left out): if it trained on those samples, tau is overstated",
+                        outside, len(keys), len(recorded))
     else:
-        keys = heldout_split(dataset_dir, heldout_fraction)
-    if mod is not None and not heldout_keys:
-        log.warning("eval: no held-out key file (none given; the checkpoint's is missing or was never recorded: "
-                    "train with --model.exclude_keys FILE): an index split of %s is evaluated, unchecked against "
+        source, keys = "index split (not checked against the training data)", heldout_split(dataset_dir, heldout_fraction)
+        unchecked = True
+    if mod is not None and unchecked:
+        log.warning("eval: no held-out keys (none given, none recorded by the checkpoint: train with "
+                    "--model.exclude_keys FILE): an index split of %s is evaluated, unchecked against "
                     "the training data. If the drafter trained on it, tau is overstated; a set extracted apart from "
                     "the training data is fine", dataset_dir)
     keys = sorted(keys)[:num_samples]

@@ -239,8 +239,9 @@ class EagleDrafterModule(pl.LightningModule):
             raise ValueError(f"{checkpoint_path}: {whose}, {hp['target_model_path']} (target_model_path), has no "
                              "config.json (moved or deleted?): give the target's folder (--target_model)")
         if hp.get("exclude_keys") and not Path(hp["exclude_keys"]).is_file():  # only training filters by it
-            log.warning("%s: its held-out key file %s is gone; the loaded module filters no keys",
-                        checkpoint_path, hp["exclude_keys"])
+            if (ckpt.get("eagle") or {}).get("excluded_keys") is None:  # else the recorded keys are used
+                log.warning("%s: its held-out key file %s is gone; the loaded module filters no keys",
+                            checkpoint_path, hp["exclude_keys"])
             hp["exclude_keys"] = None
         mod = cls(**hp, _vocab=(sd["drafter.d2t"], sd["drafter.t2d"]))
         try:
@@ -253,9 +254,20 @@ class EagleDrafterModule(pl.LightningModule):
             mod.to(map_location)
         return mod.eval()
 
+    @property
+    def excluded_keys(self) -> Optional[list[str]]:
+        """The sample keys this drafter's training left out (sorted; ``[]``: none), as recorded in
+        its checkpoint (not re-read from the ``exclude_keys`` file, which may have changed since);
+        None for a checkpoint written before they were recorded."""
+        return self._recorded_exclude if hasattr(self, "_recorded_exclude") else sorted(self._exclude)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["eagle"] = {"draft_config": self.drafter.cfg.to_dict(), "aux_layer_ids": self.aux_layer_ids,
-                               "training_seconds": self.training_seconds()}
+                               "training_seconds": self.training_seconds(), "excluded_keys": self.excluded_keys}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._trained_s = float((checkpoint.get("eagle") or {}).get("training_seconds", 0.0))
+        eagle = checkpoint.get("eagle") or {}
+        self._trained_s = float(eagle.get("training_seconds", 0.0))
+        self._recorded_exclude = eagle.get("excluded_keys")  # None: written before the keys were recorded
+        if self._recorded_exclude is not None:
+            self._exclude = set(self._recorded_exclude)

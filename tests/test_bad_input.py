@@ -306,3 +306,32 @@ def test_a_run_refused_after_it_started_leaves_no_folder_behind(tiny, tmp_path):
         with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
             run_extract(cfg)
         assert out.exists() == existed
+
+
+def test_the_cleanup_of_a_refused_run_keeps_a_folder_another_rank_has_locked(tmp_path):
+    """A rank starting in the same new folder holds its byte of the lock file: the failed run's
+    cleanup leaves the folder (and the lock file) to it; alone, it removes them."""
+    import os
+    import subprocess
+    import sys
+
+    from eagle_data.extract.manifest import lock_rank
+    from eagle_data.extract.run import _remove_if_only_lock
+    from eagle_data.format.layout import LOCK_NAME
+
+    out = tmp_path / "new"
+    out.mkdir()
+    mine = lock_rank(out, 0)
+    other = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.lockf(fd, fcntl.LOCK_EX, 1, 1); "
+        "print('locked', flush=True); time.sleep(60)"), str(out / LOCK_NAME)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "locked"
+        _remove_if_only_lock(out, mine)
+        assert (out / LOCK_NAME).exists()
+    finally:
+        other.kill()
+        other.wait()
+    _remove_if_only_lock(out, mine)
+    assert not out.exists()
+    os.close(mine)

@@ -89,6 +89,10 @@ def test_beyond_max_graphs_or_max_length_batches_run_the_backends_eager_forward(
     (lambda T: T.MistralConfig(), "sliding_window 4096"),
     (lambda T: T.Gemma3TextConfig(), "layer_types ['full_attention', 'sliding_attention']"),
     (lambda T: T.Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=0), "sliding_attention"),
+    (lambda T: T.BloomConfig(), "ALiBi"),
+    (lambda T: T.FalconConfig(alibi=True), "ALiBi"),
+    (lambda T: T.FalconConfig(), None),
+    (lambda T: T.Gemma3Config(), "layer_types"),               # the text config inside a multimodal one
     (lambda T: T.LlamaConfig(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
      "rope_type 'dynamic'"),
     (lambda T: T.Phi3Config(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 48,

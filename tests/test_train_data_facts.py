@@ -193,14 +193,43 @@ def test_held_out_keys_none_of_which_the_evaluated_folder_holds_are_named_with_t
     excl.write_text(json.dumps(sorted(load_index(reference)["key"])[:3]))
     ck = _fit(_module(model, reference, tmp_path, exclude_keys=str(excl)), reference, tmp_path)
     kw = dict(num_samples=4, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
-    with pytest.raises(ValueError, match=r"held: none of the 3 held-out keys from the checkpoint's exclude_keys "
-                                         r"\(.*excl.json\) is in this dataset"):
+    with pytest.raises(ValueError, match=r"held: none of the 3 held-out keys from the checkpoint is in this dataset"):
         evaluate(str(held), str(ck), str(tmp_path / "ev"), **kw)
     with pytest.raises(ValueError, match=r"none of the 3 held-out keys from heldout_keys \(.*excl.json\)"):
         evaluate(str(held), None, str(tmp_path / "ev"), heldout_keys=str(excl), target_model=str(model), **kw)
     s = evaluate(str(reference), str(ck), str(tmp_path / "ev"), **kw)
-    assert s["heldout_source"] == "the checkpoint's exclude_keys" and s["heldout_keys"] == json.loads(excl.read_text())
+    assert s["heldout_source"] == "the checkpoint's held-out keys" and s["heldout_keys"] == json.loads(excl.read_text())
     both = tmp_path / "both.json"  # a key list spanning two folders: each folder evaluates its own keys
     both.write_text(json.dumps(json.loads(excl.read_text()) + sorted(load_index(held)["key"])[:2]))
     s = evaluate(str(held), None, str(tmp_path / "ev"), heldout_keys=str(both), target_model=str(model), **kw)
     assert s["heldout_keys"] == sorted(load_index(held)["key"])[:2]
+
+
+
+def test_eval_uses_the_keys_training_left_out_not_whatever_the_file_holds_now(tiny, reference, tmp_path, caplog):
+    """The checkpoint records the keys its training left out: a held-out file rewritten (or a
+    relative path read from another folder) after training cannot make trained-on samples look
+    held out; given keys outside the recorded ones are warned about (found by a breaking pass)."""
+    from eagle_data.stream.index import load_index
+
+    model, _ = tiny
+    keys = sorted(load_index(reference)["key"])
+    excl = tmp_path / "excl.json"
+    excl.write_text(json.dumps(keys[:3]))
+    ck = _fit(_module(model, reference, tmp_path, exclude_keys=str(excl)), reference, tmp_path)
+    excl.write_text(json.dumps(keys[10:13]))                      # rewritten after training: trained-on keys
+    kw = dict(num_samples=4, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
+    s = evaluate(str(reference), str(ck), str(tmp_path / "ev"), **kw)
+    assert s["heldout_source"] == "the checkpoint's held-out keys" and s["heldout_keys"] == keys[:3]
+    assert EagleDrafterModule.load_from_checkpoint(str(ck)).excluded_keys == keys[:3]
+    excl.unlink()                                                  # gone: the recorded keys still serve
+    assert evaluate(str(reference), str(ck), str(tmp_path / "ev"), **kw)["heldout_keys"] == keys[:3]
+    given = tmp_path / "given.json"
+    given.write_text(json.dumps(keys[1:5]))
+    caplog.clear()
+    s = evaluate(str(reference), str(ck), str(tmp_path / "ev"), heldout_keys=str(given), **kw)
+    assert s["heldout_keys"] == keys[1:5]
+    assert any("2 of the 4 held-out keys given were not left out of this drafter's training" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(ValueError, match="heldout_keys: an empty path"):
+        evaluate(str(reference), str(ck), str(tmp_path / "ev"), heldout_keys="", **kw)

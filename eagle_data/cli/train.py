@@ -64,9 +64,10 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
         path: dataset directory holding the held-out samples.
         checkpoint: Lightning checkpoint of the drafter.
         out: output directory (acceptance.json, acceptance.png).
-        heldout_keys: JSON list of held-out sample keys (default: the checkpoint's exclude_keys file when
-            it still exists, else a deterministic index split of ``path``, with a warning: nothing
-            checks that the drafter did not train on those samples).
+        heldout_keys: JSON list of held-out sample keys (default: the keys the checkpoint records its
+            training left out (--model.exclude_keys), else a deterministic index split of ``path``,
+            with a warning: nothing checks that the drafter did not train on those samples). Keys
+            given here that the checkpoint does not record as left out are warned about.
         heldout_fraction: fraction of the keys held out when they come from the index split (1.0 for
             a held-out set extracted apart from the training data).
         num_samples: evaluate at most this many held-out samples.

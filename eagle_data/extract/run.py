@@ -78,18 +78,22 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
     try:
         return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer)
     except BaseException:
-        if created and cfg.world_size == 1:  # refused before writing anything: no folder left behind
-            _remove_if_only_lock(out)
+        if created and lock is not None:  # refused before writing anything: no folder left behind
+            _remove_if_only_lock(out, lock)
         raise
     finally:
         if lock is not None:
             os.close(lock)
 
 
-def _remove_if_only_lock(out: Path) -> None:
-    """Remove ``out`` when it holds nothing but the rank lock file (a single-rank run that failed
-    before its first file: e.g. a backend option refused once the run had started)."""
+def _remove_if_only_lock(out: Path, lock: int) -> None:
+    """Remove ``out`` when it holds nothing but the lock file and no other process holds a lock in
+    it (a run that failed before its first file, e.g. a backend option refused once it had started;
+    another rank starting in the same new folder keeps it)."""
+    import fcntl
+
     try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the whole file: fails while another process holds a byte
         if [c.name for c in out.iterdir()] == [LOCK_NAME]:
             (out / LOCK_NAME).unlink()
             out.rmdir()

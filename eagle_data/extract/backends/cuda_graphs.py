@@ -56,7 +56,12 @@ def batch_bucket(b: int, step: int) -> int:
 def graph_unsafe(config) -> str | None:
     """Why the HF ``config``'s model cannot run through :class:`GraphedPrefill` (None: it can): a
     layer that does not attend causally to every earlier token (sliding window, chunked or
-    bidirectional attention), or a rope whose tables depend on the sequence length."""
+    bidirectional attention), a rope whose tables depend on the sequence length, or ALiBi (built
+    from the 2D mask). Some models refused here would be fine (a hybrid Mamba stack, a window the
+    model ignores): refusing costs speed, a wrong mask would cost correctness."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal wrappers
+    if getattr(config, "alibi", False) or getattr(config, "model_type", None) in ("bloom", "mpt"):
+        return "ALiBi position bias (built from a 2D padding mask, which the graph does not pass)"
     types = set(getattr(config, "layer_types", None) or ())
     if types - {"full_attention"}:
         return f"layer_types {sorted(types)} (the graph's mask is full causal attention only)"
