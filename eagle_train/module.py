@@ -238,10 +238,11 @@ class EagleDrafterModule(pl.LightningModule):
         if hp.get("target_model_path") and not (resolve_model_path(hp["target_model_path"]) / "config.json").is_file():
             raise ValueError(f"{checkpoint_path}: {whose}, {hp['target_model_path']} (target_model_path), has no "
                              "config.json (moved or deleted?): give the target's folder (--target_model)")
-        if hp.get("exclude_keys") and not Path(hp["exclude_keys"]).is_file():  # only training filters by it
-            if (ckpt.get("eagle") or {}).get("excluded_keys") is None:  # else the recorded keys are used
-                log.warning("%s: its held-out key file %s is gone; the loaded module filters no keys",
-                            checkpoint_path, hp["exclude_keys"])
+        if (ckpt.get("eagle") or {}).get("excluded_keys") is not None:
+            hp["exclude_keys"] = None  # the keys recorded at training are used (on_load_checkpoint), not the file
+        elif hp.get("exclude_keys") and not Path(hp["exclude_keys"]).is_file():  # only training filters by it
+            log.warning("%s: its held-out key file %s is gone; the loaded module filters no keys",
+                        checkpoint_path, hp["exclude_keys"])
             hp["exclude_keys"] = None
         mod = cls(**hp, _vocab=(sd["drafter.d2t"], sd["drafter.t2d"]))
         try:

@@ -222,6 +222,8 @@ def test_eval_uses_the_keys_training_left_out_not_whatever_the_file_holds_now(ti
     s = evaluate(str(reference), str(ck), str(tmp_path / "ev"), **kw)
     assert s["heldout_source"] == "the checkpoint's held-out keys" and s["heldout_keys"] == keys[:3]
     assert EagleDrafterModule.load_from_checkpoint(str(ck)).excluded_keys == keys[:3]
+    excl.write_text('{"not": "a list"}')                          # unreadable now: never read again
+    assert evaluate(str(reference), str(ck), str(tmp_path / "ev"), **kw)["heldout_keys"] == keys[:3]
     excl.unlink()                                                  # gone: the recorded keys still serve
     assert evaluate(str(reference), str(ck), str(tmp_path / "ev"), **kw)["heldout_keys"] == keys[:3]
     given = tmp_path / "given.json"
