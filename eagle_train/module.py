@@ -117,6 +117,9 @@ class EagleDrafterModule(pl.LightningModule):
         self.drafter.zero_features = bool(zero_features)
         self.register_buffer("target_lm_head", w["lm_head.weight"].float(), persistent=False)
         self._exclude = set(excluded)
+        # the keys left out, as a checkpoint records them (on_load_checkpoint: the checkpoint's; None there
+        # for one written before they were recorded)
+        self._recorded_exclude: Optional[list[str]] = sorted(self._exclude)
         if lr_schedule_minutes is not None and not lr_schedule_minutes > 0:
             raise ValueError(f"lr_schedule_minutes must be > 0, got {lr_schedule_minutes!r}")
         self._t0: Optional[float] = None  # wall clock of the first training batch of this process
@@ -260,7 +263,7 @@ class EagleDrafterModule(pl.LightningModule):
         """The sample keys this drafter's training left out (sorted; ``[]``: none), as recorded in
         its checkpoint (not re-read from the ``exclude_keys`` file, which may have changed since);
         None for a checkpoint written before they were recorded."""
-        return self._recorded_exclude if hasattr(self, "_recorded_exclude") else sorted(self._exclude)
+        return self._recorded_exclude
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["eagle"] = {"draft_config": self.drafter.cfg.to_dict(), "aux_layer_ids": self.aux_layer_ids,
