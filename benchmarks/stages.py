@@ -40,7 +40,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
                  max_length: int = 2048, batch_tokens: int = 65536, writers: int = 2, write_queue_gib: float = 2.0,
                  out: str | None = None, keep_gib: float = 2.0, switch_interval: float | None = None,
                  write_behind_chunks: int | None = None, pipeline_only: bool = False, front: str = "auto",
-                 cuda_graphs: bool = False, json_out: str | None = None) -> dict[str, Any]:
+                 cuda_graphs: bool = False, padding_mask: bool = False, json_out: str | None = None) -> dict[str, Any]:
     """Tokens/s of each extraction stage alone and of the whole pipeline, and the disk's rate:
     (f) front, (a) plain forward, (b) capture to host, (w) the shard writers alone, (c) the whole
     pipeline (``run_extract``; ``c_waits_s``: where its capture loop waited), (d) the raw disk.
@@ -68,6 +68,8 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         cuda_graphs: (b) and (c) run the prefill through CUDA graphs (as ``extract --backend_kwargs
             '{"cuda_graphs": true}'``); (a) stays the eager forward, and ``graph_max_abs_diff`` is
             the largest difference of the graphed states from the eager ones on the first batches.
+        padding_mask: the eager forward always gets the padding mask (what every batch got before
+            the backend found causal models' padding invisible): the A/B of that change.
         json_out: also write the figures to this JSON file.
     """
     import sys
@@ -97,13 +99,17 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         raise ValueError(f"keep_gib must be > 0, got {keep_gib}")
     if cuda_graphs and not device.startswith("cuda"):
         raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got device {device}")
+    if cuda_graphs and padding_mask:
+        raise ValueError("padding_mask: the graphs take no mask; give cuda_graphs or padding_mask, not both")
     path = model_dir(model)
     tok = load_tokenizer(path, False)
     be = make_backend("hf", model_path=path, aux_layer_ids=None, dtype=dtype, device=device,
                       out_dtype=stored(cfg), final_out_dtype=final_storage_dtype(cfg), cuda_graphs=cuda_graphs)
+    be.mask_padding = be.mask_padding or padding_mask
     res: dict[str, Any] = {"model": model, "data": data, "device": torch.cuda.get_device_name() if device.startswith("cuda")
                            else "cpu", "dtype": dtype, "storage_dtype": stored(cfg), "batch_tokens": batch_tokens,
-                           "writers": writers, "front": front, "cuda_graphs": cuda_graphs}
+                           "writers": writers, "front": front, "cuda_graphs": cuda_graphs,
+                           "padding_mask": be.mask_padding}
     old = wb.IN_FLIGHT, sys.getswitchinterval()
     with scratch(out, "eagle-stages-") as root:
         cfg = replace(cfg, out=str(root / "c"))
@@ -191,13 +197,11 @@ def _graph_vs_eager(be, batches) -> float:
     rounding, as between two batch compositions)."""
     import torch
 
-    from eagle_data.extract.backends.hf import right_padded
-
     worst = 0.0
     for b in batches:
         seqs = [s.input_ids for s in b]
         with torch.inference_mode():
-            eager = be._states(*right_padded(seqs, be.device))
+            eager = be.forward_padded(seqs)[0]
             graphed = be._graphs(seqs)
         for name, x in eager.items():
             for i, s in enumerate(seqs):
@@ -211,7 +215,6 @@ def _stages_alone(cfg, be, tok, root: Path, keep_gib: float) -> dict[str, Any]:
     import torch
 
     from eagle_data.extract.async_sink import AsyncShardWriter
-    from eagle_data.extract.backends.hf import right_padded
     from eagle_data.extract.config import final_storage_dtype
     from eagle_data.extract.config import storage_dtype as stored
     from eagle_data.extract.fault import ErrorPolicy
@@ -234,9 +237,7 @@ def _stages_alone(cfg, be, tok, root: Path, keep_gib: float) -> dict[str, Any]:
     @torch.inference_mode()
     def plain():
         for b in batches:
-            ids, attn = right_padded([s.input_ids for s in b], device, non_blocking=True)
-            be.base(input_ids=ids, attention_mask=attn, use_cache=False)
-            be._store.clear()
+            be.forward_padded([s.input_ids for s in b])
         sync()
 
     storage = (storage_dtype_of(stored(cfg)), storage_dtype_of(final_storage_dtype(cfg)))

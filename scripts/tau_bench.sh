@@ -7,7 +7,7 @@
 #            reads OUT/regen instead of OUT/train.jsonl (issue 19: original vs regenerated answers);
 #   extract  both with SmolLM2 (bf16 on the GPU; the training set stored as STORAGE, default bfloat16,
 #            e.g. float8_e4m3fn for issue 16; FINAL_ROWS=taught stores the final states only where
-#            they teach); the draft vocabulary from the training set;
+#            they teach; GRAPHS=1: the prefill through CUDA graphs); the draft vocabulary from the training set;
 #   tune     (optional) a short run per lr in LRS, side by side, cosine over SWEEP_SECONDS; the lr
 #            with the lowest training loss (last fifth of the logged steps) -> OUT/lr.txt.
 #            Training data only: the held-out set is not read;
@@ -53,6 +53,7 @@ if has extract; then
   for part in train heldout; do
     src="$OUT/$part.jsonl"; [ "$part" = train ] && [ "$REGEN" = 1 ] && src="$OUT/regen"
     store=(); [ "$part" = train ] && store=(--storage_dtype "${STORAGE:-bfloat16}" --final_rows "${FINAL_ROWS:-all}")  # held-out: as served (bf16)
+    [ "${GRAPHS:-0}" = 1 ] && store+=(--backend_kwargs '{"cuda_graphs": true}')
     ed extract --out "$OUT/$part" --data "$src" --dataset_tag "$part" --device "$DEVICE" \
       --dtype bfloat16 --max_length 2048 --batch_tokens 65536 --progress false "${store[@]}" | tail -n 1
   done

@@ -273,7 +273,7 @@ def test_drop_counter_counts_kept_rows_notes_and_says_once_that_the_rest_go_to_d
     old = logger.level
     logger.setLevel(logging.DEBUG)
     try:
-        c = DropCounter(log_first=log_first)
+        c = DropCounter(log_first=log_first, kept_in="the run keeps them in X.jsonl")
         for row, reason, note in events:
             c.add(Skip(row, f"id{row}", reason), note=note)
     finally:
@@ -287,6 +287,7 @@ def test_drop_counter_counts_kept_rows_notes_and_says_once_that_the_rest_go_to_d
     assert c.as_dict() == {r: n for r in ("a", "b") if (n := sum(1 for _, x, nt in events if x == r and not nt))}
     more = [r for r in records if "logged at debug level" in r.getMessage()]
     assert len(more) == (1 if len(events) > log_first else 0)
+    assert all(r.getMessage().endswith("(the run keeps them in X.jsonl)") for r in more)  # where, as the run says
     per_event = [r for r in records if "logged at debug level" not in r.getMessage()]
     assert len(per_event) == len(events)
     assert [r.levelno for r in per_event] == [logging.WARNING] * min(log_first, len(events)) + \
@@ -295,10 +296,11 @@ def test_drop_counter_counts_kept_rows_notes_and_says_once_that_the_rest_go_to_d
 
 def test_a_run_refused_after_it_started_leaves_no_folder_behind(tiny, tmp_path):
     """A backend option refused once the run has created and locked its folder (here: CUDA graphs on
-    the CPU) leaves no lock-only folder that later commands would misread; a folder that existed
-    before is left as it was."""
+    the CPU) leaves no lock-only folder that later commands would misread, nor the empty folders it
+    created above it; a folder that existed before is left as it was."""
     model, data = tiny
-    for out, existed in ((tmp_path / "new", False), (tmp_path / "old", True)):
+    for out, existed in ((tmp_path / "new", False), (tmp_path / "old", True), (tmp_path / "a" / "b" / "c", False),
+                         (tmp_path / "old" / "x" / "y", False)):
         if existed:
             out.mkdir()
         cfg = ExtractConfig(out=str(out), model=str(model), data=str(data), device="cpu", dtype="float32",
@@ -306,6 +308,10 @@ def test_a_run_refused_after_it_started_leaves_no_folder_behind(tiny, tmp_path):
         with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
             run_extract(cfg)
         assert out.exists() == existed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+    from eagle_data.format.layout import LOCK_NAME
+
+    assert [p.name for p in (tmp_path / "old").iterdir()] == [LOCK_NAME]  # its own run's lock file
 
 
 def test_the_cleanup_of_a_refused_run_keeps_a_folder_another_rank_has_locked(tmp_path):
@@ -327,11 +333,11 @@ def test_the_cleanup_of_a_refused_run_keeps_a_folder_another_rank_has_locked(tmp
         "print('locked', flush=True); time.sleep(60)"), str(out / LOCK_NAME)], stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "locked"
-        _remove_if_only_lock(out, mine)
+        _remove_if_only_lock(out, mine, out)
         assert (out / LOCK_NAME).exists()
     finally:
         other.kill()
         other.wait()
-    _remove_if_only_lock(out, mine)
+    _remove_if_only_lock(out, mine, out)
     assert not out.exists()
     os.close(mine)

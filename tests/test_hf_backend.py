@@ -2,11 +2,12 @@
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from eagle_data.extract.backends import default_aux_layer_ids, validate_aux_layer_ids
 from eagle_data.extract.backends.hf import HFBackend
 
-from tiny import AUX, tiny_llama
+from tiny import AUX, tiny_family, tiny_llama
 
 H = 64
 
@@ -77,3 +78,55 @@ def test_a_model_returning_too_few_positions_is_named(lens):
     be = HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m)
     with pytest.raises(RuntimeError, match=r"the model returned states .* for a \[2, 5\] batch \(keys \['a', 'b'\]\)"):
         be.capture([("a", torch.randint(0, 600, (lens[0],))), ("b", torch.randint(0, 600, (lens[1],)))])
+
+
+@pytest.fixture(scope="module")
+def family_backends():
+    return {}
+
+
+@pytest.mark.parametrize("family, sees_padding", [
+    ("llama", False), ("mistral_window_4", False), ("gemma3_local_global", False), ("bloom_alibi", False),
+    ("gpt2", False), ("gemma3_bidirectional", True)])
+@settings(max_examples=8, deadline=None)
+@given(lens=st.lists(st.integers(1, 19), min_size=1, max_size=4), seed=st.integers(0, 10**6))
+def test_right_padded_batches_equal_each_sample_alone(family_backends, family, sees_padding, lens, seed):
+    """Whatever the attention (full, sliding window, local/global, ALiBi, learned positions): every
+    sample of a right-padded batch gets its states alone. Batches of causal models run without a
+    padding mask (the start-up probe finds the padding invisible); a bidirectional model is found
+    to see its padding and gets the mask."""
+    if family not in family_backends:
+        family_backends[family] = HFBackend(family, aux_layer_ids=[1, 2, 4], dtype="float32", model=tiny_family(family))
+    be = family_backends[family]
+    assert be.mask_padding is sees_padding
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, 600, (n,), generator=g) for n in lens]
+    together = be.capture([(str(i), s) for i, s in enumerate(seqs)])
+    for i, s in enumerate(seqs):
+        (alone,) = be.capture([(str(i), s)])
+        assert together[i].finite is True and together[i].hidden_states.shape == (len(s), 64)
+        torch.testing.assert_close(together[i].aux_hidden_states, alone.aux_hidden_states, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(together[i].hidden_states, alone.hidden_states, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_that_sees_its_padding_without_a_mask_is_caught():
+    """The probe runs the model: a Llama whose attention modules were switched to non-causal (no
+    config field says so) sees its padding, so its batches get the mask."""
+    m = tiny_llama()
+    for layer in m.model.layers:
+        layer.self_attn.is_causal = False
+    assert HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=m).mask_padding is True
+    assert HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=tiny_llama()).mask_padding is False
+
+
+@pytest.mark.parametrize("family, mask_given", [("llama", False), ("gemma3_bidirectional", True)])
+def test_the_padding_mask_reaches_only_a_model_that_sees_its_padding(family, mask_given):
+    """A padded batch of a causal model runs without a mask (the attention's causal kernel, as for a
+    lone sample); a model that sees its padding gets it."""
+    be = HFBackend(family, aux_layer_ids=[1, 2, 4], dtype="float32", model=tiny_family(family))
+    seen = []
+    be.base.register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
+    be.capture([("a", torch.randint(0, 600, (9,))), ("b", torch.randint(0, 600, (4,)))])
+    assert len(seen) == 1 and (seen[0] is not None) is mask_given
+    if mask_given:
+        assert seen[0].tolist() == [[1] * 9, [1] * 4 + [0] * 5]

@@ -735,3 +735,24 @@ def test_export_refuses_to_overwrite_unless_asked(tmp_path):
         export_drafter(*args, format="speculators")
     out = export_drafter(*args, format="speculators", overwrite=True)
     assert "speculators_config" in (out / "config.json").read_text()
+
+
+def test_compile_warmup_learns_nothing_and_keeps_the_rng(tmp_path):
+    """The warm-up before the training clock (run on CUDA at on_train_start; called directly here
+    on CPU under bf16 autocast) runs the loss forward and backward on three shapes and leaves no
+    trace: parameters, gradients and the global RNG stream are as before."""
+    import lightning.pytorch as pl
+
+    mod = tiny_module(tmp_path)
+    mod.trainer = pl.Trainer(accelerator="cpu", precision="bf16-mixed", logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False)
+    before = {k: v.clone() for k, v in mod.state_dict().items()}
+    torch.manual_seed(7)
+    want = torch.rand(3)
+    torch.manual_seed(7)
+    seconds = mod.warm_up_compiles()
+    assert torch.equal(torch.rand(3), want) and seconds > 0
+    assert all(p.grad is None for p in mod.parameters())
+    after = mod.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert mod.hparams.compile_warmup is True  # the default; on CPU on_train_start skips it

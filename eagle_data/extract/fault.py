@@ -52,12 +52,15 @@ NOTED_WINDOW = 1 << 16
 class DropCounter:
     """Counts skipped samples (and notes) per reason and logs each one (first ``log_first`` in full).
     ``notes`` counts the notes of rows that were not skipped afterwards (a skipped row is not in
-    the dataset, so its notes are not counted: the manifest's ``note_counts`` agree)."""
+    the dataset, so its notes are not counted: the manifest's ``note_counts`` agree).
+    ``kept_in`` says where the run writes every skip with its detail (named when the log goes quiet)."""
 
-    def __init__(self, log_first: int = 20):
+    def __init__(self, log_first: int = 20,
+                 kept_in: str = "an extraction writes every one, with its detail, to skips-RANK.jsonl in its output "
+                                "directory"):
         self.counts: Counter[str] = Counter()
         self.notes: Counter[str] = Counter()
-        self.log_first = log_first
+        self.log_first, self.kept_in = log_first, kept_in
         # row -> its notes, for the rows still in flight (a skip follows its notes within the
         # pipeline's few batches; the oldest entries go beyond NOTED_WINDOW rows)
         self._noted: OrderedDict[int, list[str]] = OrderedDict()
@@ -82,8 +85,7 @@ class DropCounter:
             log.warning(msg)
         else:
             if self._logged == self.log_first + 1:
-                log.warning("more skipped/noted rows are logged at debug level (an extraction writes every one, "
-                            "with its detail, to skips-RANK.jsonl in its output directory)")
+                log.warning("more skipped/noted rows are logged at debug level (%s)", self.kept_in)
             log.debug(msg)
 
     def as_dict(self) -> dict[str, int]:

@@ -73,23 +73,33 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
     """
     check_paths(cfg)
     refuse_foreign(Path(cfg.out))
-    created = not Path(cfg.out).exists()
+    created = _first_missing(Path(cfg.out).absolute())  # the highest folder this run creates (None: none)
     out, lock = open_out(cfg.out, cfg.rank)
     try:
         return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer)
     except BaseException:
-        if created and lock is not None:  # refused before writing anything: no folder left behind
-            _remove_if_only_lock(out, lock)
+        if created is not None and lock is not None:  # refused before writing anything: no folder left behind
+            _remove_if_only_lock(out, lock, created)
         raise
     finally:
         if lock is not None:
             os.close(lock)
 
 
-def _remove_if_only_lock(out: Path, lock: int) -> None:
+def _first_missing(path: Path) -> Path | None:
+    """The highest folder of ``path`` (itself or an ancestor) that does not exist yet; None if it exists."""
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def _remove_if_only_lock(out: Path, lock: int, created: Path) -> None:
     """Remove ``out`` when it holds nothing but the lock file and no other process holds a lock in
     it (a run that failed before its first file, e.g. a backend option refused once it had started;
-    another rank starting in the same new folder keeps it)."""
+    another rank starting in the same new folder keeps it), then the folders above it up to
+    ``created`` (the highest one the run created) that are left empty."""
     import fcntl
 
     try:
@@ -97,6 +107,10 @@ def _remove_if_only_lock(out: Path, lock: int) -> None:
         if [c.name for c in out.iterdir()] == [LOCK_NAME]:
             (out / LOCK_NAME).unlink()
             out.rmdir()
+            d = out.absolute()
+            while d != created and created in d.parents:
+                d = d.parent
+                d.rmdir()  # OSError when not empty (something else was put there): kept
     except OSError:
         pass
 

@@ -267,7 +267,8 @@ def _run(cfg: RegenerateConfig, out: Path, generator: Generator | None, renderer
     settings = _settings(cfg, model_path, renderer, stops)
     settings_id = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     progress = RankProgress(out, cfg.rank, settings)
-    counter = DropCounter()
+    counter = DropCounter(kept_in="regenerate writes every one, with its detail, to rejects/part-*.jsonl in its "
+                                  "output directory")
     rows_read = [0]
     bar = tqdm(total=cfg.num_samples, desc=f"regenerate rank {cfg.rank}", unit="row", disable=not cfg.progress,
                dynamic_ncols=True)

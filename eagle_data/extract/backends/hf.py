@@ -5,8 +5,14 @@ HF ``hidden_states[k + 1]``) and one on ``model.model.norm`` (the final post-nor
 Only the base model runs (no ``lm_head``: logits are not needed and would cost
 ``T x V`` memory), and ``output_hidden_states`` stays off.
 
-Batching: right padding with an attention mask (causal, so real tokens never attend to
-padding and results do not depend on batch composition beyond kernel rounding).
+Batching: right padding, without an attention mask where the padding is invisible. In a causal
+model a real token never attends to the padding after it, so the mask changes nothing it computes,
+and without one the attention runs its causal kernel (flash on CUDA) instead of a masked one, as for
+a lone unpadded sample. Whether the model is causal is not read from its config but checked at
+start-up (:func:`padding_is_visible`: two rows that differ only in their padding must give their
+real tokens identical states); a model that fails it (bidirectional attention, or kernels whose
+results depend on the batch's other tokens) gets the padding mask. Either way results do not depend
+on batch composition beyond kernel rounding.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from collections import deque
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -74,8 +80,9 @@ class HFBackend:
             (:attr:`Captured.aux_scale` / ``hidden_scale``).
         final_out_dtype: dtype of returned final states (default: ``out_dtype``).
         cuda_graphs: run the prefill through CUDA graphs of bucketed batch shapes
-            (:mod:`eagle_data.extract.backends.cuda_graphs`; CUDA, ``sdpa`` or ``eager`` attention):
-            for small targets, whose forward is launch-bound. Default off.
+            (:mod:`eagle_data.extract.backends.cuda_graphs`; CUDA; causal models whose rope does not
+            depend on the sequence length): for small targets, whose forward is launch-bound.
+            Default off.
         graph_length_step: with ``cuda_graphs``, batch lengths are rounded up to a multiple of this.
 
     On CUDA, :meth:`capture_async` overlaps: the device-to-host copy of batch ``i`` runs on a
@@ -89,7 +96,7 @@ class HFBackend:
                  final_out_dtype: str | None = None, cuda_graphs: bool = False, graph_length_step: int = 256):
         compute = hidden_dtype(dtype)
         self.device = torch.device(device)
-        _check_graph_settings(cuda_graphs, graph_length_step, self.device, attn_implementation)  # before loading
+        _check_graph_settings(cuda_graphs, graph_length_step, self.device)  # before loading
         if model is None:
             model = _load(model_path, compute, attn_implementation, trust_remote_code)
         self.model = model.to(device=self.device, dtype=compute).eval()
@@ -106,28 +113,27 @@ class HFBackend:
         self._store: dict[str, torch.Tensor] = {}
         self._handles = [layers[k].register_forward_hook(self._hook(f"aux{j}")) for j, k in enumerate(ids)]
         self._handles.append(norm.register_forward_hook(self._hook("final")))
+        #: the model's real tokens see the right padding after them: batches pass the padding mask
+        self.mask_padding = padding_is_visible(self._states, int(cfg.vocab_size), self.device)
+        if self.mask_padding:
+            log.info("model %s: a real token's states depend on the padding after it; batches pass the padding "
+                     "mask", model_path)
         self._graphs = None
         if cuda_graphs:
             from eagle_data.extract.backends.cuda_graphs import GraphedPrefill, graph_unsafe
 
-            why = graph_unsafe(cfg)
+            why = graph_unsafe(cfg) or ("its real tokens' states depend on the padding after them (not causal)"
+                                        if self.mask_padding else None)
             if why:
                 raise ValueError(f"backend_kwargs cuda_graphs: model {model_path} cannot run through CUDA graphs: {why}")
-            self._graphs = GraphedPrefill(self._graph_forward(attn_implementation), self.device,
-                                          length_step=graph_length_step)
+            self._graphs = GraphedPrefill(lambda ids: self._states(ids, None), self.device, length_step=graph_length_step)
 
-    def _graph_forward(self, attn_implementation: str):
-        """The forward :class:`GraphedPrefill` runs: ``(ids [B, T], bool mask [B, 1, T, T]) -> states``;
-        eager attention adds its mask to the scores, so it gets 0 / the dtype's minimum instead."""
-        if attn_implementation != "eager":
-            return self._states
-
-        def forward(ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-            dt = self.model.dtype
-            return self._states(ids, torch.zeros(mask.shape, dtype=dt, device=mask.device).masked_fill(
-                ~mask, torch.finfo(dt).min))
-
-        return forward
+    def forward_padded(self, seqs: Sequence[torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """The eager forward of ``seqs`` (1-D token ids) right-padded into ``[B, T]`` -> (the hooks'
+        states ``{aux0, aux1, aux2, final}`` [B, T, H], the padding mask [B, T] or None when no row
+        is padded); the mask goes to the model only if it sees its padding (:attr:`mask_padding`)."""
+        ids, attn = right_padded(seqs, self.device, non_blocking=self._copy_stream is not None)
+        return self._states(ids, attn if self.mask_padding else None), attn
 
     def _states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """One forward of the base model -> the hooks' outputs {aux0, aux1, aux2, final} [B, T, H].
@@ -175,12 +181,12 @@ class HFBackend:
         lens = [int(ids.shape[0]) for _, ids in batch]
         b, t = len(batch), max(lens)
         on_gpu = self._copy_stream is not None
-        states = self._graphs([ids for _, ids in batch]) if self._graphs is not None else None
+        seqs = [ids for _, ids in batch]
+        states = self._graphs(seqs) if self._graphs is not None else None
         if states is not None:
-            attn = padding_mask(lens, self.device, non_blocking=True)
+            attn = padding_mask(lens, self.device, non_blocking=True)  # [B, T] or None: where the padding is
         else:
-            input_ids, attn = right_padded([ids for _, ids in batch], self.device, non_blocking=on_gpu)
-            states = self._states(input_ids, attn)
+            states, attn = self.forward_padded(seqs)
         # [B, T, 3H] and [B, T, H] in the output dtypes (fp8: + scales [B, T, 3] / [B, T, 1]), still on the device
         # (fp8 not checked by quantize: a non-finite value gives a non-finite scale, caught by `ok` below)
         aux, aux_s = to_storage(torch.cat([states["aux0"], states["aux1"], states["aux2"]], dim=-1),
@@ -211,12 +217,11 @@ class HFBackend:
         self._handles = []
 
 
-def _check_graph_settings(on: Any, length_step: Any, device: torch.device, attn_implementation: str) -> None:
+def _check_graph_settings(on: Any, length_step: Any, device: torch.device) -> None:
     """The ``cuda_graphs`` / ``graph_length_step`` options, checked before the model is loaded.
 
     Raises:
-        ValueError: a value of the wrong type, graphs on a device other than CUDA, or with an
-            attention that takes no 4D mask.
+        ValueError: a value of the wrong type, or graphs on a device other than CUDA.
     """
     if not isinstance(on, bool):
         raise ValueError(f"backend_kwargs cuda_graphs must be true or false, got {on!r}")
@@ -224,17 +229,29 @@ def _check_graph_settings(on: Any, length_step: Any, device: torch.device, attn_
         raise ValueError(f"backend_kwargs graph_length_step must be an integer in [1, 65536], got {length_step!r}")
     if on and device.type != "cuda":
         raise ValueError(f"backend_kwargs cuda_graphs: CUDA graphs need a CUDA device, got device {device}")
-    if on and attn_implementation not in ("sdpa", "eager"):
-        raise ValueError(f"backend_kwargs cuda_graphs: attn_implementation {attn_implementation!r} takes no 4D "
-                         "mask; use 'sdpa' or 'eager'")
+
+
+def padding_is_visible(states: Callable[[torch.Tensor, None], dict[str, torch.Tensor]], vocab_size: int,
+                       device: torch.device) -> bool:
+    """Whether a model's real tokens see the right padding after them: ``states(ids [2, 16], None)``
+    (no mask) of two rows with the same 8 real tokens and different padding must give those tokens
+    bit-identical states (same shapes, same kernels: any difference is the padding's). A causal
+    model passes; bidirectional attention, or kernels whose per-token results depend on the batch's
+    other tokens (e.g. nondeterministic reductions), fail and keep the padding mask."""
+    g = torch.Generator().manual_seed(0)
+    real = torch.randint(0, vocab_size, (8,), generator=g)
+    ids = torch.stack([torch.cat([real, torch.randint(0, vocab_size, (8,), generator=g)]) for _ in range(2)])
+    with torch.inference_mode():
+        out = states(ids.to(device), None)
+    return any(not torch.equal(x[0, :8], x[1, :8]) for x in out.values())
 
 
 def right_padded(seqs: Sequence[torch.Tensor], device: torch.device | str, non_blocking: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(input_ids [B, T], attention_mask [B, T] or None)`` on ``device`` for sequences of lengths
-    ``T_i`` (``T = max T_i``): right padding with 0, and a mask only when some sequence is shorter
-    (what the causal forward of :class:`HFBackend` takes). A few torch calls per batch, none per
-    sample: every call releases and retakes the GIL, which the thread launching the forward shares."""
+    ``T_i`` (``T = max T_i``): right padding with 0, and a mask only when some sequence is shorter.
+    A few torch calls per batch, none per sample: every call releases and retakes the GIL, which
+    the thread launching the forward shares."""
     lens = [int(x.shape[0]) for x in seqs]
     input_ids = pad_sequence(list(seqs), batch_first=True).to(device, non_blocking=non_blocking)
     return input_ids, padding_mask(lens, device, non_blocking)
