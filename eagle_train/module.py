@@ -73,10 +73,11 @@ class EagleDrafterModule(pl.LightningModule):
         zero_features: control run: the target's aux states are replaced by zeros (in training
             and when the checkpoint is evaluated), so the drafter sees only tokens; it measures
             what the states contribute. Such a checkpoint is refused by ``export``.
-        compile_warmup: on CUDA, before the training clock starts (the first batch), run the loss
-            forward and backward on synthetic batches of three shapes (:meth:`warm_up_compiles`),
-            so that torch.compile's first compiles (flex attention, the fused loss) do not eat the
-            first timed minute of a fixed-time run. Nothing is learnt from them.
+        compile_warmup: on CUDA, one device or DDP, before the training clock starts (the first
+            batch), run the loss forward and backward on synthetic batches of three shapes
+            (:meth:`warm_up_compiles`), so that torch.compile's first compiles (flex attention, the
+            fused loss) do not eat the first timed minute of a fixed-time run. Nothing is learnt
+            from them. (``trainer.max_time`` counts it: Lightning's timer starts before it.)
     """
 
     def __init__(self, target_model_path: str, draft_vocab: Optional[str] = None, dataset_dir: Optional[str] = None,
@@ -201,7 +202,12 @@ class EagleDrafterModule(pl.LightningModule):
         if (self.trainer.max_epochs or 0) < 0 and hasattr(pb, "_get_train_description"):
             pb._get_train_description = lambda current_epoch: f"Epoch {current_epoch}"
         if self.hparams.compile_warmup and self.device.type == "cuda":
-            self.warm_up_compiles()
+            from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+            if type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy):
+                self.warm_up_compiles()
+            else:  # sharded strategies (FSDP, DeepSpeed) gather parameters in their own forward only
+                log.info("compile warm-up skipped under %s", type(self.trainer.strategy).__name__)
 
     def warm_up_compiles(self) -> float:
         """Loss forward + backward on synthetic batches (random tokens and states, the training

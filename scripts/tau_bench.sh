@@ -69,7 +69,7 @@ train() {
     --model.draft_vocab "$OUT/draft_vocab_$VOCAB.safetensors" --model.draft_vocab_size "$VOCAB" \
     --model.zero_features "$zero" --model.lr_schedule_minutes "$end" "${lrarg[@]}" \
     --data.train "$OUT/train" --trainer.accelerator "$ACCEL" --trainer.precision "$PRECISION" \
-    --trainer.max_time "{\"seconds\": $(python -c "print(int($end * 60 + 120))")}" --trainer.default_root_dir "$dir" \
+    --trainer.max_time "{\"seconds\": $(python -c "print(int($end * 60 + 600))")}" --trainer.default_root_dir "$dir" \
     --trainer.callbacks "[{\"class_path\": \"eagle_train.callbacks.TimedCheckpoints\", \"init_args\": {\"minutes\": [$(echo "$marks" | tr ' ' ',')], \"stop_after_last\": true}}]" \
     "$@"
 }

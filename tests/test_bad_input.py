@@ -300,7 +300,7 @@ def test_a_run_refused_after_it_started_leaves_no_folder_behind(tiny, tmp_path):
     created above it; a folder that existed before is left as it was."""
     model, data = tiny
     for out, existed in ((tmp_path / "new", False), (tmp_path / "old", True), (tmp_path / "a" / "b" / "c", False),
-                         (tmp_path / "old" / "x" / "y", False)):
+                         (tmp_path / "old" / "x" / "y", False), (tmp_path / "p" / ".." / "q" / "r", False)):
         if existed:
             out.mkdir()
         cfg = ExtractConfig(out=str(out), model=str(model), data=str(data), device="cpu", dtype="float32",
@@ -333,11 +333,11 @@ def test_the_cleanup_of_a_refused_run_keeps_a_folder_another_rank_has_locked(tmp
         "print('locked', flush=True); time.sleep(60)"), str(out / LOCK_NAME)], stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "locked"
-        _remove_if_only_lock(out, mine, out)
+        _remove_if_only_lock(out, mine, [])
         assert (out / LOCK_NAME).exists()
     finally:
         other.kill()
         other.wait()
-    _remove_if_only_lock(out, mine, out)
+    _remove_if_only_lock(out, mine, [])
     assert not out.exists()
     os.close(mine)

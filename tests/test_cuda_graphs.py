@@ -176,3 +176,21 @@ def test_a_model_returning_too_few_positions_is_named():
     be._graphs = GraphedPrefill(lambda ids: be._states(ids, None), "cpu", length_step=8, batch_step=4)
     with pytest.raises(RuntimeError, match=r"the model returned final states \(2, 7, 64\) for a \[2, 8\] batch"):
         be.capture([("a", torch.randint(0, 600, (5,))), ("b", torch.randint(0, 600, (3,)))])
+
+
+def test_buckets_stay_within_a_learned_position_table(monkeypatch):
+    """GPT-2 has 40 learned positions: a batch of 38 tokens whose bucket (48) would index past them
+    runs eagerly, and its states are the eager ones."""
+    import eagle_data.extract.backends.hf as hf
+    import transformers as T
+
+    monkeypatch.setattr(hf, "_check_graph_settings", lambda *a: None)  # the CPU stand-in replays eagerly
+    torch.manual_seed(0)
+    m = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=600, n_embd=64, n_head=4, n_layer=4, n_positions=40)).eval()
+    eager = HFBackend("gpt2", aux_layer_ids=[0, 1, 2], dtype="float32", model=m)
+    graphed = HFBackend("gpt2", aux_layer_ids=[0, 1, 2], dtype="float32", model=m, cuda_graphs=True,
+                        graph_length_step=16)
+    assert graphed._graphs.max_length == 40
+    _same_samples(eager, graphed, [torch.randint(0, 600, (n,)) for n in (38, 5)])
+    _same_samples(eager, graphed, [torch.randint(0, 600, (n,)) for n in (30, 5)])  # bucket 32: graphed
+    assert set(graphed._graphs.graphs) == {(2, 32)} and graphed._graphs.eager_batches == 1

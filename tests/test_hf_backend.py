@@ -87,7 +87,7 @@ def family_backends():
 
 @pytest.mark.parametrize("family, sees_padding", [
     ("llama", False), ("mistral_window_4", False), ("gemma3_local_global", False), ("bloom_alibi", False),
-    ("gpt2", False), ("gemma3_bidirectional", True)])
+    ("gpt2", False), ("olmoe", False), ("qwen3_moe", False), ("gemma3_bidirectional", True)])
 @settings(max_examples=8, deadline=None)
 @given(lens=st.lists(st.integers(1, 19), min_size=1, max_size=4), seed=st.integers(0, 10**6))
 def test_right_padded_batches_equal_each_sample_alone(family_backends, family, sees_padding, lens, seed):
@@ -130,3 +130,27 @@ def test_the_padding_mask_reaches_only_a_model_that_sees_its_padding(family, mas
     assert len(seen) == 1 and (seen[0] is not None) is mask_given
     if mask_given:
         assert seen[0].tolist() == [[1] * 9, [1] * 4 + [0] * 5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_probe_tells_a_rows_place_from_its_padding(dtype):
+    """Stand-in models: one whose kernels round a row by its place in the batch (a few ulps, no
+    padding effect) sees no padding; one whose real tokens read the padding's mean (a
+    bidirectional leak) sees it, in float32 even when the leak is 1e-4 of the states."""
+    from eagle_data.extract.backends.hf import padding_is_visible
+
+    emb = torch.randn(600, 8, generator=torch.Generator().manual_seed(3))
+
+    def place_noise(ids, _mask):
+        x = emb[ids].to(dtype)
+        rows = torch.arange(ids.shape[0], dtype=torch.float32)[:, None, None]
+        return {"final": (x.float() * (1 + rows * torch.finfo(dtype).eps)).to(dtype)}
+
+    def leak(scale):
+        return lambda ids, _mask: {"final": (emb[ids] + scale * emb[ids].mean(1, keepdim=True)).to(dtype)}
+
+    assert padding_is_visible(place_noise, 600, torch.device("cpu")) is False
+    assert padding_is_visible(lambda ids, _m: {"final": emb[ids].to(dtype)}, 600, torch.device("cpu")) is False
+    assert padding_is_visible(leak(1.0), 600, torch.device("cpu")) is True
+    if dtype == torch.float32:
+        assert padding_is_visible(leak(1e-4), 600, torch.device("cpu")) is True

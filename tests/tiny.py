@@ -31,5 +31,9 @@ def tiny_family(family: str):
                         T.BloomForCausalLM),
         "gpt2": (lambda: T.GPT2Config(vocab_size=600, n_embd=64, n_head=4, n_layer=6, n_positions=256),
                  T.GPT2LMHeadModel),
+        # experts' grouped matmuls round a row by its place in the batch (~1e-6 on CPU)
+        "olmoe": (lambda: T.OlmoeConfig(**kv, num_experts=4, num_experts_per_tok=2), T.OlmoeForCausalLM),
+        "qwen3_moe": (lambda: T.Qwen3MoeConfig(**kv, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+                      T.Qwen3MoeForCausalLM),
     }[family]
     return cls(cfg()).eval()

@@ -73,46 +73,45 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
     """
     check_paths(cfg)
     refuse_foreign(Path(cfg.out))
-    created = _first_missing(Path(cfg.out).absolute())  # the highest folder this run creates (None: none)
+    created = _missing_folders(Path(cfg.out))  # the folders this run creates
     out, lock = open_out(cfg.out, cfg.rank)
     try:
         return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer)
     except BaseException:
-        if created is not None and lock is not None:  # refused before writing anything: no folder left behind
-            _remove_if_only_lock(out, lock, created)
+        if created and lock is not None:  # refused before writing anything: no folder left behind
+            _remove_if_only_lock(out, lock, created[:-1])
         raise
     finally:
         if lock is not None:
             os.close(lock)
 
 
-def _first_missing(path: Path) -> Path | None:
-    """The highest folder of ``path`` (itself or an ancestor) that does not exist yet; None if it exists."""
-    if path.exists():
-        return None
-    while not path.parent.exists():
-        path = path.parent
-    return path
+def _missing_folders(path: Path) -> list[Path]:
+    """``path`` and its ancestors as written (``..`` kept) that do not exist yet, highest first."""
+    p = path.absolute()
+    return [d for d in reversed([p, *p.parents]) if not d.exists()]
 
 
-def _remove_if_only_lock(out: Path, lock: int, created: Path) -> None:
+def _remove_if_only_lock(out: Path, lock: int, above: list[Path]) -> None:
     """Remove ``out`` when it holds nothing but the lock file and no other process holds a lock in
     it (a run that failed before its first file, e.g. a backend option refused once it had started;
-    another rank starting in the same new folder keeps it), then the folders above it up to
-    ``created`` (the highest one the run created) that are left empty."""
+    another rank starting in the same new folder keeps it), then the folders of ``above`` (those
+    the run created above it, highest first) that are left empty."""
     import fcntl
 
     try:
         fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the whole file: fails while another process holds a byte
-        if [c.name for c in out.iterdir()] == [LOCK_NAME]:
-            (out / LOCK_NAME).unlink()
-            out.rmdir()
-            d = out.absolute()
-            while d != created and created in d.parents:
-                d = d.parent
-                d.rmdir()  # OSError when not empty (something else was put there): kept
+        if [c.name for c in out.iterdir()] != [LOCK_NAME]:
+            return
+        (out / LOCK_NAME).unlink()
+        out.rmdir()
     except OSError:
-        pass
+        return
+    for d in reversed(above):
+        try:
+            d.rmdir()  # not empty (something else was put there) or a name like "x/..": kept
+        except OSError:
+            pass
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool):

@@ -90,7 +90,9 @@ class GraphedPrefill:
         length_step: ``t`` is rounded up to a multiple of this.
         batch_step: ``b`` is rounded up to a multiple of this (a power of two below it).
         max_graphs: buckets captured at most.
-        max_length: longest bucket graphed (longer batches are compute-bound: nothing to gain).
+        max_length: longest bucket graphed (longer batches are compute-bound: nothing to gain; the
+            backend also keeps buckets within the model's ``max_position_embeddings``, which a
+            learned position table cannot exceed).
 
     Call with the batch's token ids (1-D tensors, any device): returns ``{name: [b, t, H]}``, or
     None when the batch is not graphed (counted in ``eager_batches``; the caller runs it eagerly).
