@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 Forward = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 
 
+#: longest bucket graphed by default (longer batches are compute-bound: nothing to gain)
+MAX_LENGTH = 4096
+
 #: rope types whose tables depend on the config alone (not on the sequence length)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -57,13 +60,25 @@ def graph_unsafe(config) -> str | None:
     rope whose tables depend on the sequence length (dynamic, longrope): the graph's length is the
     bucket's, not the batch's. Whether the model sees its padding is checked by running it
     (:func:`eagle_data.extract.backends.hf.padding_is_visible`), not here."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal wrappers
+    config = _text_config(config)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     for r in (rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]):
         kind = r.get("rope_type", r.get("type", "default"))
         if kind not in STATIC_ROPE:
             return f"rope_type {kind!r} (its tables depend on the sequence length, the graph's is the bucket's)"
     return None
+
+
+def graph_max_length(config) -> int:
+    """The longest bucket for the HF ``config``'s model: :data:`MAX_LENGTH`, within its
+    ``max_position_embeddings`` (a learned position table cannot be indexed past it)."""
+    positions = getattr(_text_config(config), "max_position_embeddings", None) or MAX_LENGTH
+    return min(MAX_LENGTH, int(positions))
+
+
+def _text_config(config):
+    """The text model's config (a multimodal wrapper's ``get_text_config()``), else ``config``."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 class _CaptureFailed(Exception):
@@ -90,16 +105,14 @@ class GraphedPrefill:
         length_step: ``t`` is rounded up to a multiple of this.
         batch_step: ``b`` is rounded up to a multiple of this (a power of two below it).
         max_graphs: buckets captured at most.
-        max_length: longest bucket graphed (longer batches are compute-bound: nothing to gain; the
-            backend also keeps buckets within the model's ``max_position_embeddings``, which a
-            learned position table cannot exceed).
+        max_length: longest bucket graphed (the backend gives :func:`graph_max_length`).
 
     Call with the batch's token ids (1-D tensors, any device): returns ``{name: [b, t, H]}``, or
     None when the batch is not graphed (counted in ``eager_batches``; the caller runs it eagerly).
     """
 
     def __init__(self, forward: Forward, device: torch.device | str, length_step: int = 256, batch_step: int = 8,
-                 max_graphs: int = 64, max_length: int = 4096):
+                 max_graphs: int = 64, max_length: int = MAX_LENGTH):
         if length_step < 1 or batch_step < 1 or max_graphs < 0 or max_length < 1:
             raise ValueError(f"cuda graphs: length_step, batch_step, max_length must be >= 1 and max_graphs >= 0, "
                              f"got {length_step}, {batch_step}, {max_length}, {max_graphs}")

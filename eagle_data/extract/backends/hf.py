@@ -120,16 +120,14 @@ class HFBackend:
                      "mask", model_path)
         self._graphs = None
         if cuda_graphs:
-            from eagle_data.extract.backends.cuda_graphs import GraphedPrefill, graph_unsafe
+            from eagle_data.extract.backends.cuda_graphs import GraphedPrefill, graph_max_length, graph_unsafe
 
             why = graph_unsafe(cfg) or ("its real tokens' states depend on the padding after them (not causal)"
                                         if self.mask_padding else None)
             if why:
                 raise ValueError(f"backend_kwargs cuda_graphs: model {model_path} cannot run through CUDA graphs: {why}")
-            text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-            positions = getattr(text, "max_position_embeddings", None) or 4096  # a bucket past it: eager
             self._graphs = GraphedPrefill(lambda ids: self._states(ids, None), self.device, length_step=graph_length_step,
-                                          max_length=min(4096, int(positions)))
+                                          max_length=graph_max_length(cfg))
 
     def forward_padded(self, seqs: Sequence[torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """The eager forward of ``seqs`` (1-D token ids) right-padded into ``[B, T]`` -> (the hooks'
