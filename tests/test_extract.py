@@ -58,6 +58,7 @@ def test_extract_end_to_end(tmp_path, model_dir, data_file):
     assert "turn 0 field 'from' = 'alien'" in next(x["detail"] for x in log if x["id"] == "b2")
     assert [s["num_samples"] for s in m["shards"]] == [4, 4, 2]
     assert read_manifest(out)["num_samples"] == 10
+    assert m["backend_extra"]["padding_mask"] is False and m["backend_extra"]["cuda_graphs"] is False  # the probe's call
     import datasets
 
     idx = eagle_data.load_index(out)

@@ -99,6 +99,7 @@ def test_right_padded_batches_equal_each_sample_alone(family_backends, family, s
         family_backends[family] = HFBackend(family, aux_layer_ids=[1, 2, 4], dtype="float32", model=tiny_family(family))
     be = family_backends[family]
     assert be.mask_padding is sees_padding
+    assert be.info.extra["padding_mask"] is sees_padding and be.info.extra["cuda_graphs"] is False  # -> manifest
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(0, 600, (n,), generator=g) for n in lens]
     together = be.capture([(str(i), s) for i, s in enumerate(seqs)])

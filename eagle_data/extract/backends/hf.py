@@ -118,6 +118,7 @@ class HFBackend:
         if self.mask_padding:
             log.info("model %s: a real token's states depend on the padding after it; batches pass the padding "
                      "mask", model_path)
+        self.info.extra["padding_mask"] = self.mask_padding  # the probe's decision, in the manifest
         self._graphs = None
         if cuda_graphs:
             from eagle_data.extract.backends.cuda_graphs import GraphedPrefill, graph_max_length, graph_unsafe
@@ -128,6 +129,7 @@ class HFBackend:
                 raise ValueError(f"backend_kwargs cuda_graphs: model {model_path} cannot run through CUDA graphs: {why}")
             self._graphs = GraphedPrefill(lambda ids: self._states(ids, None), self.device, length_step=graph_length_step,
                                           max_length=graph_max_length(cfg))
+        self.info.extra["cuda_graphs"] = self._graphs is not None
 
     def forward_padded(self, seqs: Sequence[torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """The eager forward of ``seqs`` (1-D token ids) right-padded into ``[B, T]`` -> (the hooks'
