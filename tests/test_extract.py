@@ -136,6 +136,22 @@ def test_rerun_resumes_and_config_change_refused(tmp_path, model_dir, data_file)
     assert "template_sha256" not in str(e.value)
 
 
+def test_resume_with_other_batching_is_logged(tmp_path, model_dir, data_file, caplog):
+    """Batching settings may change on a resume (they do not change what is stored), but not
+    silently: the warning names each one with its old and new value."""
+    out = tmp_path / "ds"
+    run_extract(cfg(out, model_dir, data_file, num_samples=4))
+    with caplog.at_level("WARNING", logger="eagle_data.extract.manifest"):
+        res = run_extract(cfg(out, model_dir, data_file, num_samples=8, batch_tokens=512))
+    assert res["num_samples"] == 8
+    (msg,) = [r.getMessage() for r in caplog.records if "batching" in r.getMessage()]
+    assert "batch_tokens 256 -> 512" in msg and "max_batch_size" not in msg
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="eagle_data.extract.manifest"):
+        run_extract(cfg(out, model_dir, data_file, num_samples=8, batch_tokens=256))  # the first value again
+    assert [r for r in caplog.records if "batching" in r.getMessage()] == []
+
+
 def test_bf16_roundtrip_bit_exact_through_a_shard(tmp_path):
     vals = torch.tensor([1.5, 70144.0, -0.0078125], dtype=torch.bfloat16)
     aux = vals.repeat(2, 2)  # [T=2, 3*H=6]

@@ -47,6 +47,10 @@ RESUME_KEYS = ("model_path", "weights_fingerprint", "tokenizer_sha256", "templat
                "final_storage_dtype", "final_rows", "aux_layer_ids", "max_length", "data", "dataset_tag", "split", "world_size")
 
 
+#: config fields a resume may change: how samples are batched (not what is stored); a change is logged
+BATCHING_KEYS = ("batch_tokens", "max_batch_size", "sort_window", "backend", "backend_kwargs")
+
+
 def resume_value(cfg: dict[str, Any], key: str) -> Any:
     """``cfg[key]`` as a resume compares it: a run recorded before ``final_storage_dtype`` existed
     stored its final states in ``storage_dtype``, one before ``final_rows`` stored every row."""
@@ -236,6 +240,12 @@ def check_resume(prev: dict[str, Any], cfg: dict[str, Any], where: str) -> None:
         lines = "\n".join(_describe_diff(k, resume_value(old, k), resume_value(cfg, k)) for k in diff)
         raise ValueError(f"{where} was written by a different run configuration; refusing to mix:\n{lines}\n"
                          "Use a new --out directory (or the original settings to resume).")
+    moved = [k for k in BATCHING_KEYS if k in old and old[k] != cfg.get(k)]
+    if moved:
+        log.warning("%s: resuming with other batching settings (%s); the samples of this run are batched "
+                    "otherwise than the earlier ones (float rounding of other kernel shapes, ~1e-6 relative in "
+                    "float32); the manifest keeps the first run's values", where,
+                    ", ".join(f"{k} {old[k]!r} -> {cfg.get(k)!r}" for k in moved))
 
 
 def _same(key: str, old: Any, new: Any) -> bool:
