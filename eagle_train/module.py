@@ -20,6 +20,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 
+from eagle_train.guard import bad_rows, check_finite_weights, select_rows
 from eagle_train.loss import ttt_loss
 from eagle_train.model import DraftConfig, Eagle3Drafter, load_target_tensors, read_target_config, resolve_model_path
 from eagle_train.vocab import build_vocab, load_vocab, read_key_list
@@ -78,6 +79,8 @@ class EagleDrafterModule(pl.LightningModule):
             (:meth:`warm_up_compiles`), so that torch.compile's first compiles (flex attention, the
             fused loss) do not eat the first timed minute of a fixed-time run. Nothing is learnt
             from them. (``trainer.max_time`` counts it: Lightning's timer starts before it.)
+        check_target: refuse training data extracted from other weights than ``target_model_path``
+            (the manifests' ``weights_fingerprint``; the vocabulary size is always checked).
     """
 
     def __init__(self, target_model_path: str, draft_vocab: Optional[str] = None, dataset_dir: Optional[str] = None,
@@ -86,7 +89,7 @@ class EagleDrafterModule(pl.LightningModule):
                  warmup_steps: int = 0, min_lr_ratio: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                  init_lm_head_from_target: bool = True, exclude_keys: Optional[str] = None, seed: int = 0,
                  zero_features: bool = False, lr_schedule_minutes: Optional[float] = None,
-                 compile_warmup: bool = True, _vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                 compile_warmup: bool = True, check_target: bool = True, _vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         super().__init__()
         self.save_hyperparameters(ignore=["_vocab"])
         tcfg = read_target_config(target_model_path)
@@ -111,6 +114,12 @@ class EagleDrafterModule(pl.LightningModule):
         self.target_config = tcfg
         cfg = DraftConfig.from_target(tcfg, draft_vocab_size=int(d2t.numel()))
         w = load_target_tensors(target_model_path, ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"])
+        if int(t2d.numel()) != int(w["lm_head.weight"].shape[0]):
+            src = "the checkpoint's" if _vocab is not None else draft_vocab if draft_vocab and Path(draft_vocab).exists() \
+                else f"the one built from {dataset_dir}"
+            raise ValueError(f"draft vocabulary ({src}) maps a target vocabulary of {t2d.numel()} tokens; the target "
+                             f"{target_model_path} (target_model_path) has {w['lm_head.weight'].shape[0]}: the data "
+                             "or the vocabulary file comes from another model")
         gen = torch.random.fork_rng()
         with gen:
             torch.manual_seed(seed)
@@ -122,6 +131,7 @@ class EagleDrafterModule(pl.LightningModule):
         self.drafter.zero_features = bool(zero_features)
         self.register_buffer("target_lm_head", w["lm_head.weight"].float(), persistent=False)
         self._exclude = set(excluded)
+        self.bad_samples = 0  # damaged samples this process dropped from its batches (see _filter)
         # the keys left out, as a checkpoint records them (on_load_checkpoint: the checkpoint's; None there
         # for one written before they were recorded)
         self._recorded_exclude: Optional[list[str]] = sorted(self._exclude)
@@ -131,16 +141,26 @@ class EagleDrafterModule(pl.LightningModule):
         self._trained_s = 0.0  # training seconds before it (a resumed run's, from the checkpoint)
 
     # ------------------------------------------------------------------ steps
-    def _filter(self, batch: dict[str, Any]) -> Optional[dict[str, Any]]:
-        if not self._exclude or "keys" not in batch:
-            return batch
-        keep = [i for i, k in enumerate(batch["keys"]) if k not in self._exclude]
-        if len(keep) == len(batch["keys"]):
-            return batch
-        if not keep:
-            return None
-        idx = torch.tensor(keep, device=batch["input_ids"].device)
-        return {k: (v.index_select(0, idx) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    def _filter(self, batch: dict[str, Any], exclude: bool = True) -> Optional[dict[str, Any]]:
+        """The batch without held-out keys (``exclude_keys``; when ``exclude``) and without damaged samples
+        (:mod:`eagle_train.guard`: logged with their keys, counted in :attr:`bad_samples`); None
+        when no row is left. Costs one host sync per batch (the damaged-sample check)."""
+        keys = batch.get("keys")
+        keep = list(range(batch["input_ids"].shape[0]))
+        if exclude and self._exclude and keys is not None:
+            keep = [i for i in keep if keys[i] not in self._exclude]
+        bad = bad_rows(batch, int(self.target_lm_head.shape[0]))
+        if bool(bad.any()):
+            flags = bad.tolist()
+            named = [keys[i] if keys is not None else f"row {i}" for i in keep if flags[i]]
+            if named:
+                self.bad_samples += len(named)
+                log.error("skipped %d sample(s) with a token id outside the target's vocabulary (%d) or non-finite "
+                          "states: %s (damaged shards or another model's data: run `eagle-data verify` on the "
+                          "dataset); %d skipped so far", len(named), int(self.target_lm_head.shape[0]),
+                          ", ".join(map(str, named[:8])), self.bad_samples)
+            keep = [i for i in keep if not flags[i]]
+        return batch if len(keep) == batch["input_ids"].shape[0] else select_rows(batch, keep)
 
     def _shared(self, batch: dict[str, Any], stage: str):
         out = ttt_loss(self.drafter, self.target_lm_head, batch, self.hparams.ttt_steps,
@@ -162,7 +182,8 @@ class EagleDrafterModule(pl.LightningModule):
         return self._shared(batch, "train")
 
     def validation_step(self, batch, batch_idx):
-        return self._shared(batch, "val")
+        batch = self._filter(batch, exclude=False)  # the held-out keys are what validation may read
+        return None if batch is None else self._shared(batch, "val")
 
     # ------------------------------------------------------------------ optim
     def configure_optimizers(self):
@@ -196,6 +217,34 @@ class EagleDrafterModule(pl.LightningModule):
         if self.aux_layer_ids is None:
             self.aux_layer_ids = ids
             self.hparams["aux_layer_ids"] = ids
+        loaders = [dm.train_dataloader()] + ([dm.val_dataloader()] if getattr(dm, "val_sources", None) else [])
+        for loader in loaders:
+            self._check_target(loader.dataset.facts, ", ".join(loader.dataset.manifests))
+
+    def _check_target(self, facts: dict[str, Any], where: str) -> None:
+        """The data must come from this target: its vocabulary size, and (``check_target``) the
+        fingerprint of its weights (:func:`eagle_data.extract.manifest.weights_fingerprint`):
+        another model's final states under this target's ``lm_head`` are a wrong teacher.
+
+        Raises:
+            ValueError: naming the data and both values."""
+        vocab = int(self.target_lm_head.shape[0])
+        if facts.get("vocab_size") is not None and int(facts["vocab_size"]) != vocab:
+            raise ValueError(f"{where}: extracted by a model with vocab_size {facts['vocab_size']}, the target "
+                             f"{self.hparams.target_model_path} (target_model_path) has {vocab}: give the target "
+                             "that extracted the data")
+        theirs = facts.get("weights_fingerprint")
+        if not self.hparams.check_target or theirs in (None, "n/a"):
+            return
+        from eagle_data.extract.manifest import weights_fingerprint
+
+        mine = weights_fingerprint(resolve_model_path(self.hparams.target_model_path))
+        if mine != theirs:
+            raise ValueError(f"{where}: extracted from other weights than the target "
+                             f"{self.hparams.target_model_path} (target_model_path; weights_fingerprint {theirs} "
+                             f"vs {mine}): this target's lm_head on those final states is a wrong teacher. Give "
+                             "the target that extracted the data, or check_target false when it is the same "
+                             "weights in other files")
 
     def on_train_start(self) -> None:
         pb = self.trainer.progress_bar_callback  # "Epoch 0/-2" when only time or steps bound the run
@@ -300,6 +349,7 @@ class EagleDrafterModule(pl.LightningModule):
             raise ValueError(f"{checkpoint_path}: its drafter does not fit {whose}, {hp.get('target_model_path')} "
                              f"({str(e).splitlines()[-1].strip()[:200]})") from None
         mod.on_load_checkpoint(ckpt)
+        check_finite_weights(mod.drafter, str(checkpoint_path))
         if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
             mod.to(map_location)
         return mod.eval()

@@ -86,6 +86,34 @@ def test_resume_mid_epoch(ds30, mode, workers):
         assert sorted(nxt) == sorted(full) and nxt != full
 
 
+@pytest.mark.parametrize("change", [{"batch_size": 2}, {"batch_size": None, "max_tokens": 20}, {"max_length": 3},
+                                    {"shuffle_buffer": 1}, {"shuffle": False}, "other_shards"])
+def test_resume_with_another_plan_is_refused_and_a_moved_dataset_resumes(ds30, tmp_path, change):
+    """A resume skips the saved number of batches of the plan it finds: with other batching,
+    shuffling or shards it would skip or repeat samples, so it is refused, naming the setting. The
+    same shards in another folder resume exactly."""
+    import shutil
+
+    dl = ranks(ds30, world=1, workers=0)[0]
+    it = iter(dl)
+    seen = [k for _ in range(2) for k in next(it)["keys"]]
+    state = json.loads(json.dumps(dl.state_dict()))
+    if change == "other_shards":
+        other = tmp_path / "other"
+        write_synthetic(other, [10, 10, 11])
+        again, field = ranks(other, world=1, workers=0)[0], "shards"
+    else:
+        again, field = ranks(ds30, world=1, workers=0, **change)[0], sorted(change)[0]
+    with pytest.raises(ValueError, match=f"cannot resume: saved {field}="):
+        again.load_state_dict(state)
+    moved = tmp_path / "moved"
+    shutil.copytree(ds30, moved)
+    back = ranks(moved, world=1, workers=0)[0]
+    back.load_state_dict(state)
+    full = [k for b in run_epoch(ranks(ds30, world=1, workers=0)[0]) for k in b]
+    assert seen + [k for b in back for k in b["keys"]] == full
+
+
 def test_resume_at_epoch_end_starts_next_epoch(ds30):
     dl = ranks(ds30, world=1, workers=0)[0]
     e0 = run_epoch(dl)

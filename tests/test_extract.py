@@ -65,6 +65,12 @@ def test_extract_end_to_end(tmp_path, model_dir, data_file):
     assert not datasets.are_progress_bars_disabled()  # silenced for the load only
     assert len(idx) == 10 and sorted(idx["source_row"]) == list(range(10))
     assert all("." not in k for k in idx["key"]) and set(idx["source_id"]) == {"s.0", "o.1"}
+    (out / "index.parquet").rename(tmp_path / "index.parquet")  # without it: every part of the manifest's shards
+    assert sorted(eagle_data.load_index(out)["source_row"]) == list(range(10))
+    (out / "index" / "00000-000001.parquet").unlink()
+    with pytest.raises(ValueError, match=r"lacks the index of 1 of the manifest's 3 shard\(s\) \(index/00000-000001"):
+        eagle_data.load_index(out)
+    (tmp_path / "index.parquet").rename(out / "index.parquet")
     # stock webdataset groups KEY.safetensors + KEY.json into one sample
     shards = [str(out / s["name"]) for s in m["shards"]]
     samples = list(wds.WebDataset(shards, shardshuffle=False))

@@ -18,6 +18,8 @@ equal-batch-count rule.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import math
 import random
@@ -136,6 +138,16 @@ class EagleShardDataset(IterableDataset):
         self.skipped: Counter = Counter()
 
     # ---- topology and plan ------------------------------------------------------------------
+
+    def plan_facts(self) -> dict[str, Any]:
+        """What the epoch plan depends on besides seed, epoch and topology: the batching and
+        shuffling settings and the shards (names and counts, in order; not where they live). A
+        resume must find them equal (:meth:`~eagle_data.stream.loader.EagleDataLoader.load_state_dict`)."""
+        shards = hashlib.sha256(json.dumps([(s.name, s.num_samples, s.num_tokens) for s in self.shards]).encode())
+        return {"batch_size": self.batch_size, "max_tokens": self.max_tokens, "max_length": self.max_length,
+                "max_batch_size": self.max_batch_size, "bucket_window": self.bucket_window, "shuffle": self.shuffle,
+                "shuffle_buffer": self.shuffle_buffer, "shuffle_initial": self.shuffle_initial,
+                "shards": shards.hexdigest()[:16]}
     def rank_world(self) -> tuple[int, int]:
         """``(rank, world_size)``: constructor args, else ``torch.distributed``, else ``(0, 1)``."""
         if self.world_size is not None:

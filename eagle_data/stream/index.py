@@ -5,15 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from eagle_data.format.layout import INDEX_NAME
-from eagle_data.format.layout import INDEX_DIR
+from eagle_data.format.layout import INDEX_DIR, INDEX_NAME, MANIFEST_NAME, index_part
+from eagle_data.format.records import read_manifest
 
 
 def index_files(path: str | Path) -> list[str]:
-    """The index parquet file(s) of a dataset dir: ``index.parquet``, else ``index/*.parquet``.
+    """The index parquet file(s) of a dataset dir: ``index.parquet``, else ``index/*.parquet``
+    (with a manifest: the parts of its shards).
 
     Raises:
-        ValueError: none found.
+        ValueError: none found, or a shard of the manifest has no index part.
     """
     p = Path(path)
     if p.is_file():
@@ -23,6 +24,14 @@ def index_files(path: str | Path) -> list[str]:
     parts = sorted((p / INDEX_DIR).glob("*.parquet"))
     if not parts:
         raise ValueError(f"{p}: no {INDEX_NAME} or {INDEX_DIR}/*.parquet")
+    if (p / MANIFEST_NAME).is_file():  # the parts must be the manifest's shards, every one
+        shards = [s["name"] for s in read_manifest(p).get("shards", [])]
+        missing = [str(index_part(p, s).relative_to(p)) for s in shards if not index_part(p, s).is_file()]
+        if missing:
+            raise ValueError(f"{p}: no {INDEX_NAME}, and {INDEX_DIR}/ lacks the index of {len(missing)} of the "
+                             f"manifest's {len(shards)} shard(s) ({', '.join(missing[:4])}); the samples of those "
+                             "shards would be left out: restore the files, or rerun the extraction (same command)")
+        return [str(index_part(p, s)) for s in shards]
     return [str(x) for x in parts]
 
 

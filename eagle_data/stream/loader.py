@@ -131,19 +131,21 @@ class EagleDataLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "batches", "seed", "num_workers", "world_size", "num_skipped"}`` of this
-        rank (``batches``: delivered in ``epoch``; ``num_skipped``: samples skipped so far)."""
+        """``{"epoch", "batches", "seed", "num_workers", "world_size", "num_skipped", "plan"}`` of this
+        rank (``batches``: delivered in ``epoch``; ``num_skipped``: samples skipped so far; ``plan``:
+        :meth:`~eagle_data.stream.dataset.EagleShardDataset.plan_facts`)."""
         epoch, batches = self._next if self._next is not None else (self.epoch, self.batches)
         return {"epoch": epoch, "batches": batches, "seed": self.dataset.seed,
                 "num_workers": self.num_workers, "world_size": self.dataset.rank_world()[1],
-                "num_skipped": self.num_skipped}
+                "num_skipped": self.num_skipped, "plan": self.dataset.plan_facts()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after ``state["batches"]`` batches of ``state["epoch"]`` (next ``iter()``).
 
         Raises:
-            ValueError: seed, world size or (fixed ``batch_size``) worker count differ (the plan would
-                differ; with ``max_tokens`` the batches do not depend on the workers).
+            ValueError: seed, world size, (fixed ``batch_size``) worker count or a plan fact (batching,
+                shuffling, the shards) differ: the plan would differ (with ``max_tokens`` the batches do
+                not depend on the workers).
         """
         checked = [("seed", self.dataset.seed), ("world_size", self.dataset.rank_world()[1])]
         if self.dataset.batch_size is not None:  # fixed mode: a worker's samples depend on the worker count
@@ -153,6 +155,12 @@ class EagleDataLoader(DataLoader):
             same = planned.get(k, lambda v: v)
             if k in state and same(state[k]) != same(now):
                 raise ValueError(f"cannot resume: saved {k}={state[k]}, now {now} (the epoch plan would differ)")
+        saved, now = state.get("plan") or {}, self.dataset.plan_facts()  # states written before: not checked
+        for k in sorted(saved):
+            if saved[k] != now.get(k):
+                raise ValueError(f"cannot resume: saved {k}={saved[k]!r}, now {now.get(k)!r} (the epoch plan would "
+                                 "differ and samples would be skipped or repeated; resume with the saved settings "
+                                 "and data)")
         self.num_skipped = int(state.get("num_skipped", 0))
         if state["epoch"] < 0:
             self._next = None

@@ -31,11 +31,16 @@ from eagle_data.format.schema import check_manifest_compat
 
 #: manifest facts that must agree between all sources (and with the caller's expectations)
 COMPAT_KEYS = ("layer_id_convention", "final_state_norm", "hidden_size", "aux_layer_ids", "dtype",
-               "final_dtype")
+               "final_dtype", "vocab_size", "weights_fingerprint")
+#: facts an older manifest may lack (None): not compared then
+OPTIONAL_FACTS = ("weights_fingerprint",)
 
 
 def manifest_fact(m: dict[str, Any], key: str) -> Any:
-    """``m[key]``; a schema-1 manifest (no ``final_dtype``) stores its final states in ``dtype``."""
+    """``m[key]``; a schema-1 manifest (no ``final_dtype``) stores its final states in ``dtype``;
+    ``weights_fingerprint`` (the target's weights) is in the run configuration."""
+    if key == "weights_fingerprint":
+        return (m.get("config") or {}).get(key)
     return m.get("final_dtype") or m.get("dtype") if key == "final_dtype" else m.get(key)
 
 
@@ -183,8 +188,11 @@ def check_compat(manifests: list[tuple[str, dict[str, Any]]], expect: dict[str, 
         check_manifest_compat(m, expect, where=where)
         for k in COMPAT_KEYS:
             a, b = manifest_fact(m, k), manifest_fact(ref, k)
+            if k in OPTIONAL_FACTS and None in (a, b):
+                continue
             if (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
-                raise ValueError(f"{where}: {k} is {a!r} but {ref_where} has {b!r}; refusing to mix datasets")
+                raise ValueError(f"{where}: {k} is {a!r} but {ref_where} has {b!r}; refusing to mix datasets"
+                                 + (" extracted from different models" if k in ("vocab_size", "weights_fingerprint") else ""))
     return {k: manifest_fact(ref, k) for k in COMPAT_KEYS}
 
 

@@ -1,0 +1,153 @@
+"""Training refuses what no extraction writes: damaged samples are dropped and named, a broken
+drafter is not evaluated or exported, and data of another model is refused up front."""
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eagle_data.stream.shards import check_compat
+from eagle_train.guard import bad_rows
+from eagle_train.loss import ttt_loss
+from train_tiny import tiny_batch, tiny_module, tiny_target
+
+_BASE = tiny_batch(tiny_target(), n=4, t=20, seed=1)
+
+
+class _Loader:
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+def _damage(batch, row, how, where):
+    b = {k: (v.clone() if torch.is_tensor(v) else list(v)) for k, v in batch.items()}
+    n = int(b["attention_mask"][row].sum())
+    t = where % n
+    if how == "nan_aux":
+        b["aux_hidden_states"][row, t, where % b["aux_hidden_states"].shape[-1]] = float("nan")
+    elif how == "inf_final":
+        b["hidden_states"][row, t, where % b["hidden_states"].shape[-1]] = float("-inf")
+    elif how == "id_high":
+        b["input_ids"][row, t] = 256 + where
+    else:
+        b["input_ids"][row, t] = -1 - where
+    return b
+
+
+@settings(max_examples=25, deadline=None)
+@given(damaged=st.dictionaries(st.integers(0, 3), st.tuples(
+    st.sampled_from(["nan_aux", "inf_final", "id_high", "id_negative"]), st.integers(0, 10**4)), max_size=4))
+def test_bad_rows_flags_exactly_the_damaged_samples(damaged):
+    b = _BASE
+    for row, (how, where) in damaged.items():
+        b = _damage(b, row, how, where)
+    assert bad_rows(b, 256).tolist() == [i in damaged for i in range(4)]
+
+
+def test_a_damaged_sample_is_dropped_named_and_counted_and_the_rest_trains_as_without_it(tmp_path, caplog):
+    mod = tiny_module(tmp_path, ttt_steps=2, exclude_oov=False)
+    bad = _damage(_BASE, 1, "nan_aux", 7)
+    with caplog.at_level(logging.ERROR, logger="eagle_train.module"):
+        kept = mod._filter(bad)
+    assert kept["keys"] == ["k0", "k2", "k3"] and mod.bad_samples == 1
+    assert any("k1" in r.getMessage() and "verify" in r.getMessage() for r in caplog.records)
+    clean = {k: (v[[0, 2, 3]] if torch.is_tensor(v) else [v[i] for i in (0, 2, 3)]) for k, v in _BASE.items()}
+    got = ttt_loss(mod.drafter, mod.target_lm_head, kept, 2)["loss"]
+    want = ttt_loss(mod.drafter, mod.target_lm_head, clean, 2)["loss"]
+    assert torch.isfinite(got) and torch.equal(got, want)
+    everything_bad = _damage(_damage(_damage(_damage(_BASE, 0, "id_high", 1), 1, "id_negative", 2), 2, "inf_final", 3),
+                             3, "nan_aux", 4)
+    assert mod._filter(everything_bad) is None and mod.bad_samples == 5
+    step = mod.training_step(everything_bad, 0)  # a zero loss: DDP ranks stay in step
+    assert float(step.detach()) == 0.0 and step.requires_grad
+
+
+def test_fit_on_a_batch_with_a_nan_sample_keeps_the_weights_finite(tmp_path):
+    import lightning.pytorch as pl
+
+    mod = tiny_module(tmp_path, ttt_steps=2)
+    batches = [_damage(tiny_batch(tiny_target(), n=2, t=16, seed=s), 0, "nan_aux", s) for s in range(3)]
+    pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
+               default_root_dir=str(tmp_path), enable_checkpointing=False).fit(mod, train_dataloaders=_Loader(batches))
+    assert mod.bad_samples == 3
+    assert all(torch.isfinite(p).all() for p in mod.drafter.parameters())
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_by_eval_and_export(tmp_path):
+    import lightning.pytorch as pl
+
+    from eagle_train.export import export_checkpoint
+    from eagle_train.module import EagleDrafterModule
+
+    mod = tiny_module(tmp_path, ttt_steps=2)
+    tr = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    tr.fit(mod, train_dataloaders=_Loader([tiny_batch(tiny_target(), n=2, t=12)]))
+    with torch.no_grad():
+        mod.drafter.fc.weight[0, 0] = float("nan")
+    tr.save_checkpoint(str(tmp_path / "nan.ckpt"))
+    with pytest.raises(ValueError, match=r"nan.ckpt: the drafter's weights are not finite \(fc.weight"):
+        EagleDrafterModule.load_from_checkpoint(str(tmp_path / "nan.ckpt"))
+    with pytest.raises(ValueError, match="not finite"):
+        export_checkpoint(str(tmp_path / "nan.ckpt"), str(tmp_path / "export"), dtype="float32")
+
+
+def _manifest(**kw):
+    m = {"schema_version": 3, "layer_id_convention": "output_of_decoder_layer_k", "final_state_norm": "post",
+         "hidden_size": 64, "aux_layer_ids": [1, 3, 5], "dtype": "bfloat16", "final_dtype": "bfloat16",
+         "vocab_size": 256, "config": {"weights_fingerprint": "aaaa"}}
+    for k, v in kw.items():
+        if k == "fp":
+            m["config"] = {} if v is None else {"weights_fingerprint": v}
+        else:
+            m[k] = v
+    return m
+
+
+def test_datasets_of_different_models_are_not_mixed():
+    from eagle_data.format.schema import LAYER_ID_CONVENTION, SCHEMA_VERSION
+
+    base = dict(schema_version=SCHEMA_VERSION, layer_id_convention=LAYER_ID_CONVENTION)
+    facts = check_compat([("a", _manifest(**base)), ("b", _manifest(**base))], {})
+    assert facts["weights_fingerprint"] == "aaaa" and facts["vocab_size"] == 256
+    with pytest.raises(ValueError, match="b: weights_fingerprint is 'bbbb' but a has 'aaaa'.*different models"):
+        check_compat([("a", _manifest(**base)), ("b", _manifest(fp="bbbb", **base))], {})
+    with pytest.raises(ValueError, match="b: vocab_size is 300 but a has 256"):
+        check_compat([("a", _manifest(**base)), ("b", _manifest(vocab_size=300, **base))], {})
+    check_compat([("a", _manifest(**base)), ("old", _manifest(fp=None, **base))], {})  # written before it was recorded
+
+
+def test_training_data_of_another_target_is_refused(tmp_path):
+    from eagle_data.extract.manifest import weights_fingerprint
+    from train_tiny import tiny_target_dir
+
+    mod = tiny_module(tmp_path, ttt_steps=2)
+    mine = weights_fingerprint(tiny_target_dir(tmp_path))
+    mod._check_target({"vocab_size": 256, "weights_fingerprint": mine}, "ds")
+    mod._check_target({"vocab_size": 256, "weights_fingerprint": None}, "ds")
+    with pytest.raises(ValueError, match=r"ds: extracted by a model with vocab_size 300, the target .* has 256"):
+        mod._check_target({"vocab_size": 300, "weights_fingerprint": mine}, "ds")
+    with pytest.raises(ValueError, match=r"ds: extracted from other weights than the target .*check_target false"):
+        mod._check_target({"vocab_size": 256, "weights_fingerprint": "0" * 16}, "ds")
+    tiny_module(tmp_path, ttt_steps=2, check_target=False)._check_target(
+        {"vocab_size": 256, "weights_fingerprint": "0" * 16}, "ds")
+
+
+def test_a_draft_vocabulary_of_another_target_vocabulary_is_refused(tmp_path):
+    from eagle_train.module import EagleDrafterModule
+    from eagle_train.vocab import save_vocab, select_vocab
+    from train_tiny import tiny_target_dir
+
+    d2t, t2d = select_vocab(torch.arange(600), 600, 48)
+    vf = save_vocab(tmp_path / "v600.safetensors", d2t, t2d)
+    with pytest.raises(ValueError, match=r"maps a target vocabulary of 600 tokens; the target .* has 256"):
+        EagleDrafterModule(target_model_path=str(tiny_target_dir(tmp_path)), draft_vocab=str(vf),
+                           draft_vocab_size=48, aux_layer_ids=[1, 3, 5])
