@@ -381,6 +381,10 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
     results = {name: acceptance(d.float().to(dev) if isinstance(d, torch.nn.Module) else d, target, samples, steps,
                                 positions_per_sample, max_length, oracles)
                for name, d in drafters.items()}
+    if results["prompt_lookup"]["num_chains"] == 0:  # every drafter scores the same positions
+        raise ValueError(f"no position to score: none of the {len(keys)} held-out sample(s) has a supervised token "
+                         + (f"within max_length {max_length}" if max_length is not None else "after its first") +
+                         " (give a larger --max_length or other held-out samples)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {name: {k: v for k, v in r.items() if k not in ("accepted", "chain_keys")}

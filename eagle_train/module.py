@@ -132,6 +132,7 @@ class EagleDrafterModule(pl.LightningModule):
         self.register_buffer("target_lm_head", w["lm_head.weight"].float(), persistent=False)
         self._exclude = set(excluded)
         self.bad_samples = 0  # damaged samples this process dropped from its batches (see _filter)
+        self._warned_unsupervised = False
         # the keys left out, as a checkpoint records them (on_load_checkpoint: the checkpoint's; None there
         # for one written before they were recorded)
         self._recorded_exclude: Optional[list[str]] = sorted(self._exclude)
@@ -165,8 +166,19 @@ class EagleDrafterModule(pl.LightningModule):
     def _shared(self, batch: dict[str, Any], stage: str):
         out = ttt_loss(self.drafter, self.target_lm_head, batch, self.hparams.ttt_steps,
                        self.hparams.step_weight, self.hparams.exclude_oov)
-        bs = batch["input_ids"].shape[0]
+        # metrics are averaged over batches weighted by their supervised tokens; a training batch that
+        # teaches nothing (samples cut by data.max_length before their first assistant token) is not
+        # logged (validation logs it with weight 1: every rank must log each metric under sync_dist)
         on_step = stage == "train"
+        bs = int(batch["loss_mask"].sum())
+        if bs == 0:
+            if not self._warned_unsupervised:
+                self._warned_unsupervised = True
+                log.warning("a %s batch has no supervised token (its samples were cut by data.max_length before "
+                            "their first assistant token, or have none): it costs a step and teaches nothing", stage)
+            if on_step:
+                return out["loss"]
+            bs = 1
         self.log(f"{stage}/loss", out["loss"], prog_bar=True, batch_size=bs, on_step=on_step, on_epoch=True,
                  sync_dist=not on_step)
         for k, (lk, ak) in enumerate(zip(out["loss_k"], out["acc_k"])):

@@ -5,6 +5,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import webdataset as wds
 
@@ -618,3 +620,42 @@ def test_a_row_keeps_all_its_notes_and_a_skipped_row_none(tmp_path, model_dir):
     assert res["run_stats"]["note_counts"] == want
     prog = json.loads((out / "progress-00000.json").read_text())
     assert prog["notes"] == {"0": ["leading_turns_dropped", "truncated"]}
+
+
+@settings(max_examples=200, deadline=None)
+@given(tag=st.text(min_size=1, max_size=120).filter(lambda t: not any(c in t for c in "./ \t\n")),
+       row=st.integers(0, 10**9 - 1))
+def test_a_sample_key_is_refused_up_front_or_fits_a_tar_member_name(tag, row):
+    """Any tag: either ``sample_key`` refuses it (before any work), or both member names of its
+    samples fit a USTAR header (no late 'name is too long' from the writer)."""
+    from eagle_data.format.schema import META_EXT, TENSOR_EXT, sample_key
+    from eagle_data.format.tar import tar_member_header
+
+    try:
+        key = sample_key(tag, row)
+    except ValueError:
+        assert len(tag.encode("utf-8", "surrogatepass")) > 78
+        return
+    for ext in (TENSOR_EXT, META_EXT):
+        assert len(tar_member_header(f"{key}.{ext}", 1)) == 512
+
+
+@given(name=st.text(min_size=1, max_size=300))
+def test_a_default_tag_of_any_data_name_is_a_valid_key_prefix_and_long_names_stay_distinct(name):
+    from eagle_data.extract.sources import _tag
+    from eagle_data.format.schema import sample_key
+
+    sample_key(_tag(name), 0)
+    if len(_tag(name)) == 78 and len(_tag(name + "x")) == 78:
+        assert _tag(name) != _tag(name + "x")
+
+
+def test_data_file_with_a_long_name_extracts(tmp_path, model_dir):
+    long = tmp_path / ("ultrachat_200k_train_sft_filtered_deduplicated_english_only_min3turns_max8k_2025_06_v2"
+                       ".jsonl")
+    long.write_text(json.dumps(GOOD[0]) + "\n")
+    m = run_extract(cfg(tmp_path / "ds", model_dir, long))
+    assert m["num_samples"] == 1 and len(m["config"]["dataset_tag"]) == 78
+    with pytest.raises(ValueError, match="is 79 bytes .* at most 78 bytes"):
+        run_extract(cfg(tmp_path / "ds2", model_dir, long, dataset_tag="t" * 79))
+    assert not (tmp_path / "ds2").exists()

@@ -143,8 +143,10 @@ def test_eval_names_a_target_of_another_width_and_reports_no_agreement_without_p
     kw = dict(num_samples=2, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
     with pytest.raises(ValueError, match=r"hidden size is 128, the dataset's states are 64 wide"):
         evaluate(str(reference), None, str(tmp_path / "ev"), target_model=str(wide), **kw)
-    s = evaluate(str(reference), None, str(tmp_path / "ev2"), target_model=str(model), max_length=2, **kw)
-    assert s["target_agreement"] is None
+    with pytest.raises(ValueError, match=r"no position to score: none of the 2 held-out sample\(s\) has a "
+                                         r"supervised token within max_length 2"):  # not tau = NaN, exit 0
+        evaluate(str(reference), None, str(tmp_path / "ev2"), target_model=str(model), max_length=2, **kw)
+    assert not (tmp_path / "ev2" / "acceptance.json").exists()
 
 
 def test_eval_without_held_out_keys_warns_whatever_folder_it_reads(tiny, kr, reference, tmp_path, caplog):

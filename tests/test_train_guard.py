@@ -151,3 +151,24 @@ def test_a_draft_vocabulary_of_another_target_vocabulary_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"maps a target vocabulary of 600 tokens; the target .* has 256"):
         EagleDrafterModule(target_model_path=str(tiny_target_dir(tmp_path)), draft_vocab=str(vf),
                            draft_vocab_size=48, aux_layer_ids=[1, 3, 5])
+
+
+def test_a_batch_without_supervised_tokens_does_not_pull_the_epoch_metrics_down(tmp_path, caplog):
+    import lightning.pytorch as pl
+
+    taught = tiny_batch(tiny_target(), n=2, t=16, seed=0)
+    untaught = {**tiny_batch(tiny_target(), n=2, t=16, seed=1)}
+    untaught["loss_mask"] = torch.zeros_like(untaught["loss_mask"])
+
+    def epoch_loss(batches):
+        mod = tiny_module(tmp_path, ttt_steps=2, lr=0.0, compile_warmup=False)
+        tr = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+        tr.fit(mod, train_dataloaders=_Loader(batches))
+        return float(tr.callback_metrics["train/loss_0_epoch"])
+
+    alone = epoch_loss([taught])
+    with caplog.at_level(logging.WARNING, logger="eagle_train.module"):
+        both = epoch_loss([taught, untaught])
+    assert alone > 0 and both == pytest.approx(alone, rel=1e-3)
+    assert any("no supervised token" in r.getMessage() for r in caplog.records)

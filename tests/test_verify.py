@@ -137,6 +137,29 @@ def test_recompute_matches_reference_and_catches_wrong_model(ds, tmp_path, kr):
     assert max(t["token_rel_p50"] for t in rep.recompute_tokens.values()) > 0.1
 
 
+def test_recompute_reports_token_ids_outside_the_vocabulary_and_goes_on(ds, monkeypatch):
+    """A stored id beyond the model's vocabulary is a problem of that sample in the report (not a
+    crash that loses the report); the other chosen samples are still recomputed."""
+    import eagle_data.tools.verify as V
+
+    real, hit = V.decode_tensors, []
+
+    def damaged(tb, where):
+        t = real(tb, where)
+        if ":" in str(where) or hit:  # the schema pass names samples SHARD:KEY, the recompute by key
+            return t
+        hit.append(where)
+        ids = t["input_ids"].clone()
+        ids[0] = 10**6
+        return {**t, "input_ids": ids}
+
+    monkeypatch.setattr(V, "decode_tensors", damaged)
+    rep = V.verify_dataset(ds, recompute=3, seed=1)
+    (prob,) = [p for p in rep.problems if p[0] == "recompute"]
+    assert prob[1] == hit[0] and f"..{10**6} outside the model's vocabulary [0, " in prob[2]
+    assert set(rep.recompute) == {"aux layer 1", "aux layer 3", "aux layer 5", "final (post-norm)"}
+
+
 def test_dataset_without_samples_fails(tmp_path, capsys):
     """An extraction that skipped every row leaves a manifest and an index of 0 samples: not OK."""
     from eagle_data.tools.synthetic import write_synthetic

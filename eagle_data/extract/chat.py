@@ -171,7 +171,10 @@ class ChatRenderer(TemplateProbe):
 
     def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
                tools: list[dict[str, Any]] | None = None) -> str:
-        """The template on messages already in the form it takes (:meth:`_for_template`)."""
+        """The template on messages already in the form it takes (:meth:`_for_template`; the
+        internal ``train`` flag is not handed to it)."""
+        if any("train" in m for m in messages):
+            messages = [{k: v for k, v in m.items() if k != "train"} for m in messages]
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt,
                                                   chat_template=self.template, **self._render_vars)
@@ -221,6 +224,8 @@ class ChatRenderer(TemplateProbe):
         unsure: list[int] = []
         spans = assistant_spans(text, msgs, pieces, where, self.markers,
                                 lambda i: self._prompt_end(text, msgs[:i], tools), unsure)
+        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        spans = [sp for sp, i in zip(spans, turns) if msgs[i].get("train", True)]  # "weight": 0 turns: context only
         rendered = {j for _, _, j in where}
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
         dropped = any(p.kind == "reasoning" and p.msg == last and j not in rendered for j, p in enumerate(pieces))

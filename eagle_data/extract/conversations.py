@@ -27,6 +27,9 @@ Message fields (OpenAI style, as HF chat templates take them):
   ShareGPT ``function_call`` turns hold one such call (``{"name", "arguments"}``) as JSON text.
 * ``tool`` messages (ShareGPT ``tool``/``observation``/``function``): the tool's result;
   ``tool_call_id`` and ``name`` are kept.
+* ``weight`` (0 or 1, axolotl's ShareGPT) or ``train`` (bool) on an assistant turn: ``0`` /
+  ``false`` keeps the turn in the conversation (context) but out of the loss mask (an internal
+  ``"train": False`` that the template never sees).
 
 A top-level ``"tools"`` (OpenAI tool schemas: a list of objects, or that list as JSON text) is
 handed to the template as its ``tools`` variable (template text: never supervised); a template
@@ -177,6 +180,8 @@ def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "conten
     content = _text(turn.get(ckey), f"turn {i} field '{ckey}'", allow_none=calls is not None)
     msg["content"] = content or ""
     if role == "assistant":
+        if not _trained(turn, i):
+            msg["train"] = False
         for k in REASONING_KEYS:  # the first that is not blank ("" next to the real one is common)
             if turn.get(k) is not None and (reasoning := _text(turn[k], f"turn {i} field '{k}'")).strip():
                 msg["reasoning_content"] = reasoning
@@ -188,6 +193,17 @@ def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "conten
             if isinstance(turn.get(k), str):
                 msg[k] = _text(turn[k], f"turn {i} field '{k}'")
     return msg
+
+
+def _trained(turn: dict[str, Any], i: int) -> bool:
+    """Whether an assistant turn is supervised: not when it says ``"weight": 0`` (axolotl's
+    ShareGPT) or ``"train": false``. Raises :class:`BadRecord` (``bad_turn``) for another value."""
+    w, t = turn.get("weight"), turn.get("train")
+    if w is not None and (isinstance(w, bool) or w not in (0, 1)):
+        raise BadRecord("bad_turn", f"turn {i} field 'weight' = {w!r}: 0 (not trained on) or 1 are supported")
+    if t is not None and not isinstance(t, bool):
+        raise BadRecord("bad_turn", f"turn {i} field 'train' = {t!r}: true or false")
+    return w != 0 and t is not False
 
 
 def normalize_tools(tools: Any, where: str = "field 'tools'") -> list[dict[str, Any]] | None:

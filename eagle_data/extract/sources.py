@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from eagle_data.extract.fault import Skip
+from eagle_data.format.schema import MAX_TAG_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,12 @@ def _folder_files(folder: Path) -> list[Path]:
 
 
 def _tag(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9-]+", "-", name).strip("-") or "data"
+    """The default dataset tag of a data name: ASCII letters, digits and '-'; a long one is cut and
+    keeps a hash of the whole (distinct names stay distinct) within :data:`MAX_TAG_BYTES`."""
+    tag = re.sub(r"[^A-Za-z0-9-]+", "-", name).strip("-") or "data"
+    if len(tag) > MAX_TAG_BYTES:
+        tag = f"{tag[:MAX_TAG_BYTES - 17]}-{hashlib.sha256(tag.encode()).hexdigest()[:16]}"
+    return tag
 
 
 def _whole_json(path: str) -> Any:

@@ -124,15 +124,26 @@ def batch_dtype(stored: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if stored == torch.float8_e4m3fn else stored
 
 
+#: a shard member's name (``KEY.safetensors``) fits a USTAR header's name field: so does a key of
+#: a tag of at most this many UTF-8 bytes and a row below 10^9 (``TAG_ROW``, 9 digits)
+MAX_TAG_BYTES = 100 - len(f"_{0:09d}.{TENSOR_EXT}")
+
+
 def sample_key(dataset_tag: str, row: int) -> str:
     """Stable sample key from (dataset, source row). Never contains '.'.
 
     Raises:
-        ValueError: ``dataset_tag`` contains '.', '/' or whitespace.
+        ValueError: ``dataset_tag`` contains '.', '/' or whitespace, or the key does not fit a tar
+            member name (a tag over :data:`MAX_TAG_BYTES` bytes).
     """
     if not dataset_tag or any(c in dataset_tag for c in "./ \t\n"):
         raise ValueError(f"dataset tag {dataset_tag!r} must be non-empty without '.', '/' or spaces")
-    return f"{dataset_tag}_{row:09d}"
+    key = f"{dataset_tag}_{row:09d}"
+    if len(f"{key}.{TENSOR_EXT}".encode("utf-8")) > 100:
+        raise ValueError(f"dataset tag {dataset_tag!r} is {len(dataset_tag.encode('utf-8'))} bytes (UTF-8): shard "
+                         f"member names (TAG_ROW.{TENSOR_EXT}) must fit a tar header's 100 bytes; give a --dataset_tag "
+                         f"of at most {MAX_TAG_BYTES} bytes")
+    return key
 
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64",

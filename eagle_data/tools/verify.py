@@ -355,7 +355,10 @@ def _recompute(out: Path, m: dict[str, Any], facts: dict[str, dict[str, Any]], n
     for shard in sorted({facts[k]["shard"] for k in chosen}):
         for key, tb, _ in _iter_tar(out / shard, VerifyReport(str(out)), shard, {}):
             if key in want:
-                stored[key] = decode_tensors(tb, key)
+                try:
+                    stored[key] = decode_tensors(tb, key)
+                except ValueError as e:  # a damaged payload: reported, the other samples recomputed
+                    rep.add("recompute", key, f"cannot decode the stored sample: {e}")
     model_path = m.get("model_path") or m.get("config", {}).get("model_path")
     aux_ids = list(m.get("aux_layer_ids", []))
     try:
@@ -367,9 +370,17 @@ def _recompute(out: Path, m: dict[str, Any], facts: dict[str, dict[str, Any]], n
     per_token: dict[str, list[torch.Tensor]] = defaultdict(list)
     cosines: dict[str, list[torch.Tensor]] = defaultdict(list)
     try:
+        vocab = be.info.vocab_size
         for key in chosen:
-            t = stored[key]
-            (c,) = be.capture([(key, t["input_ids"])])
+            t = stored.get(key)
+            if t is None:
+                continue  # unreadable: reported above or among the shard's problems
+            ids = t["input_ids"]
+            if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+                rep.add("recompute", key, f"token ids {int(ids.min())}..{int(ids.max())} outside the model's "
+                        f"vocabulary [0, {vocab})")
+                continue
+            (c,) = be.capture([(key, ids)])
             for name, a, b, bound in _recompute_pairs(t, c, aux_ids):
                 err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
                 rep.recompute[name] = max(rep.recompute.get(name, 0.0), err)

@@ -1,0 +1,86 @@
+"""Per-turn "do not train" flags (axolotl's ``"weight": 0``, ``"train": false``): the turn stays
+in the conversation as context and leaves the loss mask; nothing else changes, on every template."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from eagle_data.extract.chat import ChatRenderer
+from eagle_data.extract.conversations import normalize_message
+from eagle_data.extract.fault import BadRecord
+
+from templates import family_tokenizer, template_files
+
+TEMPLATES = template_files()
+
+
+@lru_cache(maxsize=None)
+def renderer(stem: str) -> ChatRenderer:
+    path = next(p for p in TEMPLATES if p.stem == stem)
+    return ChatRenderer(family_tokenizer(path), name=stem)
+
+
+def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    m = mask.tolist() + [0]
+    out, start = [], None
+    for i, v in enumerate(m):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+@pytest.mark.parametrize("stem", [p.stem for p in TEMPLATES])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_an_untrained_turn_is_context_only(stem, data):
+    """The render and its tokens are unchanged by the flags; the mask is the unflagged mask less
+    exactly the masked run of each flagged turn (one run per assistant turn)."""
+    r = renderer(stem)
+    n = data.draw(st.integers(1, 4))
+    words = st.sampled_from(["Sure.", "The answer is 42.", "Café", "x = 1", "No", "Hello world", "日本語"])
+    turns = []
+    for _ in range(n):
+        turns += [{"role": "user", "content": data.draw(words)}, {"role": "assistant", "content": data.draw(words)}]
+    flags = data.draw(st.lists(st.sampled_from([None, {"weight": 0}, {"train": False}, {"weight": 1},
+                                                {"train": True}]), min_size=n, max_size=n))
+    flagged = [dict(m, **(flags[i // 2] or {})) if m["role"] == "assistant" else m for i, m in enumerate(turns)]
+    try:
+        plain = r.encode(turns)
+    except Exception as e:  # a template that cannot take this conversation: the flags change nothing there
+        with pytest.raises(type(e)):
+            r.encode(flagged)
+        return
+    out = r.encode(flagged)
+    assert torch.equal(out.input_ids, plain.input_ids)
+    runs = _runs(plain.loss_mask)
+    assert len(runs) == n
+    want = torch.zeros_like(plain.loss_mask)
+    for (s, e), f in zip(runs, flags):
+        if not f or (f.get("weight", 1) != 0 and f.get("train", True)):
+            want[s:e] = 1
+    assert torch.equal(out.loss_mask, want)
+
+
+@pytest.mark.parametrize("turn, says", [({"weight": 0.5}, "field 'weight' = 0.5"), ({"weight": "0"}, "field 'weight' = '0'"),
+                                        ({"weight": True}, "field 'weight' = True"), ({"train": "no"}, "field 'train' = 'no'")])
+def test_an_unsupported_flag_value_is_refused_naming_the_turn(turn, says):
+    with pytest.raises(BadRecord, match=f"turn 3 {says}") as e:
+        normalize_message(3, {"role": "assistant", "content": "a", **turn})
+    assert e.value.reason == "bad_turn"
+
+
+def test_flags_on_other_roles_are_ignored_and_never_reach_the_template():
+    assert normalize_message(0, {"role": "user", "content": "q", "weight": 0}) == {"role": "user", "content": "q"}
+    assert normalize_message(1, {"from": "gpt", "value": "a", "weight": 0}, "from", "value") == {
+        "role": "assistant", "content": "a", "train": False}
+    r = renderer(TEMPLATES[0].stem)
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "train": False}]
+    assert "train" not in r.render(msgs) and r.render(msgs) == r.render([msgs[0], {"role": "assistant", "content": "a"}])
