@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_tiny import TINY_AUX, tiny_batch, tiny_module, tiny_target
+from train_tiny import TINY_AUX, ListLoader, tiny_batch, tiny_module, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -293,12 +293,12 @@ def test_lightning_fit_and_resume(tmp_path):
                           enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
 
     tr = mk(3)
-    tr.fit(mod, train_dataloaders=_Loader(batches))
+    tr.fit(mod, train_dataloaders=ListLoader(batches))
     ck = tmp_path / "a.ckpt"
     tr.save_checkpoint(str(ck))
     mod2 = tiny_module(tmp_path, exclude_oov=True, ttt_steps=2)
     tr2 = mk(5)
-    tr2.fit(mod2, train_dataloaders=_Loader(batches), ckpt_path=str(ck))
+    tr2.fit(mod2, train_dataloaders=ListLoader(batches), ckpt_path=str(ck))
     assert tr2.global_step == 5
     from eagle_train.module import EagleDrafterModule
 
@@ -317,7 +317,7 @@ def test_checkpoint_is_self_contained_without_the_vocab_file(tmp_path):
     mod = tiny_module(tmp_path, draft_vocab_size=40, ttt_steps=2)
     tr = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
                     enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
-    tr.fit(mod, train_dataloaders=_Loader([tiny_batch(tiny_target(), n=2, t=12)]))
+    tr.fit(mod, train_dataloaders=ListLoader([tiny_batch(tiny_target(), n=2, t=12)]))
     ck = tmp_path / "a.ckpt"
     tr.save_checkpoint(str(ck))
     Path(mod.hparams.draft_vocab).unlink()
@@ -358,17 +358,6 @@ def test_load_from_checkpoint_names_a_missing_or_foreign_file(tmp_path, capsys, 
         cli.main(["export", str(p), str(tmp_path / "export")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "error: " in err and re.search(msg, err) and "Traceback" not in err, err
-
-
-class _Loader:
-    def __init__(self, batches):
-        self.batches = batches
-
-    def __iter__(self):
-        return iter(self.batches)
-
-    def __len__(self):
-        return len(self.batches)
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "configs" / "train" / "*.yaml"))))
@@ -477,7 +466,7 @@ def test_timed_checkpoints_save_once_per_mark(tmp_path):
     cb = TimedCheckpoints(minutes=[1e-6, 2e-6, 1e6], dirpath=str(tmp_path / "ck"))
     tr = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False, callbacks=[cb],
                     enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
-    tr.fit(mod, train_dataloaders=_Loader([tiny_batch(tiny_target(), n=1, t=12, seed=s) for s in range(3)]))
+    tr.fit(mod, train_dataloaders=ListLoader([tiny_batch(tiny_target(), n=1, t=12, seed=s) for s in range(3)]))
     assert [Path(p).name for p in cb.saved] == ["at_1e-06min.ckpt", "at_2e-06min.ckpt"]  # the 1e6 mark never
     back = EagleDrafterModule.load_from_checkpoint(cb.saved[0])
     assert back.hparams.ttt_steps == 1
@@ -507,7 +496,7 @@ def test_timed_checkpoints_can_end_the_run_at_the_last_mark(tmp_path):
     cb = TimedCheckpoints(minutes=[1e-6, 2e-6], dirpath=str(tmp_path / "ck"), stop_after_last=True)
     tr = pl.Trainer(accelerator="cpu", max_steps=10, logger=False, enable_progress_bar=False, callbacks=[cb],
                     enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
-    tr.fit(mod, train_dataloaders=_Loader([tiny_batch(tiny_target(), n=1, t=12, seed=s) for s in range(10)]))
+    tr.fit(mod, train_dataloaders=ListLoader([tiny_batch(tiny_target(), n=1, t=12, seed=s) for s in range(10)]))
     assert len(cb.saved) == 2 and tr.global_step < 10
 
 
@@ -522,7 +511,7 @@ def test_lr_cosine_over_training_time(tmp_path, minutes, ratio):
     tr = pl.Trainer(accelerator="cpu", max_time={"seconds": 600}, max_steps=-1, max_epochs=1, logger=False,
                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
                     enable_checkpointing=False)
-    tr.fit(mod, train_dataloaders=_Loader([tiny_batch(tiny_target(), n=1, t=12, seed=s) for s in range(2)]))
+    tr.fit(mod, train_dataloaders=ListLoader([tiny_batch(tiny_target(), n=1, t=12, seed=s) for s in range(2)]))
     assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * ratio, rel=1e-6)
     with pytest.raises(ValueError, match="lr_schedule_minutes"):
         tiny_module(tmp_path, lr_schedule_minutes=0)
@@ -552,7 +541,7 @@ def test_zero_features_control_ignores_the_target_states(tmp_path):
                        d.propose_chain(rows, -aux, [5, 9], [1, 2], steps=3))
     tr = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
                     enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
-    tr.fit(mod, train_dataloaders=_Loader([b]))
+    tr.fit(mod, train_dataloaders=ListLoader([b]))
     tr.save_checkpoint(str(tmp_path / "z.ckpt"))
     assert EagleDrafterModule.load_from_checkpoint(str(tmp_path / "z.ckpt")).drafter.zero_features
     with pytest.raises(ValueError, match="zero_features"):
@@ -654,7 +643,7 @@ def test_lr_time_cosine_continues_after_a_resume(tmp_path):
 
     tr = trainer(1)
     mod = tiny_module(tmp_path, **kw)
-    tr.fit(mod, train_dataloaders=_Loader(batches))
+    tr.fit(mod, train_dataloaders=ListLoader(batches))
     assert tr.optimizers[0].param_groups[0]["lr"] > 0.99e-3  # a fraction of a second into a minute
     ck = tmp_path / "a.ckpt"
     tr.save_checkpoint(str(ck))
@@ -663,7 +652,7 @@ def test_lr_time_cosine_continues_after_a_resume(tmp_path):
     state["eagle"]["training_seconds"] = 60.0  # as if the minute had been trained
     torch.save(state, ck)
     tr2 = trainer(2)
-    tr2.fit(tiny_module(tmp_path, **kw), train_dataloaders=_Loader(batches), ckpt_path=str(ck))
+    tr2.fit(tiny_module(tmp_path, **kw), train_dataloaders=ListLoader(batches), ckpt_path=str(ck))
     assert tr2.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4, rel=1e-6)
 
 
@@ -719,7 +708,7 @@ def test_resume_checkpoint_must_be_this_modules_with_the_configured_size(tmp_pat
     mod = tiny_module(tmp_path, ttt_steps=1)
     tr = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
                     enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
-    tr.fit(mod, train_dataloaders=_Loader([tiny_batch(tiny_target(), n=1, t=12)]))
+    tr.fit(mod, train_dataloaders=ListLoader([tiny_batch(tiny_target(), n=1, t=12)]))
     tr.save_checkpoint(str(tmp_path / "a.ckpt"))
     with pytest.raises(ValueError, match=r"draft vocabulary of 48, the config says draft_vocab_size 64"):
         fit({"model": {"draft_vocab_size": 64}}, ckpt_path=str(tmp_path / "a.ckpt"))

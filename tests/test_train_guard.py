@@ -11,20 +11,9 @@ from hypothesis import strategies as st
 from eagle_data.stream.shards import check_compat
 from eagle_train.guard import bad_rows
 from eagle_train.loss import ttt_loss
-from train_tiny import tiny_batch, tiny_module, tiny_target
+from train_tiny import ListLoader, tiny_batch, tiny_module, tiny_target
 
 _BASE = tiny_batch(tiny_target(), n=4, t=20, seed=1)
-
-
-class _Loader:
-    def __init__(self, batches):
-        self.batches = batches
-
-    def __iter__(self):
-        return iter(self.batches)
-
-    def __len__(self):
-        return len(self.batches)
 
 
 def _damage(batch, row, how, where):
@@ -76,7 +65,7 @@ def test_fit_on_a_batch_with_a_nan_sample_keeps_the_weights_finite(tmp_path):
     mod = tiny_module(tmp_path, ttt_steps=2)
     batches = [_damage(tiny_batch(tiny_target(), n=2, t=16, seed=s), 0, "nan_aux", s) for s in range(3)]
     pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
-               default_root_dir=str(tmp_path), enable_checkpointing=False).fit(mod, train_dataloaders=_Loader(batches))
+               default_root_dir=str(tmp_path), enable_checkpointing=False).fit(mod, train_dataloaders=ListLoader(batches))
     assert mod.bad_samples == 3
     assert all(torch.isfinite(p).all() for p in mod.drafter.parameters())
 
@@ -90,7 +79,7 @@ def test_a_checkpoint_with_non_finite_weights_is_refused_by_eval_and_export(tmp_
     mod = tiny_module(tmp_path, ttt_steps=2)
     tr = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
                     enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
-    tr.fit(mod, train_dataloaders=_Loader([tiny_batch(tiny_target(), n=2, t=12)]))
+    tr.fit(mod, train_dataloaders=ListLoader([tiny_batch(tiny_target(), n=2, t=12)]))
     with torch.no_grad():
         mod.drafter.fc.weight[0, 0] = float("nan")
     tr.save_checkpoint(str(tmp_path / "nan.ckpt"))
@@ -164,7 +153,7 @@ def test_a_batch_without_supervised_tokens_does_not_pull_the_epoch_metrics_down(
         mod = tiny_module(tmp_path, ttt_steps=2, lr=0.0, compile_warmup=False)
         tr = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
-        tr.fit(mod, train_dataloaders=_Loader(batches))
+        tr.fit(mod, train_dataloaders=ListLoader(batches))
         return float(tr.callback_metrics["train/loss_0_epoch"])
 
     alone = epoch_loss([taught])

@@ -57,3 +57,17 @@ def tiny_batch(target, n: int = 2, t: int = 24, seed: int = 0):
         batch["aux_hidden_states"][i, :L] = c.aux_hidden_states.bfloat16()
         batch["hidden_states"][i, :L] = c.hidden_states.bfloat16()
     return batch
+
+
+class ListLoader:
+    """Batches given as a list, as Lightning's ``train_dataloaders`` (a plain list of dicts would
+    be taken for several loaders)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
