@@ -89,7 +89,8 @@ class EagleDrafterModule(pl.LightningModule):
                  warmup_steps: int = 0, min_lr_ratio: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                  init_lm_head_from_target: bool = True, exclude_keys: Optional[str] = None, seed: int = 0,
                  zero_features: bool = False, lr_schedule_minutes: Optional[float] = None,
-                 compile_warmup: bool = True, check_target: bool = True, _vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                 compile_warmup: bool = True, check_target: bool = True,
+                 _vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         super().__init__()
         self.save_hyperparameters(ignore=["_vocab"])
         tcfg = read_target_config(target_model_path)
@@ -145,7 +146,8 @@ class EagleDrafterModule(pl.LightningModule):
     def _filter(self, batch: dict[str, Any], exclude: bool = True) -> Optional[dict[str, Any]]:
         """The batch without held-out keys (``exclude_keys``; when ``exclude``) and without damaged samples
         (:mod:`eagle_train.guard`: logged with their keys, counted in :attr:`bad_samples`); None
-        when no row is left. Costs one host sync per batch (the damaged-sample check)."""
+        when no row is left. The damaged-sample check waits for the batch on the host (one sync per step,
+        before the step's work is launched)."""
         keys = batch.get("keys")
         keep = list(range(batch["input_ids"].shape[0]))
         if exclude and self._exclude and keys is not None:
@@ -164,13 +166,14 @@ class EagleDrafterModule(pl.LightningModule):
         return batch if len(keep) == batch["input_ids"].shape[0] else select_rows(batch, keep)
 
     def _shared(self, batch: dict[str, Any], stage: str):
-        out = ttt_loss(self.drafter, self.target_lm_head, batch, self.hparams.ttt_steps,
-                       self.hparams.step_weight, self.hparams.exclude_oov)
         # metrics are averaged over batches weighted by their supervised tokens; a training batch that
         # teaches nothing (samples cut by data.max_length before their first assistant token) is not
-        # logged (validation logs it with weight 1: every rank must log each metric under sync_dist)
-        on_step = stage == "train"
+        # logged (validation logs it with weight 1: every rank must log each metric under sync_dist).
+        # Counted before the loss is launched: the host waits for the batch only, not for the forward.
         bs = int(batch["loss_mask"].sum())
+        out = ttt_loss(self.drafter, self.target_lm_head, batch, self.hparams.ttt_steps,
+                       self.hparams.step_weight, self.hparams.exclude_oov)
+        on_step = stage == "train"
         if bs == 0:
             if not self._warned_unsupervised:
                 self._warned_unsupervised = True

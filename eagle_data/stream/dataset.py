@@ -138,7 +138,6 @@ class EagleShardDataset(IterableDataset):
         self.skipped: Counter = Counter()
 
     # ---- topology and plan ------------------------------------------------------------------
-
     def plan_facts(self) -> dict[str, Any]:
         """What the epoch plan depends on besides seed, epoch and topology: the batching and
         shuffling settings and the shards (names and counts, in order; not where they live). A
@@ -148,6 +147,7 @@ class EagleShardDataset(IterableDataset):
                 "max_batch_size": self.max_batch_size, "bucket_window": self.bucket_window, "shuffle": self.shuffle,
                 "shuffle_buffer": self.shuffle_buffer, "shuffle_initial": self.shuffle_initial,
                 "shards": shards.hexdigest()[:16]}
+
     def rank_world(self) -> tuple[int, int]:
         """``(rank, world_size)``: constructor args, else ``torch.distributed``, else ``(0, 1)``."""
         if self.world_size is not None:
