@@ -49,9 +49,12 @@ class EagleDrafterModule(pl.LightningModule):
 
     Args:
         target_model_path: HF folder of the target (config.json + safetensors).
-        draft_vocab: safetensors file with ``d2t``/``t2d``; if it does not exist it is built
-            from ``dataset_dir`` and written there (see :mod:`eagle_train.vocab`); None: built in
-            memory (the checkpoint keeps it; nothing is written into the dataset directory).
+        draft_vocab: safetensors file with ``d2t``/``t2d``; with ``dataset_dir`` it is built from
+            that data and written there, or, when it exists, reused only if it records being built
+            from exactly that data, size and held-out keys (else refused: see
+            :func:`eagle_train.vocab.build_vocab`); without ``dataset_dir`` an existing file is
+            used as it is. None: built in memory (the checkpoint keeps it; nothing is written into
+            the dataset directory).
         dataset_dir: dataset directory (index histogram for the vocabulary, manifest facts).
         draft_vocab_size: N.
         aux_layer_ids: the target aux layer ids (default: from ``dataset_dir``'s manifest).
@@ -97,13 +100,13 @@ class EagleDrafterModule(pl.LightningModule):
         excluded = read_key_list(exclude_keys, "exclude_keys") if exclude_keys else []
         if _vocab is not None:  # from a checkpoint (load_from_checkpoint): the file is not needed
             d2t, t2d = _vocab
+        elif dataset_dir:  # an existing draft_vocab is reused only if built from this data (held-out keys left out)
+            d2t, t2d, path = build_vocab(dataset_dir, draft_vocab_size, out=draft_vocab, exclude_keys=excluded)
         elif draft_vocab and Path(draft_vocab).exists():
             d2t, t2d = load_vocab(draft_vocab)
             if int(d2t.numel()) != int(draft_vocab_size):
                 raise ValueError(f"draft_vocab {draft_vocab} holds {d2t.numel()} tokens, draft_vocab_size is "
                                  f"{draft_vocab_size}: give the matching size or another file")
-        elif dataset_dir:  # held-out keys are not counted either
-            d2t, t2d, path = build_vocab(dataset_dir, draft_vocab_size, out=draft_vocab, exclude_keys=excluded)
         else:
             raise ValueError("give draft_vocab (an existing d2t/t2d file) or dataset_dir to build one")
         if aux_layer_ids is None and dataset_dir:
@@ -116,8 +119,7 @@ class EagleDrafterModule(pl.LightningModule):
         cfg = DraftConfig.from_target(tcfg, draft_vocab_size=int(d2t.numel()))
         w = load_target_tensors(target_model_path, ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"])
         if int(t2d.numel()) != int(w["lm_head.weight"].shape[0]):
-            src = "the checkpoint's" if _vocab is not None else draft_vocab if draft_vocab and Path(draft_vocab).exists() \
-                else f"the one built from {dataset_dir}"
+            src = "the checkpoint's" if _vocab is not None else f"the one of {dataset_dir}" if dataset_dir else draft_vocab
             raise ValueError(f"draft vocabulary ({src}) maps a target vocabulary of {t2d.numel()} tokens; the target "
                              f"{target_model_path} (target_model_path) has {w['lm_head.weight'].shape[0]}: the data "
                              "or the vocabulary file comes from another model")

@@ -160,6 +160,16 @@ def test_module_vocab_built_from_the_dataset_leaves_its_held_out_keys_out(tmp_pa
                              draft_vocab_size=4, aux_layer_ids=TINY_AUX, exclude_keys=str(tmp_path / "held.json"))
     assert (torch.arange(4) + mod.drafter.d2t).tolist() == [0, 1, 2, 7]  # 9 is only in "b"
     assert mod._exclude == {"b"}
+    vf = tmp_path / "v4.safetensors"  # a file built with "b" counted is not reused once "b" is held out
+    EagleDrafterModule(target_model_path=str(tiny_target_dir(tmp_path)), dataset_dir=str(tmp_path),
+                       draft_vocab=str(vf), draft_vocab_size=4, aux_layer_ids=TINY_AUX)
+    with pytest.raises(ValueError, match=r"v4.safetensors was built from other inputs: exclude"):
+        EagleDrafterModule(target_model_path=str(tiny_target_dir(tmp_path)), dataset_dir=str(tmp_path),
+                           draft_vocab=str(vf), draft_vocab_size=4, aux_layer_ids=TINY_AUX,
+                           exclude_keys=str(tmp_path / "held.json"))
+    again = EagleDrafterModule(target_model_path=str(tiny_target_dir(tmp_path)), dataset_dir=str(tmp_path),
+                               draft_vocab=str(vf), draft_vocab_size=4, aux_layer_ids=TINY_AUX)  # same inputs: reused
+    assert 9 in (torch.arange(4) + again.drafter.d2t).tolist()
 
 
 @pytest.mark.parametrize("args,msg", [(["--minutes", "-1"], "minutes must be a number > 0"),

@@ -70,7 +70,8 @@ def test_an_untrained_turn_is_context_only(stem, data):
 
 
 @pytest.mark.parametrize("turn, says", [({"weight": 0.5}, "field 'weight' = 0.5"), ({"weight": "0"}, "field 'weight' = '0'"),
-                                        ({"weight": True}, "field 'weight' = True"), ({"train": "no"}, "field 'train' = 'no'")])
+                                        ({"weight": True}, "field 'weight' = True"), ({"train": "no"}, "field 'train' = 'no'"),
+                                        ({"weight": 0, "train": True}, "fields 'weight' = 0 and 'train' = True disagree")])
 def test_an_unsupported_flag_value_is_refused_naming_the_turn(turn, says):
     with pytest.raises(BadRecord, match=f"turn 3 {says}") as e:
         normalize_message(3, {"role": "assistant", "content": "a", **turn})
@@ -84,3 +85,18 @@ def test_flags_on_other_roles_are_ignored_and_never_reach_the_template():
     r = renderer(TEMPLATES[0].stem)
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "train": False}]
     assert "train" not in r.render(msgs) and r.render(msgs) == r.render([msgs[0], {"role": "assistant", "content": "a"}])
+
+
+def test_a_record_whose_every_answer_is_untrained_is_skipped_saying_so():
+    from eagle_data.extract.chat import tokenize
+    from eagle_data.extract.conversations import normalize
+    from eagle_data.extract.fault import ErrorPolicy
+
+    rec = {"id": "x", "messages": [{"role": "user", "content": "q"},
+                                    {"role": "assistant", "content": "a", "weight": 0}]}
+    seen = []
+    policy = ErrorPolicy("skip", listener=lambda skip, is_note: seen.append(skip))
+    convs = list(normalize(iter([(0, rec)]), policy))
+    assert list(tokenize(convs, renderer(TEMPLATES[0].stem), "t", 64, policy)) == []
+    (skip,) = [s for s in seen if s.reason == "no_loss_tokens"]
+    assert "every assistant turn is marked not to train" in skip.detail

@@ -383,8 +383,10 @@ def _sample(c: Conversation, enc: Encoded, dataset_tag: str, max_length: int, po
     truncated = ids.shape[0] > max_length
     ids, mask = ids[:max_length], mask[:max_length]
     if int(mask.sum()) == 0:
-        policy.handle(Skip(c.row, c.source_id, "no_loss_tokens",
-                           f"{ids.shape[0]} tokens, none supervised" + (" after truncation" if truncated else "")))
+        why = (" after truncation" if truncated else
+               ": every assistant turn is marked not to train (weight 0 / train false)"
+               if all(not m.get("train", True) for m in c.messages if m["role"] == "assistant") else "")
+        policy.handle(Skip(c.row, c.source_id, "no_loss_tokens", f"{ids.shape[0]} tokens, none supervised{why}"))
         return None
     if truncated:
         policy.note(Skip(c.row, c.source_id, "truncated",

@@ -37,7 +37,9 @@ class ExtractConfig:
     split: str = "train"
     """dataset split"""
     dataset_tag: Optional[str] = None
-    """prefix of sample keys (default: from the data name); keys are TAG_ROW"""
+    """prefix of sample keys, keys are TAG_ROW; at most 78 UTF-8 bytes, no '.', '/' or spaces (default:
+    the data name with other characters than ASCII letters, digits and '-' replaced by '-'; a
+    longer one cut and ended with a hash of the whole)"""
     num_samples: Optional[int] = None
     """use the first N source rows (default: all rows of your --data; 64 of the embedded "sharegpt" demo).
     Rerunning with a larger N extends a finished run (resume)"""

@@ -203,6 +203,8 @@ def _trained(turn: dict[str, Any], i: int) -> bool:
         raise BadRecord("bad_turn", f"turn {i} field 'weight' = {w!r}: 0 (not trained on) or 1 are supported")
     if t is not None and not isinstance(t, bool):
         raise BadRecord("bad_turn", f"turn {i} field 'train' = {t!r}: true or false")
+    if w is not None and t is not None and (w != 0) != t:
+        raise BadRecord("bad_turn", f"turn {i} fields 'weight' = {w!r} and 'train' = {t!r} disagree")
     return w != 0 and t is not False
 
 
