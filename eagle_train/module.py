@@ -240,7 +240,7 @@ class EagleDrafterModule(pl.LightningModule):
 
     def _check_target(self, facts: dict[str, Any], where: str) -> None:
         """The data must come from this target: its vocabulary size, and (``check_target``) the
-        fingerprint of its weights (:func:`eagle_data.extract.manifest.weights_fingerprint`):
+        fingerprint of its weights (:func:`eagle_data.format.fingerprint.weights_fingerprint`):
         another model's final states under this target's ``lm_head`` are a wrong teacher.
 
         Raises:
@@ -253,7 +253,7 @@ class EagleDrafterModule(pl.LightningModule):
         theirs = facts.get("weights_fingerprint")
         if not self.hparams.check_target or theirs in (None, "n/a"):
             return
-        from eagle_data.extract.manifest import weights_fingerprint
+        from eagle_data.format.fingerprint import weights_fingerprint
 
         mine = weights_fingerprint(resolve_model_path(self.hparams.target_model_path))
         if mine != theirs:

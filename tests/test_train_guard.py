@@ -115,7 +115,7 @@ def test_datasets_of_different_models_are_not_mixed():
 
 
 def test_training_data_of_another_target_is_refused(tmp_path):
-    from eagle_data.extract.manifest import weights_fingerprint
+    from eagle_data.format.fingerprint import weights_fingerprint
     from train_tiny import tiny_target_dir
 
     mod = tiny_module(tmp_path, ttt_steps=2)

@@ -66,24 +66,6 @@ def config_hash(cfg: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(sub, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def weights_fingerprint(model_path: str | Path) -> str:
-    """Cheap identity of a model folder: sha256 over names, sizes and the first/last MiB of each
-    weight file (hashing a 1 TB checkpoint in full is not practical)."""
-    p = Path(model_path)
-    if not p.is_dir():
-        return "n/a"
-    h = hashlib.sha256()
-    for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")) + sorted(p.glob("config.json")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            if size > 2 << 20:
-                fh.seek(size - (1 << 20))
-                h.update(fh.read(1 << 20))
-    return h.hexdigest()
-
-
 def package_versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for name in ("eagle-data", "torch", "transformers", "webdataset", "datasets", "safetensors", "sglang"):

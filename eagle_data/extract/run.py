@@ -43,7 +43,8 @@ from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage
                                        rows_to_read, storage_dtype)
 from eagle_data.extract.front_process import FrontProcess
 from eagle_data.extract.fault import ErrorPolicy
-from eagle_data.extract.manifest import load_progress, merge, open_out, weights_fingerprint
+from eagle_data.extract.manifest import load_progress, merge, open_out
+from eagle_data.format.fingerprint import weights_fingerprint
 from eagle_data.extract.rank_state import RankState, refuse_foreign
 from eagle_data.extract.signals import ExtractionInterrupted, Signals, interruptible_iter
 from eagle_data.extract.sink import ShardSink
