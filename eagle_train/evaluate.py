@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 from eagle_data.tools.read_samples import read_samples  # also this module's public name, as before
+from eagle_train.guard import damaged_samples
 
 log = logging.getLogger(__name__)
 
@@ -369,6 +370,11 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
         raise ValueError(f"no held-out keys to evaluate ({source}: {heldout_keys or dataset_dir} gives none)")
     samples = read_samples(dataset_dir, keys)
     target = load_target(target_model or (mod.hparams.target_model_path if mod else None), dev)
+    damaged = damaged_samples(samples, int(target.get_output_embeddings().weight.shape[0]))
+    if damaged:
+        raise ValueError(f"{dataset_dir}: held-out sample(s) {', '.join(damaged[:8])} hold token ids outside the "
+                         "target's vocabulary or non-finite states (damaged shards or another model's data: run "
+                         "`eagle-data verify` on the dataset); they would be scored wrongly")
     drafters: dict[str, Any] = {}
     if mod is not None:
         drafters["trained"] = mod.drafter

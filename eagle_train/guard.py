@@ -16,6 +16,9 @@ from typing import Any, Optional
 
 import torch
 
+#: the stored states a sample's check reads
+STATES = ("aux_hidden_states", "hidden_states")
+
 
 def bad_rows(batch: dict[str, Any], vocab_size: int) -> torch.Tensor:
     """bool [B] on the batch's device: the samples with a token id outside ``[0, vocab_size)``
@@ -23,10 +26,18 @@ def bad_rows(batch: dict[str, Any], vocab_size: int) -> torch.Tensor:
     (padding rows are zeros: they pass)."""
     ids = batch["input_ids"]  # [B, T]
     bad = ((ids < 0) | (ids >= vocab_size)).any(-1)
-    for k in ("aux_hidden_states", "hidden_states"):
+    for k in STATES:
+        if k not in batch:
+            continue
         x = batch[k]
         bad |= ~torch.isfinite(x.reshape(x.shape[0], -1)).all(-1)
     return bad
+
+
+def damaged_samples(samples: dict[str, dict[str, torch.Tensor]], vocab_size: int) -> list[str]:
+    """The keys of decoded samples (``input_ids`` [T], states [T, ...]) that :func:`bad_rows` flags."""
+    return [k for k, s in samples.items()
+            if bool(bad_rows({f: s[f][None] for f in ("input_ids", *STATES) if f in s}, vocab_size)[0])]
 
 
 def select_rows(batch: dict[str, Any], keep: list[int]) -> Optional[dict[str, Any]]:

@@ -383,8 +383,19 @@ class EagleDrafterModule(pl.LightningModule):
                                "training_seconds": self.training_seconds(), "excluded_keys": self.excluded_keys}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the training clock and the held-out keys the checkpoint records.
+
+        Raises:
+            ValueError: a module given ``exclude_keys`` (a resumed training) whose keys differ from
+                the recorded ones: the samples trained on so far would not be the ones held out."""
         eagle = checkpoint.get("eagle") or {}
         self._trained_s = float(eagle.get("training_seconds", 0.0))
-        self._recorded_exclude = eagle.get("excluded_keys")  # None: written before the keys were recorded
+        recorded = eagle.get("excluded_keys")  # None: written before the keys were recorded
+        if self.hparams.get("exclude_keys") and recorded is not None and sorted(recorded) != sorted(self._exclude):
+            raise ValueError(f"exclude_keys {self.hparams['exclude_keys']} holds {len(self._exclude)} key(s), the "
+                             f"checkpoint's training left out {len(recorded)} others: a resumed run keeps the held-out "
+                             "keys it started with (leave exclude_keys out, or give the same file); start a new run "
+                             "to hold out other keys")
+        self._recorded_exclude = recorded
         if self._recorded_exclude is not None:
             self._exclude = set(self._recorded_exclude)

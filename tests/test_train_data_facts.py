@@ -237,3 +237,25 @@ def test_eval_uses_the_keys_training_left_out_not_whatever_the_file_holds_now(ti
                for r in caplog.records)
     with pytest.raises(ValueError, match="heldout_keys: an empty path"):
         evaluate(str(reference), str(ck), str(tmp_path / "ev"), heldout_keys="", **kw)
+
+
+def test_eval_refuses_damaged_held_out_samples_naming_them(tiny, reference, tmp_path, monkeypatch):
+    import eagle_train.evaluate as E
+
+    model, _ = tiny
+    real = E.read_samples
+
+    def damaged(dataset_dir, keys):
+        out = real(dataset_dir, keys)
+        k = sorted(out)[-1]
+        aux = out[k]["aux_hidden_states"].clone()
+        aux[1, 2] = float("nan")
+        out[k] = {**out[k], "aux_hidden_states": aux}
+        return out
+
+    kw = dict(num_samples=2, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
+    assert evaluate(str(reference), None, str(tmp_path / "ok"), target_model=str(model), **kw)["num_samples"] == 2
+    monkeypatch.setattr(E, "read_samples", damaged)
+    with pytest.raises(ValueError, match=r"held-out sample\(s\) \S+ hold token ids outside the target's vocabulary "
+                                         r"or non-finite states"):
+        evaluate(str(reference), None, str(tmp_path / "ev"), target_model=str(model), **kw)

@@ -161,3 +161,20 @@ def test_a_batch_without_supervised_tokens_does_not_pull_the_epoch_metrics_down(
         both = epoch_loss([taught, untaught])
     assert alone > 0 and both == pytest.approx(alone, rel=1e-3)
     assert any("no supervised token" in r.getMessage() for r in caplog.records)
+
+
+def test_a_resume_that_would_hold_out_other_keys_is_refused(tmp_path):
+    import lightning.pytorch as pl
+
+    def fit(mod, steps, ckpt=None):
+        tr = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+        tr.fit(mod, train_dataloaders=ListLoader([tiny_batch(tiny_target(), n=2, t=12, seed=s) for s in range(3)]),
+               ckpt_path=ckpt)
+        return tr
+
+    fit(tiny_module(tmp_path, ttt_steps=2, compile_warmup=False), 2).save_checkpoint(str(tmp_path / "a.ckpt"))
+    (tmp_path / "held.json").write_text('["k1"]')
+    with pytest.raises(ValueError, match=r"held.json holds 1 key\(s\), the checkpoint's training left out 0 others"):
+        fit(tiny_module(tmp_path, ttt_steps=2, exclude_keys=str(tmp_path / "held.json")), 3, str(tmp_path / "a.ckpt"))
+    assert fit(tiny_module(tmp_path, ttt_steps=2), 3, str(tmp_path / "a.ckpt")).global_step == 3  # same keys: resumes
