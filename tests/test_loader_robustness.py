@@ -216,3 +216,29 @@ def test_token_mode_logs_an_unreadable_shard_once_per_rank_not_per_worker(tmp_pa
         skipped += sum(b.get("skipped", 0) for b in batches)
     assert len(logged) == 1 and "4 sample(s)" in logged[0]
     assert sorted(delivered) == [f"syn_{g:09d}" for g in range(4)] and skipped == 4
+
+
+@pytest.mark.parametrize("damage", ["truncated_shard", "bad_sample"])
+def test_a_workers_data_error_reaches_the_caller_as_it_is(tmp_path, damage):
+    """With DataLoader workers the error is the same typed exception with the same message as
+    without them (not torch's worker traceback text, not a RuntimeError)."""
+    from eagle_data.format.schema import SampleError
+    from eagle_data.stream.reader import ShardError
+
+    write_synthetic(tmp_path, [6, 6], hidden_size=16, length=lambda g: 40)
+    shard = sorted(tmp_path.glob("*.tar"))[1]
+    data = bytearray(shard.read_bytes())
+    if damage == "truncated_shard":
+        shard.write_bytes(bytes(data[:3000]))
+    else:  # a tensor of an unknown dtype: the sample breaks the schema
+        at = data.index(b'"dtype":"', 512) + len(b'"dtype":"')
+        data[at:at + 2] = b"Q9"
+        shard.write_bytes(bytes(data))
+    errors = {}
+    for workers in (0, 2):
+        dl = EagleDataLoader(EagleShardDataset(tmp_path, batch_size=2, shuffle=False), num_workers=workers)
+        with deadline(120), pytest.raises((ShardError, SampleError)) as e:
+            for _ in dl:
+                pass
+        errors[workers] = (type(e.value), str(e.value))
+    assert errors[0] == errors[2] and "Traceback" not in errors[2][1]

@@ -92,7 +92,10 @@ class SampleError(ValueError):
 
     def __init__(self, where: str, problem: str):
         super().__init__(f"sample {where}: {problem}")
-        self.where = where
+        self.where, self.problem = where, problem
+
+    def __reduce__(self):  # pickled by DataLoader workers: rebuilt from both arguments
+        return type(self), (self.where, self.problem)
 
 
 def _dtype_named(name: str, table: dict[str, torch.dtype], field: str) -> torch.dtype:

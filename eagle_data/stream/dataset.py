@@ -43,6 +43,10 @@ from eagle_data.stream.reader import read_span
 log = logging.getLogger(__name__)
 
 
+#: the key of the one item a DataLoader worker yields for a data error (see :meth:`EagleShardDataset.__iter__`)
+WORKER_ERROR = "__eagle_data_error__"
+
+
 class EagleShardDataset(IterableDataset):
     """Padded EAGLE-3 batches from eagle-data shards; every sample exactly once per epoch
     across ``world_size`` ranks x ``num_workers`` workers, equal batch counts on all ranks.
@@ -321,6 +325,20 @@ class EagleShardDataset(IterableDataset):
                 "hidden_states": torch.zeros(2, self.hidden_size, dtype=self.dtype)}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        """This slot's batches. In a DataLoader worker, a data error (``ValueError``: a
+        :class:`~eagle_data.stream.reader.ShardError`, a :class:`~eagle_data.format.schema.SampleError`)
+        ends the stream as one item ``{WORKER_ERROR: exc}``, which :class:`~eagle_data.stream.loader.EagleDataLoader`
+        raises in the main process as it is (torch would wrap it in its worker traceback, or in a
+        ``RuntimeError`` when the type takes other arguments)."""
+        if get_worker_info() is None:
+            yield from self._batches()
+            return
+        try:
+            yield from self._batches()
+        except ValueError as e:
+            yield {WORKER_ERROR: e}
+
+    def _batches(self) -> Iterator[dict[str, Any]]:
         if self._epoch_cell is not None and get_worker_info() is not None:  # persistent worker
             self.epoch, self.skip_batches = int(self._epoch_cell[0]), int(self._epoch_cell[1])
         rank, world = self.rank_world()

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from torch.utils.data import DataLoader
 
 from eagle_data.background import background  # noqa: F401 (also re-exported: tests, callers)
-from eagle_data.stream.dataset import EagleShardDataset
+from eagle_data.stream.dataset import WORKER_ERROR, EagleShardDataset
 
 
 def _identity(x):
@@ -126,6 +126,8 @@ class EagleDataLoader(DataLoader):
         if self.num_workers == 0 and self.prefetch_batches:
             src = background(src, self.prefetch_batches)
         for batch in src:
+            if WORKER_ERROR in batch:  # a worker's data error, raised here as it is
+                raise batch[WORKER_ERROR]
             self.num_skipped += batch.pop("skipped", 0)
             self.batches += 1
             yield batch
