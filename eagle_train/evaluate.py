@@ -63,7 +63,8 @@ def _keys_in(dataset_dir: str | Path, keys: list[str], source: str) -> list[str]
     if keys and not present:
         raise ValueError(f"{dataset_dir}: none of the {len(keys)} held-out keys from {source} is in this dataset "
                          f"(e.g. {sorted(keys)[:3]}): evaluate the dataset they were split from, or give "
-                         "--heldout_keys FILE (or --heldout_fraction for an index split)")
+                         "--heldout_keys FILE listing the keys to score (for a set extracted apart: all of its "
+                         "keys, e.g. from `eagle_data.load_index(DIR)['key']`)")
     if len(present) < len(keys):
         log.warning("eval: %d of the %d held-out keys from %s are not in %s (other folders, or misspelt): "
                     "%d evaluated at most", len(keys) - len(present), len(keys), source, dataset_dir, len(present))

@@ -136,6 +136,7 @@ class EagleDrafterModule(pl.LightningModule):
         self._exclude = set(excluded)
         self.bad_samples = 0  # damaged samples this process dropped from its batches (see _filter)
         self._warned_unsupervised = False
+        self._target_fingerprint: Optional[str] = None
         # the keys left out, as a checkpoint records them (on_load_checkpoint: the checkpoint's; None there
         # for one written before they were recorded)
         self._recorded_exclude: Optional[list[str]] = sorted(self._exclude)
@@ -236,7 +237,8 @@ class EagleDrafterModule(pl.LightningModule):
             self.hparams["aux_layer_ids"] = ids
         loaders = [dm.train_dataloader()] + ([dm.val_dataloader()] if getattr(dm, "val_sources", None) else [])
         for loader in loaders:
-            self._check_target(loader.dataset.facts, ", ".join(loader.dataset.manifests))
+            for where, fingerprint in loader.dataset.fingerprints.items():
+                self._check_target({**loader.dataset.facts, "weights_fingerprint": fingerprint}, where)
 
     def _check_target(self, facts: dict[str, Any], where: str) -> None:
         """The data must come from this target: its vocabulary size, and (``check_target``) the
@@ -255,13 +257,15 @@ class EagleDrafterModule(pl.LightningModule):
             return
         from eagle_data.format.fingerprint import weights_fingerprint
 
-        mine = weights_fingerprint(resolve_model_path(self.hparams.target_model_path))
+        if self._target_fingerprint is None:  # read once (first/last MiB of each weight file)
+            self._target_fingerprint = weights_fingerprint(resolve_model_path(self.hparams.target_model_path))
+        mine = self._target_fingerprint
         if mine != theirs:
             raise ValueError(f"{where}: extracted from other weights than the target "
                              f"{self.hparams.target_model_path} (target_model_path; weights_fingerprint {theirs} "
                              f"vs {mine}): this target's lm_head on those final states is a wrong teacher. Give "
                              "the target that extracted the data, or check_target false when it is the same "
-                             "weights in other files")
+                             "weights in other files (the fingerprint covers the weight files and config.json)")
 
     def on_train_start(self) -> None:
         pb = self.trainer.progress_bar_callback  # "Epoch 0/-2" when only time or steps bound the run

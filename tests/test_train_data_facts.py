@@ -259,3 +259,17 @@ def test_eval_refuses_damaged_held_out_samples_naming_them(tiny, reference, tmp_
     with pytest.raises(ValueError, match=r"held-out sample\(s\) \S+ hold token ids outside the target's vocabulary "
                                          r"or non-finite states"):
         evaluate(str(reference), None, str(tmp_path / "ev"), target_model=str(model), **kw)
+
+
+def test_training_refuses_data_extracted_by_other_weights_of_the_same_shape(tiny, reference, tmp_path):
+    from tiny import tiny_llama
+
+    model, _ = tiny
+    other = tmp_path / "other"
+    tiny_llama(seed=1).save_pretrained(other)
+    with pytest.raises(ValueError, match=r"manifest.json: extracted from other weights than the target .*other"):
+        _fit(_module(other, reference, tmp_path), reference, tmp_path)
+    assert _fit(_module(other, reference, tmp_path, check_target=False), reference, tmp_path).is_file()
+    copied = tmp_path / "copied"  # the same weights in another folder: the same model
+    shutil.copytree(model, copied)
+    assert _fit(_module(copied, reference, tmp_path), reference, tmp_path).is_file()

@@ -160,6 +160,24 @@ def test_recompute_reports_token_ids_outside_the_vocabulary_and_goes_on(ds, monk
     assert set(rep.recompute) == {"aux layer 1", "aux layer 3", "aux layer 5", "final (post-norm)"}
 
 
+def test_a_token_id_outside_the_vocabulary_is_a_problem_of_its_sample(ds, monkeypatch):
+    import eagle_data.tools.verify as V
+
+    real, hit = V.decode_tensors, []
+
+    def damaged(tb, where):
+        t = real(tb, where)
+        if hit or ":" not in str(where):
+            return t
+        hit.append(where)
+        return {**t, "input_ids": t["input_ids"].clone().index_fill_(0, torch.tensor([1]), -3)}
+
+    monkeypatch.setattr(V, "decode_tensors", damaged)
+    rep = V.verify_dataset(ds)
+    (prob,) = [p for p in rep.problems if p[0] == "samples"]
+    assert prob[1] == hit[0] and prob[2].startswith("token ids -3..") and "outside the model's vocabulary [0, " in prob[2]
+
+
 def test_dataset_without_samples_fails(tmp_path, capsys):
     """An extraction that skipped every row leaves a manifest and an index of 0 samples: not OK."""
     from eagle_data.tools.synthetic import write_synthetic

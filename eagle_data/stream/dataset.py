@@ -35,7 +35,8 @@ from eagle_data.checks import check_positive
 from eagle_data.format.fp8 import dequantize_fields
 from eagle_data.format.schema import STORAGE_DTYPES, SampleError, batch_dtype, decode_tensors
 from eagle_data.format.layout import INDEX_NAME
-from eagle_data.stream.shards import check_compat, epoch_shard_order, resolve_sources, slot_sizes, slot_spans
+from eagle_data.stream.shards import (check_compat, epoch_shard_order, manifest_fact, resolve_sources, slot_sizes,
+                                      slot_spans)
 from eagle_data.format.final_rows import expand as expand_final_rows
 from eagle_data.format.payload import view_tensors
 from eagle_data.stream.reader import read_span
@@ -109,6 +110,8 @@ class EagleShardDataset(IterableDataset):
         self.facts = check_compat(manifests, {"hidden_size": hidden_size, "aux_layer_ids": aux_layer_ids,
                                               "dtype": dtype})
         self.manifests = [u for u, _ in manifests]
+        #: each manifest's ``weights_fingerprint`` (None: not recorded): which weights made its states
+        self.fingerprints = {u: manifest_fact(m, "weights_fingerprint") for u, m in manifests}
         self.batch_size, self.max_tokens, self.max_length = batch_size, max_tokens, max_length
         if shuffle_buffer < 0 or shuffle_initial < 1:
             raise ValueError(f"shuffle_buffer must be >= 0 and shuffle_initial >= 1, got {shuffle_buffer}, "

@@ -31,9 +31,7 @@ from eagle_data.format.schema import check_manifest_compat
 
 #: manifest facts that must agree between all sources (and with the caller's expectations)
 COMPAT_KEYS = ("layer_id_convention", "final_state_norm", "hidden_size", "aux_layer_ids", "dtype",
-               "final_dtype", "vocab_size", "weights_fingerprint")
-#: facts an older manifest may lack (None): not compared then
-OPTIONAL_FACTS = ("weights_fingerprint",)
+               "final_dtype", "vocab_size")
 
 
 def manifest_fact(m: dict[str, Any], key: str) -> Any:
@@ -181,18 +179,25 @@ def check_compat(manifests: list[tuple[str, dict[str, Any]]], expect: dict[str, 
         the facts shared by all manifests (:data:`COMPAT_KEYS`).
 
     Raises:
-        ValueError: naming the manifest and the field that differs.
+        ValueError: naming the manifest and the field that differs, or two manifests of one
+            ``dataset_tag`` (their keys collide).
     """
+    tags: dict[Any, str] = {}
+    for where, m in manifests:  # keys are TAG_ROW: two sources of one tag would share keys
+        tag = (m.get("config") or {}).get("dataset_tag")
+        if tag is not None and tag in tags:
+            raise ValueError(f"{where} and {tags[tag]} have the same dataset_tag {tag!r}: their sample keys "
+                             "(TAG_ROW) collide, so held-out keys and key lists would name samples of both; "
+                             "extract one of them again with another --dataset_tag")
+        tags[tag] = where
     ref_where, ref = manifests[0]
     for where, m in manifests:
         check_manifest_compat(m, expect, where=where)
         for k in COMPAT_KEYS:
             a, b = manifest_fact(m, k), manifest_fact(ref, k)
-            if k in OPTIONAL_FACTS and None in (a, b):
-                continue
             if (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
                 raise ValueError(f"{where}: {k} is {a!r} but {ref_where} has {b!r}; refusing to mix datasets"
-                                 + (" extracted from different models" if k in ("vocab_size", "weights_fingerprint") else ""))
+                                 + (" extracted from different models" if k == "vocab_size" else ""))
     return {k: manifest_fact(ref, k) for k in COMPAT_KEYS}
 
 

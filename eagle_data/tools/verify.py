@@ -170,6 +170,10 @@ def _check_sample(key, tb, jb, m, shard, rank, world, rep) -> dict[str, Any] | N
     for name in ("aux_hidden_states", "hidden_states"):
         if not torch.isfinite(stored_values(t, name)).all():
             rep.add("samples", where, f"{name} contains NaN/Inf")
+    ids, vocab = t["input_ids"], m.get("vocab_size")
+    if ids.numel() and vocab is not None and not (0 <= int(ids.min()) and int(ids.max()) < int(vocab)):
+        rep.add("samples", where, f"token ids {int(ids.min())}..{int(ids.max())} outside the model's vocabulary "
+                                  f"[0, {vocab})")
     if meta.get("num_tokens") != n:
         rep.add("samples", where, f"metadata num_tokens {meta.get('num_tokens')} != {n} stored tokens")
     row, tag = meta.get("source_row"), m.get("config", {}).get("dataset_tag")
