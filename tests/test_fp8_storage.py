@@ -162,6 +162,8 @@ def test_schema_1_datasets_still_read_and_mix_with_schema_2_of_the_same_dtype(da
     (old / "manifest.json").write_text(json.dumps(m))
     assert verify_dataset(str(old)).ok
     assert _by_key(old).keys() == _by_key(root / "bf16").keys()
+    m["config"]["dataset_tag"] = "old"  # mixed below: one tag per source (the keys are not read there)
+    (old / "manifest.json").write_text(json.dumps(m))
     ds = EagleShardDataset([str(old), str(root / "bf16")], batch_size=4, shuffle=False)
     assert ds.num_samples == 2 * ms["bf16"]["num_samples"]
 

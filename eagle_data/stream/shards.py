@@ -182,14 +182,6 @@ def check_compat(manifests: list[tuple[str, dict[str, Any]]], expect: dict[str, 
         ValueError: naming the manifest and the field that differs, or two manifests of one
             ``dataset_tag`` (their keys collide).
     """
-    tags: dict[Any, str] = {}
-    for where, m in manifests:  # keys are TAG_ROW: two sources of one tag would share keys
-        tag = (m.get("config") or {}).get("dataset_tag")
-        if tag is not None and tag in tags:
-            raise ValueError(f"{where} and {tags[tag]} have the same dataset_tag {tag!r}: their sample keys "
-                             "(TAG_ROW) collide, so held-out keys and key lists would name samples of both; "
-                             "extract one of them again with another --dataset_tag")
-        tags[tag] = where
     ref_where, ref = manifests[0]
     for where, m in manifests:
         check_manifest_compat(m, expect, where=where)
@@ -198,6 +190,14 @@ def check_compat(manifests: list[tuple[str, dict[str, Any]]], expect: dict[str, 
             if (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
                 raise ValueError(f"{where}: {k} is {a!r} but {ref_where} has {b!r}; refusing to mix datasets"
                                  + (" extracted from different models" if k == "vocab_size" else ""))
+    tags: dict[Any, str] = {}
+    for where, m in manifests:  # keys are TAG_ROW: two sources of one tag would share keys
+        tag = (m.get("config") or {}).get("dataset_tag")
+        if tag is not None and tag in tags:
+            raise ValueError(f"{where} and {tags[tag]} have the same dataset_tag {tag!r}: their sample keys "
+                             "(TAG_ROW) collide, so held-out keys and key lists would name samples of both; "
+                             "extract one of them again with another --dataset_tag")
+        tags[tag] = where
     return {k: manifest_fact(ref, k) for k in COMPAT_KEYS}
 
 
