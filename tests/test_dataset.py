@@ -251,14 +251,18 @@ def test_undecodable_payload_raises_with_key_or_is_skipped(tmp_path, bad, stream
 def test_sources_brace_manifest_and_multiple_dirs(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     write_synthetic(a, [4, 4, 4])
-    write_synthetic(b, [2], rank=0)
+    write_synthetic(b, [2], rank=0, tag="other")
     kinds = [f"{a}/00000-{{000000..000001}}.tar", str(a / "manifest.json"), [str(a), f"file://{b}"],
              [f"pipe:cat {a}/00000-000002.tar"]]
     counts = [8, 12, 14, 4]
     for src, n in zip(kinds, counts):
         man = str(a / "manifest.json") if "pipe:" in str(src) else None
         keys = [k for bt in EagleDataLoader(EagleShardDataset(src, batch_size=3, manifest=man)) for k in bt["keys"]]
-        assert len(keys) == n  # dirs a and b share key names, so only count
+        assert len(keys) == len(set(keys)) == n
+    same = tmp_path / "same"  # a second dataset of tag "syn": its keys would be a's
+    write_synthetic(same, [2])
+    with pytest.raises(ValueError, match="have the same dataset_tag 'syn'"):
+        EagleShardDataset([str(a), str(same)], batch_size=3)
     with pytest.raises(ValueError, match="give manifest"):
         EagleShardDataset(f"pipe:cat {a}/00000-000002.tar", batch_size=2)
 

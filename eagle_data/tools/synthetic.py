@@ -25,7 +25,7 @@ def sample_value(g: int) -> float:
 def write_synthetic(out: str | Path, shard_sizes: Sequence[int], hidden_size: int = 8,
                     length: Callable[[int], int] = lambda g: 4 + g % 5, dtype: str = "bfloat16",
                     aux_layer_ids: Sequence[int] = (1, 3, 5), values: Callable[[int], torch.Tensor] | None = None,
-                    rank: int = 0, world_size: int = 1, merge_manifest: bool = True) -> dict:
+                    rank: int = 0, world_size: int = 1, merge_manifest: bool = True, tag: str = "syn") -> dict:
     """Write shards of ``shard_sizes[i]`` samples each (+ progress file; + manifest/index).
 
     Args:
@@ -38,6 +38,7 @@ def write_synthetic(out: str | Path, shard_sizes: Sequence[int], hidden_size: in
             with :func:`sample_value`.
         rank, world_size: written as that extraction rank (several calls with ranks 0..W-1 +
             ``merge_manifest`` on the last one make a multi-rank dataset).
+        tag: the dataset tag (keys ``{tag}_{g:09d}``; datasets mixed in one loader need their own).
 
     Returns:
         the manifest (or the progress record when ``merge_manifest`` is False).
@@ -48,7 +49,7 @@ def write_synthetic(out: str | Path, shard_sizes: Sequence[int], hidden_size: in
     dt = HIDDEN_DTYPES[dtype]
     naux = len(aux_layer_ids)
     cfg = {"world_size": world_size, "dtype": dtype, "aux_layer_ids": list(aux_layer_ids), "data": "synthetic",
-           "dataset_tag": "syn", "model_path": "synthetic"}
+           "dataset_tag": tag, "model_path": "synthetic"}
     state = {"config": cfg, "config_hash": config_hash(cfg), "rank": rank, "world_size": world_size,
              "model": {"model_path": "synthetic", "backend": "synthetic", "hidden_size": hidden_size,
                        "num_layers": max(aux_layer_ids) + 2, "vocab_size": 1 << 20,
@@ -67,7 +68,7 @@ def write_synthetic(out: str | Path, shard_sizes: Sequence[int], hidden_size: in
                        "loss_mask": (torch.arange(t) % 2).to(torch.uint8),
                        "aux_hidden_states": h.repeat(1, naux), "hidden_states": h}
             meta = {"source_id": str(g), "source_row": g, "num_turns": 2, "truncated": False}
-            sink.write(f"syn_{g:09d}", tensors, meta)
+            sink.write(f"{tag}_{g:09d}", tensors, meta)
             g += 1
         sink.end_shard()  # publish this shard; the next write opens a new one
     sink.close()
