@@ -142,6 +142,13 @@ def _iter_tar(path: Path, rep: VerifyReport, shard: str, result: dict[str, Any])
     result.update(bytes=r.n, sha256=r.h.hexdigest())
 
 
+def _ids_outside(ids: torch.Tensor, vocab: int) -> str | None:
+    """The problem of token ids [T] outside ``[0, vocab)``, or None."""
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+        return f"token ids {int(ids.min())}..{int(ids.max())} outside the model's vocabulary [0, {vocab})"
+    return None
+
+
 def _check_sample(key, tb, jb, m, shard, rank, world, rep) -> dict[str, Any] | None:
     where = f"{shard}:{key}"
     try:
@@ -170,10 +177,8 @@ def _check_sample(key, tb, jb, m, shard, rank, world, rep) -> dict[str, Any] | N
     for name in ("aux_hidden_states", "hidden_states"):
         if not torch.isfinite(stored_values(t, name)).all():
             rep.add("samples", where, f"{name} contains NaN/Inf")
-    ids, vocab = t["input_ids"], m.get("vocab_size")
-    if ids.numel() and vocab is not None and not (0 <= int(ids.min()) and int(ids.max()) < int(vocab)):
-        rep.add("samples", where, f"token ids {int(ids.min())}..{int(ids.max())} outside the model's vocabulary "
-                                  f"[0, {vocab})")
+    if m.get("vocab_size") is not None and (why := _ids_outside(t["input_ids"], int(m["vocab_size"]))):
+        rep.add("samples", where, why)
     if meta.get("num_tokens") != n:
         rep.add("samples", where, f"metadata num_tokens {meta.get('num_tokens')} != {n} stored tokens")
     row, tag = meta.get("source_row"), m.get("config", {}).get("dataset_tag")
@@ -379,12 +384,10 @@ def _recompute(out: Path, m: dict[str, Any], facts: dict[str, dict[str, Any]], n
             t = stored.get(key)
             if t is None:
                 continue  # unreadable: reported above or among the shard's problems
-            ids = t["input_ids"]
-            if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
-                rep.add("recompute", key, f"token ids {int(ids.min())}..{int(ids.max())} outside the model's "
-                        f"vocabulary [0, {vocab})")
+            if why := _ids_outside(t["input_ids"], vocab):
+                rep.add("recompute", key, why)
                 continue
-            (c,) = be.capture([(key, ids)])
+            (c,) = be.capture([(key, t["input_ids"])])
             for name, a, b, bound in _recompute_pairs(t, c, aux_ids):
                 err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
                 rep.recompute[name] = max(rep.recompute.get(name, 0.0), err)
