@@ -245,6 +245,24 @@ def test_recompute_table_keeps_every_number_whole_on_a_narrow_terminal():
         assert number in out, (number, out)
 
 
+@pytest.mark.parametrize("dtype, says_batch_noise", [("float32", False), ("bfloat16", True)])
+def test_the_bf16_batch_noise_footnote_is_printed_for_bf16_data_only(dtype, says_batch_noise):
+    import io
+
+    from rich.console import Console
+
+    from eagle_data.cli.verify import print_report
+    from eagle_data.tools.verify import VerifyReport
+
+    rep = VerifyReport("d", recompute={"aux layer 1": 0.0}, recompute_tokens={"aux layer 1": {
+        "token_rel_p50": 0.0, "token_rel_p99": 0.0, "token_rel_max": 0.0, "min_cosine": 1.0}},
+                       recompute_keys=["k"], rtol=0.05, dtype=dtype)
+    buf = io.StringIO()
+    print_report(rep, console=Console(file=buf, width=200, no_color=True))
+    assert f"rounding to {dtype}" in buf.getvalue()
+    assert ("another batch composition in bf16" in buf.getvalue()) is says_batch_noise
+
+
 def test_a_folder_that_is_no_dataset_is_named_so_and_an_unmerged_one_points_to_merge(tmp_path):
     import pytest
 

@@ -62,9 +62,10 @@ def print_report(rep: VerifyReport, max_problems: int = 30, console: Console | N
                         f"for a float32 extraction (a bf16 one adds its batch-composition noise, so values above "
                         f"1 are expected there; the verdict checks the error relative to each layer's maximum "
                         f"against rtol); other fields: {same}")
+            batch = ("" if rep.dtype == "float32" else
+                     "; another batch composition in bf16 differs by 1-8 % per token (cosine > 0.99)")
             con.print(f"rounding to {rep.dtype} moves a token by about {EXPECTED_TOKEN_REL[rep.dtype]:.1e} "
-                      f"(relative): {same}; another batch composition in bf16 differs by 1-8 % per token "
-                      f"(cosine > 0.99)")
+                      f"(relative): {same}{batch}")
     for c, where, what in rep.problems[:max_problems]:
         con.print(f"[red]{c}[/] {where}: {what}", markup=True, highlight=False, soft_wrap=True)  # whole, never cut
     if len(rep.problems) > max_problems:
