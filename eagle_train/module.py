@@ -146,37 +146,34 @@ class EagleDrafterModule(pl.LightningModule):
         self._trained_s = 0.0  # training seconds before it (a resumed run's, from the checkpoint)
 
     # ------------------------------------------------------------------ steps
-    def _filter(self, batch: dict[str, Any], exclude: bool = True) -> Optional[dict[str, Any]]:
-        """The batch without held-out keys (``exclude_keys``; when ``exclude``) and without damaged samples
-        (:mod:`eagle_train.guard`: logged with their keys, counted in :attr:`bad_samples`); None
-        when no row is left. The damaged-sample check waits for the batch on the host (one sync per step,
-        before the step's work is launched)."""
+    def _filter(self, batch: dict[str, Any], exclude: bool = True) -> tuple[Optional[dict[str, Any]], int]:
+        """The batch without held-out keys (``exclude_keys``; when ``exclude``) and without damaged
+        samples (:mod:`eagle_train.guard`: logged with their keys, counted in :attr:`bad_samples`),
+        None when no row is left; and its supervised tokens. One host transfer per step, before the
+        step's work is launched: each row's damage flag and supervised-token count."""
         keys = batch.get("keys")
-        keep = list(range(batch["input_ids"].shape[0]))
-        if exclude and self._exclude and keys is not None:
-            keep = [i for i in keep if keys[i] not in self._exclude]
-        bad = bad_rows(batch, int(self.target_lm_head.shape[0]))
-        if bool(bad.any()):
-            flags = bad.tolist()
-            named = [keys[i] if keys is not None else f"row {i}" for i in keep if flags[i]]
-            if named:
-                self.bad_samples += len(named)
-                log.error("skipped %d sample(s) with a token id outside the target's vocabulary (%d) or non-finite "
-                          "states: %s (damaged shards or another model's data: run `eagle-data verify` on the "
-                          "dataset); %d skipped so far", len(named), int(self.target_lm_head.shape[0]),
-                          ", ".join(map(str, named[:8])), self.bad_samples)
+        vocab = int(self.target_lm_head.shape[0])
+        flags, supervised = torch.stack([bad_rows(batch, vocab).long(), batch["loss_mask"].sum(-1).long()]).tolist()
+        keep = [i for i in range(len(flags)) if not (exclude and keys is not None and keys[i] in self._exclude)]
+        named = [keys[i] if keys is not None else f"row {i}" for i in keep if flags[i]]
+        if named:
+            self.bad_samples += len(named)
+            log.error("skipped %d sample(s) with a token id outside the target's vocabulary (%d) or non-finite "
+                      "states: %s (damaged shards or another model's data: run `eagle-data verify` on the "
+                      "dataset); %d skipped so far", len(named), vocab, ", ".join(map(str, named[:8])), self.bad_samples)
             keep = [i for i in keep if not flags[i]]
-        return batch if len(keep) == batch["input_ids"].shape[0] else select_rows(batch, keep)
+        out = batch if len(keep) == len(flags) else select_rows(batch, keep)
+        return out, sum(supervised[i] for i in keep)
 
-    def _shared(self, batch: dict[str, Any], stage: str):
-        # metrics are averaged over batches weighted by their supervised tokens; a training batch that
-        # teaches nothing (samples cut by data.max_length before their first assistant token) is not
-        # logged (validation logs it with weight 1: every rank must log each metric under sync_dist).
-        # Counted before the loss is launched: the host waits for the batch only, not for the forward.
-        bs = int(batch["loss_mask"].sum())
+    def _shared(self, batch: dict[str, Any], stage: str, supervised: int):
+        """The loss of a batch with ``supervised`` supervised tokens, logged: metrics are averaged
+        over batches weighted by their supervised tokens; a training batch that teaches nothing
+        (samples cut by data.max_length before their first assistant token) is not logged
+        (validation logs it with weight 1: every rank must log each metric under sync_dist)."""
         out = ttt_loss(self.drafter, self.target_lm_head, batch, self.hparams.ttt_steps,
                        self.hparams.step_weight, self.hparams.exclude_oov)
         on_step = stage == "train"
+        bs = supervised
         if bs == 0:
             if not self._warned_unsupervised:
                 self._warned_unsupervised = True
@@ -194,14 +191,14 @@ class EagleDrafterModule(pl.LightningModule):
         return out["loss"]
 
     def training_step(self, batch, batch_idx):
-        batch = self._filter(batch)
+        batch, supervised = self._filter(batch)
         if batch is None:  # whole batch held out: a zero loss keeps DDP ranks in step
             return sum(p.sum() * 0.0 for p in self.drafter.parameters())
-        return self._shared(batch, "train")
+        return self._shared(batch, "train", supervised)
 
     def validation_step(self, batch, batch_idx):
-        batch = self._filter(batch, exclude=False)  # the held-out keys are what validation may read
-        return None if batch is None else self._shared(batch, "val")
+        batch, supervised = self._filter(batch, exclude=False)  # the held-out keys are what validation may read
+        return None if batch is None else self._shared(batch, "val", supervised)
 
     # ------------------------------------------------------------------ optim
     def configure_optimizers(self):

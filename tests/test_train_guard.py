@@ -45,8 +45,9 @@ def test_a_damaged_sample_is_dropped_named_and_counted_and_the_rest_trains_as_wi
     mod = tiny_module(tmp_path, ttt_steps=2, exclude_oov=False)
     bad = _damage(_BASE, 1, "nan_aux", 7)
     with caplog.at_level(logging.ERROR, logger="eagle_train.module"):
-        kept = mod._filter(bad)
+        kept, supervised = mod._filter(bad)
     assert kept["keys"] == ["k0", "k2", "k3"] and mod.bad_samples == 1
+    assert supervised == int(_BASE["loss_mask"][[0, 2, 3]].sum())
     assert any("k1" in r.getMessage() and "verify" in r.getMessage() for r in caplog.records)
     clean = {k: (v[[0, 2, 3]] if torch.is_tensor(v) else [v[i] for i in (0, 2, 3)]) for k, v in _BASE.items()}
     got = ttt_loss(mod.drafter, mod.target_lm_head, kept, 2)["loss"]
@@ -54,7 +55,7 @@ def test_a_damaged_sample_is_dropped_named_and_counted_and_the_rest_trains_as_wi
     assert torch.isfinite(got) and torch.equal(got, want)
     everything_bad = _damage(_damage(_damage(_damage(_BASE, 0, "id_high", 1), 1, "id_negative", 2), 2, "inf_final", 3),
                              3, "nan_aux", 4)
-    assert mod._filter(everything_bad) is None and mod.bad_samples == 5
+    assert mod._filter(everything_bad) == (None, 0) and mod.bad_samples == 5
     step = mod.training_step(everything_bad, 0)  # a zero loss: DDP ranks stay in step
     assert float(step.detach()) == 0.0 and step.requires_grad
 
