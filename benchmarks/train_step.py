@@ -57,7 +57,7 @@ def bench_train_step(shape: Literal["llama3.1-8b", "smollm2-135m", "tiny"] = "ll
                      seq_lens: list[int] = [2048, 8192], batch_size: int = 1, vary_lengths: bool = False,
                      steps: int = 7, draft_vocab_size: int | None = None, iters: int = 6, warmup: int = 2,
                      device: str = "cuda", attn_impl: str = "auto", exclude_oov: bool = True,
-                     peak_tflops: float = 989.0, profile: bool = False,
+                     peak_tflops: float = 989.0, profile: bool = False, compile_layer: bool = True,
                      json_out: str | None = None) -> dict[str, Any]:
     """Step time, tokens/s, MFU and peak memory of drafter training at each sequence length.
 
@@ -76,6 +76,8 @@ def bench_train_step(shape: Literal["llama3.1-8b", "smollm2-135m", "tiny"] = "ll
         exclude_oov: also run the full-vocabulary out-of-vocabulary check (as training does by default).
         peak_tflops: peak dense bf16 TFLOP/s of the device for MFU (H200: 989).
         profile: after timing each length, print the top kernels of two profiled steps.
+        compile_layer: the drafter's decoder layer through ``torch.compile`` on CUDA (training's
+            default; false: eager, the figures before it).
         json_out: also write the figures to this JSON file.
     """
     from eagle_train.loss import ttt_loss
@@ -101,11 +103,13 @@ def bench_train_step(shape: Literal["llama3.1-8b", "smollm2-135m", "tiny"] = "ll
     dcfg = DraftConfig.from_target(cfg, draft_vocab_size=n)
     embed = torch.randn(v, h, generator=g) * 0.02
     drafter = Eagle3Drafter(dcfg, embed, d2t, t2d).to(dev)
+    drafter.compile_layer = compile_layer
     lm_head = (torch.randn(v, h, generator=g) * 0.02).to(dev)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=dev.type == "cuda")
     amp = torch.autocast(dev.type, dtype=torch.bfloat16)
     res: dict[str, Any] = {"shape": shape, "steps": steps, "draft_vocab_size": n, "device": str(dev),
                            "batch_size": batch_size, "vary_lengths": vary_lengths, "attn_impl": attn_impl,
+                           "compile_layer": compile_layer,
                            "params_M": round(sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6, 1),
                            "by_seq_len": {}}
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle_train.attention import ttt_attention, ttt_attention_reference  # noqa: F401 (re-exported)
+from eagle_train.compiled import compiled
 
 
 @dataclass
@@ -135,6 +136,24 @@ def cast_for_autocast(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def autocast_matrices(layer: nn.Module) -> Optional[dict[str, torch.Tensor]]:
+    """Under autocast: the layer's projection weights cast once to the autocast dtype, keyed by
+    the ``nn.Linear``'s name (``q_proj`` ... ``down_proj``); else None. Eager autocast caches these
+    casts for a whole forward, but a compiled region casts (and saves for backward) its own copy at
+    each call, i.e. K copies per TTT forward (+2.6 GiB at T = 8192 for an 8B-shaped drafter on the
+    H200); passing the one cast in keeps a single copy."""
+    dev = next(layer.parameters()).device.type
+    if not torch.is_autocast_enabled(dev):
+        return None
+    dt = torch.get_autocast_dtype(dev)
+    return {name.split(".")[-2]: p.to(dt) for name, p in layer.named_parameters() if p.ndim == 2}
+
+
+def _proj(linear: nn.Linear, x: torch.Tensor, weights: Optional[dict[str, torch.Tensor]], name: str) -> torch.Tensor:
+    """``linear(x)``, with ``weights[name]`` (the same weight, already cast) in place of its own when given."""
+    return linear(x) if weights is None else F.linear(x, weights[name])
+
+
 class _SiluMul(torch.autograd.Function):
     """``silu(gate) * up`` saving only ``gate`` and ``up`` (autograd would also keep ``silu(gate)``);
     the backward recomputes the sigmoid (fp32)."""
@@ -197,16 +216,17 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, repeat_kv: bool = True):
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, repeat_kv: bool = True,
+            weights: Optional[dict[str, torch.Tensor]] = None):
         """``x`` [B, T, 2H] -> q [B, nh, T, hd], k/v [B, nh, T, hd] (kv heads repeated; with
-        ``repeat_kv=False`` [B, nkv, T, hd]), roped."""
+        ``repeat_kv=False`` [B, nkv, T, hd]), roped. ``weights``: :func:`autocast_matrices`."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         b, t, _ = x.shape
         x = cast_for_autocast(x)
-        q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        q = _proj(self.q_proj, x, weights, "q_proj").view(b, t, self.nh, self.hd).transpose(1, 2)
+        k = _proj(self.k_proj, x, weights, "k_proj").view(b, t, self.nkv, self.hd).transpose(1, 2)
+        v = _proj(self.v_proj, x, weights, "v_proj").view(b, t, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if not repeat_kv:
             return q, k, v
@@ -221,9 +241,10 @@ class DraftMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, weights: Optional[dict[str, torch.Tensor]] = None):
         x = cast_for_autocast(x)
-        return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+        act = _SiluMul.apply(_proj(self.gate_proj, x, weights, "gate_proj"), _proj(self.up_proj, x, weights, "up_proj"))
+        return _proj(self.down_proj, act, weights, "down_proj")
 
 
 class DraftDecoderLayer(nn.Module):
@@ -237,14 +258,24 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
-    def qkv(self, embeds, hidden, cos, sin, repeat_kv: bool = True):
+    def qkv(self, embeds, hidden, cos, sin, repeat_kv: bool = True, weights: Optional[dict[str, torch.Tensor]] = None):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        return self.self_attn.qkv(x, cos, sin, repeat_kv)
+        return self.self_attn.qkv(x, cos, sin, repeat_kv, weights)
 
-    def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """``attn`` [B, T, h*d], ``hidden`` = the residual (layer input) -> pre-norm output [B, T, H]."""
-        h = self.self_attn.o_proj(attn) + hidden
-        return self.mlp(self.post_attention_layernorm(h)) + h
+    def finish(self, attn: torch.Tensor, hidden: torch.Tensor,
+               weights: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """``attn`` [B, T, h*d], ``hidden`` = the residual (layer input) -> pre-norm output [B, T, H];
+        ``weights``: :func:`autocast_matrices` (None: the modules' own)."""
+        h = _proj(self.self_attn.o_proj, cast_for_autocast(attn), weights, "o_proj") + hidden
+        return self.mlp(self.post_attention_layernorm(h), weights) + h
+
+
+def _layer_qkv(layer: "DraftDecoderLayer", weights, embeds, hidden, cos, sin):
+    return layer.qkv(embeds, hidden, cos, sin, repeat_kv=False, weights=weights)
+
+
+def _layer_finish(layer: "DraftDecoderLayer", weights, attn, hidden):
+    return layer.finish(attn, hidden, weights)
 
 
 class Eagle3Drafter(nn.Module):
@@ -259,9 +290,13 @@ class Eagle3Drafter(nn.Module):
 
     Attribute ``zero_features`` (default False): a control that replaces the target's aux states
     by zeros in training and drafting alike (measures what the target's states contribute).
+    Attribute ``compile_layer`` (default False): :meth:`ttt_forward` runs the decoder layer's two
+    halves (norms + q/k/v + rope; o_proj + residual + norm + MLP) through ``torch.compile`` on
+    CUDA (:mod:`eagle_train.compiled`; the same math, fewer kernels).
     """
 
     zero_features: bool = False
+    compile_layer: bool = False
 
     def __init__(self, cfg: DraftConfig, embed_tokens: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
                  lm_head_init: Optional[torch.Tensor] = None):
@@ -328,6 +363,11 @@ class Eagle3Drafter(nn.Module):
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         key_valid, cache = key_valid.bool(), {}
+        qkv, finish = _layer_qkv, _layer_finish
+        if self.compile_layer:
+            qkv = compiled("drafter.qkv", _layer_qkv, input_ids.device)
+            finish = compiled("drafter.finish", _layer_finish, input_ids.device)
+        weights = autocast_matrices(self.midlayer)  # one cast per forward, shared by the K steps
         hidden = self.fc(self._features(aux))
         outs, k0 = [], None
         extra_k: list[torch.Tensor] = []
@@ -335,14 +375,14 @@ class Eagle3Drafter(nn.Module):
         for k in range(steps):
             ids = F.pad(input_ids[:, k:], (0, min(k, t)))  # x[r + k], 0 beyond the end (also when T <= k)
             cos, sin = self.rope(positions + k, hidden)
-            q, kk, vv = self.midlayer.qkv(self.embed(ids), hidden, cos, sin, repeat_kv=False)
+            q, kk, vv = qkv(self.midlayer, weights, self.embed(ids), hidden, cos, sin)
             if k == 0:
                 k0, v0 = kk, vv
             else:
                 extra_k.append(kk)
                 extra_v.append(vv)
             attn = ttt_attention(q, k0, v0, key_valid, extra_k, extra_v, impl=attn_impl, cache=cache)
-            hidden = self.midlayer.finish(attn, hidden)
+            hidden = finish(self.midlayer, weights, attn, hidden)
             outs.append(hidden)
         return outs
 

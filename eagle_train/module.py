@@ -44,6 +44,27 @@ def _load_checkpoint_file(path: str | Path) -> Any:
 
 log = logging.getLogger(__name__)
 
+
+def _unsharded(strategy: Any) -> bool:
+    """One device or DDP: parameters are whole outside the strategy's forward (FSDP and DeepSpeed
+    gather them in their own forward only, which the compile warm-up and a compiled layer bypass)."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    return type(strategy) in (SingleDeviceStrategy, DDPStrategy)
+
+
+def warm_up_shapes(max_length: int, max_tokens: Optional[int]) -> list[tuple[int, int]]:
+    """``[(B, T)]`` of :meth:`EagleDrafterModule.warm_up_compiles`: three small shapes (static, dynamic,
+    ``B = 1``) and, when ``max_tokens`` is known and larger, one batch at that token budget."""
+    shapes = [(2, min(max_length, 384)), (5, min(max_length, 1000)), (1, min(max_length, 640))]
+    if max_tokens:
+        t = min(max_length, 2048)
+        b = max(2, max_tokens // t)
+        if b * t > 5 * 1000:
+            shapes.append((b, t))
+    return [(b, max(t, 2)) for b, t in shapes]
+
+
 class EagleDrafterModule(pl.LightningModule):
     """EAGLE-3 drafter + frozen target embedding/head, trained with the unrolled TTT loss.
 
@@ -78,10 +99,14 @@ class EagleDrafterModule(pl.LightningModule):
             and when the checkpoint is evaluated), so the drafter sees only tokens; it measures
             what the states contribute. Such a checkpoint is refused by ``export``.
         compile_warmup: on CUDA, one device or DDP, before the training clock starts (the first
-            batch), run the loss forward and backward on synthetic batches of three shapes
-            (:meth:`warm_up_compiles`), so that torch.compile's first compiles (flex attention, the
-            fused loss) do not eat the first timed minute of a fixed-time run. Nothing is learnt
-            from them. (``trainer.max_time`` counts it: Lightning's timer starts before it.)
+            batch), run the loss forward and backward on synthetic batches of
+            :func:`warm_up_shapes` (:meth:`warm_up_compiles`), so that torch.compile's first
+            compiles (flex attention, the fused loss, the layer) do not eat the first timed
+            minute of a fixed-time run. Nothing is learnt from them. (``trainer.max_time`` counts it: Lightning's timer starts before it.)
+        compile_layer: on CUDA, the drafter's decoder layer runs through ``torch.compile``
+            (:attr:`eagle_train.model.Eagle3Drafter.compile_layer`: fewer, fused kernels per TTT
+            step; eager again if inductor fails). CPU runs are eager either way, and so are
+            sharded strategies (FSDP, DeepSpeed).
         check_target: refuse training data extracted from other weights than ``target_model_path``
             (the manifests' ``weights_fingerprint``; the vocabulary size is always checked).
     """
@@ -92,7 +117,7 @@ class EagleDrafterModule(pl.LightningModule):
                  warmup_steps: int = 0, min_lr_ratio: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                  init_lm_head_from_target: bool = True, exclude_keys: Optional[str] = None, seed: int = 0,
                  zero_features: bool = False, lr_schedule_minutes: Optional[float] = None,
-                 compile_warmup: bool = True, check_target: bool = True,
+                 compile_warmup: bool = True, check_target: bool = True, compile_layer: bool = True,
                  _vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         super().__init__()
         self.save_hyperparameters(ignore=["_vocab"])
@@ -132,6 +157,7 @@ class EagleDrafterModule(pl.LightningModule):
                 with torch.no_grad():
                     self.drafter.norm.weight.copy_(w["model.norm.weight"].float())
         self.drafter.zero_features = bool(zero_features)
+        self.drafter.compile_layer = bool(compile_layer)
         self.register_buffer("target_lm_head", w["lm_head.weight"].float(), persistent=False)
         self._exclude = set(excluded)
         self.bad_samples = 0  # damaged samples this process dropped from its batches (see _filter)
@@ -168,8 +194,9 @@ class EagleDrafterModule(pl.LightningModule):
     def _shared(self, batch: dict[str, Any], stage: str, supervised: int):
         """The loss of a batch with ``supervised`` supervised tokens, logged: metrics are averaged
         over batches weighted by their supervised tokens; a training batch that teaches nothing
-        (samples cut by data.max_length before their first assistant token) is not logged
-        (validation logs it with weight 1: every rank must log each metric under sync_dist)."""
+        (samples cut by data.max_length before their first assistant token) is not logged;
+        validation logs it with weight 0 (every rank must log each metric under sync_dist): it
+        moves no average, and an epoch with no supervised token at all reads NaN, not 0."""
         out = ttt_loss(self.drafter, self.target_lm_head, batch, self.hparams.ttt_steps,
                        self.hparams.step_weight, self.hparams.exclude_oov)
         on_step = stage == "train"
@@ -181,7 +208,6 @@ class EagleDrafterModule(pl.LightningModule):
                             "their first assistant token, or have none): it costs a step and teaches nothing", stage)
             if on_step:
                 return out["loss"]
-            bs = 1
         self.log(f"{stage}/loss", out["loss"], prog_bar=True, batch_size=bs, on_step=on_step, on_epoch=True,
                  sync_dist=not on_step)
         for k, (lk, ak) in enumerate(zip(out["loss_k"], out["acc_k"])):
@@ -225,6 +251,9 @@ class EagleDrafterModule(pl.LightningModule):
 
         Raises:
             ValueError: the data module expects, or a manifest has, other facts."""
+        if self.drafter.compile_layer and not _unsharded(self.trainer.strategy):
+            self.drafter.compile_layer = False  # a compiled region would see sharded parameters
+            log.info("compile_layer off under %s", type(self.trainer.strategy).__name__)
         dm = getattr(self.trainer, "datamodule", None)
         if not callable(getattr(dm, "hold_to", None)):
             return
@@ -269,9 +298,7 @@ class EagleDrafterModule(pl.LightningModule):
         if (self.trainer.max_epochs or 0) < 0 and hasattr(pb, "_get_train_description"):
             pb._get_train_description = lambda current_epoch: f"Epoch {current_epoch}"
         if self.hparams.compile_warmup and self.device.type == "cuda":
-            from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-
-            if type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy):
+            if _unsharded(self.trainer.strategy):
                 self.warm_up_compiles()
             else:  # sharded strategies (FSDP, DeepSpeed) gather parameters in their own forward only
                 log.info("compile warm-up skipped under %s", type(self.trainer.strategy).__name__)
@@ -280,8 +307,11 @@ class EagleDrafterModule(pl.LightningModule):
         """Loss forward + backward on synthetic batches (random tokens and states, the training
         data's batch dtype, under the trainer's precision) of shapes ``[2, t1]``, ``[5, t2]``,
         ``[1, t3]`` (t <= the data's ``max_length``): the static compile, the one dynamic in
-        ``B`` and ``T``, and ``B = 1``. Gradients are dropped; parameters, optimizer state and the
-        global RNG are untouched. Returns the seconds spent (logged)."""
+        ``B`` and ``T``, and ``B = 1``; then ``[B4, t4]`` at the data's token budget
+        (``max_tokens``): inductor specialises fusion decisions on the number of rows (seen on the
+        H200: a recompile at ~9k rows for SmolLM2's drafter), and real batches are that large.
+        Gradients are dropped; parameters, optimizer state and the global RNG are untouched.
+        Returns the seconds spent (logged)."""
         t0 = time.perf_counter()
         data = getattr(getattr(self.trainer, "train_dataloader", None), "dataset", None)
         dtype = getattr(data, "dtype", torch.bfloat16)
@@ -290,8 +320,7 @@ class EagleDrafterModule(pl.LightningModule):
         n_aux = len(self.aux_layer_ids or [0, 0, 0])
         on_gpu = self.device.type == "cuda"
         with torch.random.fork_rng(devices=[self.device] if on_gpu else []):
-            for b, t in ((2, min(longest, 384)), (5, min(longest, 1000)), (1, min(longest, 640))):
-                t = max(t, 2)
+            for b, t in warm_up_shapes(longest, getattr(data, "max_tokens", None)):
                 mask = torch.ones(b, t, dtype=torch.bool, device=self.device)
                 if b > 1:
                     mask[-1, t // 2:] = False  # a padded row

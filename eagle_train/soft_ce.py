@@ -16,12 +16,9 @@ again if compilation fails). Shapes: ``x`` [n, H], ``w`` [N, H], ``teach`` [n_te
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-log = logging.getLogger(__name__)
-_compiled: dict = {"broken": False}
+from eagle_train.compiled import compiled
 
 
 def _stats(z: torch.Tensor, teach: torch.Tensor, tc: torch.Tensor):
@@ -36,23 +33,7 @@ def _grad(z: torch.Tensor, lse: torch.Tensor, teach: torch.Tensor, tc: torch.Ten
 
 
 def _fn(name: str, device: torch.device):
-    eager = {"stats": _stats, "grad": _grad}[name]
-    if device.type != "cuda" or _compiled["broken"]:
-        return eager
-    if name not in _compiled:
-        _compiled[name] = torch.compile(eager, dynamic=True)
-    compiled = _compiled[name]
-
-    def run(*args):
-        if _compiled["broken"]:
-            return eager(*args)
-        try:
-            return compiled(*args)
-        except Exception as e:  # noqa: BLE001 - inductor failures of any kind: fall back
-            _compiled["broken"] = True
-            log.warning("compiled soft cross-entropy failed (%s: %s); using eager", type(e).__name__, e)
-            return eager(*args)
-    return run
+    return compiled(f"soft_ce.{name}", {"stats": _stats, "grad": _grad}[name], device)
 
 
 class _LinearSoftCE(torch.autograd.Function):

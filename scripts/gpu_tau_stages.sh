@@ -11,6 +11,9 @@
 #   STAGE=4: train 8 minutes with checkpoints at 2/4/8 (~8.5 min)
 #   STAGE=5: the features-zeroed control when CONTROL=1 (2 min), all evals at once, then the table;
 #            the training shards are deleted after; then the GRAPH_RUNS
+# STEP_BENCH=1 (stage 2): `python -m benchmarks train_step` for the SmolLM2-shaped drafter of the run
+# (16 x <= 2,048 tokens, varying lengths, draft vocab 16,384) with the decoder layer eager and compiled
+# (the second profiled), then the 8B-shaped drafter at T=2048 and 8192 (compiled): JSON in $OUT.
 # GRAPH_RUNS (e.g. "mask false true"): one `python -m benchmarks stages` per entry on the first 2,000
 # rows (bf16, 4 writers, process front) with --cuda_graphs as given (issue 16: CUDA graphs of the
 # prefill; "mask": eager with the padding mask always passed), each under the call's deadline
@@ -50,6 +53,16 @@ case $STAGE in
   pip install --no-deps -q --target /tmp/site $S/wheels/*.whl 2>&1 | tail -1
   zcat ${TRAIN_GZ:-$S/train_a.jsonl.gz .gpu/p2/train_b.jsonl.gz} > $T/all.jsonl; zcat $S/heldout.jsonl.gz > $T/heldout.jsonl
   wc -l $T/*.jsonl
+  if [ "${STEP_BENCH:-0}" = 1 ]; then
+    for c in false true; do
+      prof=false; [ $c = true ] && prof=true
+      python -m benchmarks train_step --shape smollm2-135m --seq_lens '[2048]' --batch_size 16 --vary_lengths true \
+        --draft_vocab_size 16384 --exclude_oov false --iters 12 --warmup 6 --compile_layer $c --profile $prof \
+        --json_out $RUN_OUT/step_smollm2_compile_$c.json 2>&1 | grep -v -i warn | tail -n 32
+    done
+    python -m benchmarks train_step --seq_lens '[2048, 8192]' --compile_layer true --json_out $RUN_OUT/step_8b.json 2>&1 \
+      | grep -v -i warn | tail -n 3
+  fi
   graph_runs
   ;;
 3)

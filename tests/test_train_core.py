@@ -738,7 +738,7 @@ def test_export_refuses_to_overwrite_unless_asked(tmp_path):
 
 def test_compile_warmup_learns_nothing_and_keeps_the_rng(tmp_path):
     """The warm-up before the training clock (run on CUDA at on_train_start; called directly here
-    on CPU under bf16 autocast) runs the loss forward and backward on three shapes and leaves no
+    on CPU under bf16 autocast) runs the loss forward and backward on its shapes and leaves no
     trace: parameters, gradients and the global RNG stream are as before."""
     import lightning.pytorch as pl
 
@@ -755,3 +755,21 @@ def test_compile_warmup_learns_nothing_and_keeps_the_rng(tmp_path):
     after = mod.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert mod.hparams.compile_warmup is True  # the default; on CPU on_train_start skips it
+
+
+def test_warm_up_shapes_reach_the_token_budget():
+    """The warm-up covers the static, dynamic and B = 1 compiles and, when batches are bigger than
+    those, one batch of about the data's token budget (inductor specialises on the row count:
+    without it, real 32k-token batches recompiled inside the timed run on the H200)."""
+    from eagle_train.module import warm_up_shapes
+
+    small = [(2, 384), (5, 1000), (1, 640)]
+    assert warm_up_shapes(2048, None) == small
+    assert warm_up_shapes(2048, 32768) == small + [(16, 2048)]
+    assert warm_up_shapes(8192, 65536) == small + [(32, 2048)]
+    assert warm_up_shapes(2048, 4096) == small  # no bigger than the small shapes
+    assert warm_up_shapes(100, 32768) == [(2, 100), (5, 100), (1, 100), (327, 100)]
+    assert warm_up_shapes(1, None) == [(2, 2), (5, 2), (1, 2)]
+    for length, budget in ((2048, 32768), (300, 20000), (8192, 10000)):
+        b, t = warm_up_shapes(length, budget)[-1]
+        assert t <= length and b * t <= budget

@@ -189,3 +189,27 @@ def test_sources_of_one_dataset_tag_are_not_mixed():
         check_compat([("d1", a), ("d2", b)], {})
     b["config"]["dataset_tag"] = "train2"
     check_compat([("d1", a), ("d2", b)], {})
+
+
+def test_validation_batches_without_supervised_tokens_move_no_metric(tmp_path):
+    """A validation batch that teaches nothing is logged with weight 0: beside a taught batch the
+    metrics are the taught batch's alone; with nothing taught at all they read NaN (no data), not
+    a perfect-looking 0."""
+    import math
+
+    import lightning.pytorch as pl
+
+    taught = tiny_batch(tiny_target(), n=2, t=16, seed=0)
+    untaught = tiny_batch(tiny_target(), n=2, t=16, seed=1)
+    untaught["loss_mask"] = torch.zeros_like(untaught["loss_mask"])
+
+    def val(batches):
+        mod = tiny_module(tmp_path, ttt_steps=2, lr=0.0, compile_warmup=False)
+        tr = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path))
+        return tr.validate(mod, dataloaders=ListLoader(batches), verbose=False)[0]
+
+    alone, both, none = val([taught]), val([taught, untaught]), val([untaught])
+    assert alone["val/loss"] > 1.0 and set(alone) == set(both) == set(none)
+    assert all(both[k] == pytest.approx(alone[k], rel=1e-6) for k in alone)
+    assert all(math.isnan(v) for v in none.values())
