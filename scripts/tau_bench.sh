@@ -103,8 +103,9 @@ PY
 fi
 LR=${LR:-$(cat "$OUT/lr.txt" 2>/dev/null || true)}
 
-if has train; then train "$OUT/run" "$MINUTES" "$LR" false; fi
-if has control; then train "$OUT/run_zero" "$first" "$LR" true; fi
+# TRAIN_ARGS: more `eagle-data train` options for the run and the control (e.g. "--model.step_weight 0.9")
+if has train; then train "$OUT/run" "$MINUTES" "$LR" false ${TRAIN_ARGS:-}; fi
+if has control; then train "$OUT/run_zero" "$first" "$LR" true ${TRAIN_ARGS:-}; fi
 
 if has eval; then
   evals=()
