@@ -60,13 +60,36 @@ def graph_unsafe(config) -> str | None:
     rope whose tables depend on the sequence length (dynamic, longrope): the graph's length is the
     bucket's, not the batch's. Whether the model sees its padding is checked by running it
     (:func:`eagle_data.extract.backends.hf.padding_is_visible`), not here."""
-    config = _text_config(config)
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    for r in (rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]):
-        kind = r.get("rope_type", r.get("type", "default"))
-        if kind not in STATIC_ROPE:
-            return f"rope_type {kind!r} (its tables depend on the sequence length, the graph's is the bucket's)"
+    kinds = [kind for kind in _rope_types(config) if kind not in STATIC_ROPE]
+    if kinds:
+        return f"rope_type {kinds[0]!r} (its tables depend on the sequence length, the graph's is the bucket's)"
     return None
+
+
+def _rope_types(config) -> list[str]:
+    """The rope type of each rope parameter set of the HF ``config`` (several: per layer type)."""
+    return [r.get("rope_type", r.get("type", "default")) for r in _rope_parameters(_text_config(config))]
+
+
+def _rope_parameters(config) -> list[dict]:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+
+
+def rope_length_limit(config) -> int | None:
+    """For a rope whose tables depend on the sequence length (any type outside :data:`STATIC_ROPE`:
+    dynamic NTK, longrope): the length beyond which they change (``original_max_position_embeddings``
+    of its parameters or the config, else ``max_position_embeddings``); None for a static rope.
+    HF picks the tables from the batch's padded length, so a short row batched with one longer
+    than this gets other positions' encodings than alone."""
+    config = _text_config(config)
+    limits = []
+    for r in _rope_parameters(config):
+        if r.get("rope_type", r.get("type", "default")) not in STATIC_ROPE:
+            n = r.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None) \
+                or getattr(config, "max_position_embeddings", None)
+            limits.append(int(n) if n else 0)
+    return min(limits) if limits else None
 
 
 def graph_max_length(config) -> int:

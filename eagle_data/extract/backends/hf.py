@@ -12,7 +12,11 @@ a lone unpadded sample. Whether the model is causal is not read from its config 
 start-up (:func:`padding_is_visible`: two rows that differ only in their padding must give their
 real tokens identical states); a model that fails it (bidirectional attention, or kernels whose
 results depend on the batch's other tokens) gets the padding mask. Either way results do not depend
-on batch composition beyond kernel rounding.
+on batch composition beyond kernel rounding. A rope whose tables depend on the sequence length
+(dynamic NTK, longrope: HF picks them from the batch's padded length, and dynamic NTK from the
+longest length seen so far) would break that for batches longer than its original context: there
+the rows up to that length run as one batch and each longer row alone, from the original tables
+(:meth:`HFBackend._forward_by_rope_length`), i.e. each row's states are those of the row alone.
 """
 
 from __future__ import annotations
@@ -130,6 +134,10 @@ class HFBackend:
             self._graphs = GraphedPrefill(lambda ids: self._states(ids, None), self.device, length_step=graph_length_step,
                                           max_length=graph_max_length(cfg))
         self.info.extra["cuda_graphs"] = self._graphs is not None
+        from eagle_data.extract.backends.cuda_graphs import rope_length_limit
+
+        #: batches longer than this run split by row length (a length-dependent rope); None: never
+        self.rope_limit = rope_length_limit(cfg)
 
     def forward_padded(self, seqs: Sequence[torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """The eager forward of ``seqs`` (1-D token ids) right-padded into ``[B, T]`` -> (the hooks'
@@ -137,6 +145,26 @@ class HFBackend:
         is padded); the mask goes to the model only if it sees its padding (:attr:`mask_padding`)."""
         ids, attn = right_padded(seqs, self.device, non_blocking=self._copy_stream is not None)
         return self._states(ids, attn if self.mask_padding else None), attn
+
+    def _forward_by_rope_length(self, seqs: Sequence[torch.Tensor], lens: list[int]
+                                ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """:meth:`forward_padded` for a batch longer than :attr:`rope_limit`: the rows up to the limit
+        in one forward, each longer row in its own, every forward from the rope's original tables
+        (:func:`reset_length_dependent_rope`); the states scattered back into ``[B, T, H]`` (zeros
+        at the padding)."""
+        short = [i for i, n in enumerate(lens) if n <= self.rope_limit]
+        groups = ([short] if short else []) + [[i] for i, n in enumerate(lens) if n > self.rope_limit]
+        out: dict[str, torch.Tensor] = {}
+        for rows in groups:
+            reset_length_dependent_rope(self.model)
+            states, _ = self.forward_padded([seqs[i] for i in rows])
+            idx = torch.tensor(rows, device=self.device)
+            for name, x in states.items():
+                if name not in out:
+                    out[name] = x.new_zeros((len(seqs), max(lens), x.shape[-1]))
+                out[name][idx, :x.shape[1]] = x
+        reset_length_dependent_rope(self.model)
+        return out, padding_mask(lens, self.device, non_blocking=self._copy_stream is not None)
 
     def _states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """One forward of the base model -> the hooks' outputs {aux0, aux1, aux2, final} [B, T, H].
@@ -188,6 +216,8 @@ class HFBackend:
         states = self._graphs(seqs) if self._graphs is not None else None
         if states is not None:
             attn = padding_mask(lens, self.device, non_blocking=True)  # [B, T] or None: where the padding is
+        elif self.rope_limit is not None and t > self.rope_limit:
+            states, attn = self._forward_by_rope_length(seqs, lens)
         else:
             states, attn = self.forward_padded(seqs)
         # [B, T, 3H] and [B, T, H] in the output dtypes (fp8: + scales [B, T, 3] / [B, T, 1]), still on the device
@@ -270,6 +300,17 @@ def right_padded(seqs: Sequence[torch.Tensor], device: torch.device | str, non_b
     lens = [int(x.shape[0]) for x in seqs]
     input_ids = pad_sequence(list(seqs), batch_first=True).to(device, non_blocking=non_blocking)
     return input_ids, padding_mask(lens, device, non_blocking)
+
+
+def reset_length_dependent_rope(model) -> None:
+    """Put every dynamic-NTK rotary embedding of an HF ``model`` back on its original tables (HF
+    grows them with the longest length seen and keeps them until a batch is shorter than the
+    original context, so a forward would depend on the batches before it)."""
+    for m in model.modules():
+        kind = getattr(m, "rope_type", None)
+        if isinstance(kind, str) and "dynamic" in kind and hasattr(m, "original_inv_freq"):
+            m.register_buffer("inv_freq", m.original_inv_freq.to(m.inv_freq.device), persistent=False)
+            m.max_seq_len_cached = m.original_max_seq_len
 
 
 def padding_mask(lens: Sequence[int], device: torch.device | str, non_blocking: bool = False) -> torch.Tensor | None:
