@@ -78,17 +78,19 @@ def _rope_parameters(config) -> list[dict]:
 
 def rope_length_limit(config) -> int | None:
     """For a rope whose tables depend on the sequence length (any type outside :data:`STATIC_ROPE`:
-    dynamic NTK, longrope): the length beyond which they change (``original_max_position_embeddings``
-    of its parameters or the config, else ``max_position_embeddings``); None for a static rope.
+    dynamic NTK, longrope): the length beyond which they may change — the smallest of the
+    ``original_max_position_embeddings`` of its parameters or the config and the config's
+    ``max_position_embeddings`` (implementations read one or the other; splitting at a shorter
+    length than needed costs speed, not exactness); 0 when none is given; None for a static rope.
     HF picks the tables from the batch's padded length, so a short row batched with one longer
     than this gets other positions' encodings than alone."""
     config = _text_config(config)
     limits = []
     for r in _rope_parameters(config):
         if r.get("rope_type", r.get("type", "default")) not in STATIC_ROPE:
-            n = r.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None) \
-                or getattr(config, "max_position_embeddings", None)
-            limits.append(int(n) if n else 0)
+            given = [r.get("original_max_position_embeddings"), getattr(config, "original_max_position_embeddings", None),
+                     getattr(config, "max_position_embeddings", None)]
+            limits.append(min((int(n) for n in given if isinstance(n, int) and n > 0), default=0))
     return min(limits) if limits else None
 
 
