@@ -63,8 +63,8 @@ def _keys_in(dataset_dir: str | Path, keys: list[str], source: str) -> list[str]
     if keys and not present:
         raise ValueError(f"{dataset_dir}: none of the {len(keys)} held-out keys from {source} is in this dataset "
                          f"(e.g. {sorted(keys)[:3]}): evaluate the dataset they were split from, or give "
-                         "--heldout_keys FILE listing the keys to score (for a set extracted apart: all of its "
-                         "keys, e.g. from `eagle_data.load_index(DIR)['key']`)")
+                         "--heldout_keys FILE listing the keys to score, or --heldout_fraction 1.0 for a set "
+                         "extracted apart from the training data")
     if len(present) < len(keys):
         log.warning("eval: %d of the %d held-out keys from %s are not in %s (other folders, or misspelt): "
                     "%d evaluated at most", len(keys) - len(present), len(keys), source, dataset_dir, len(present))
@@ -318,15 +318,21 @@ def check_target_matches(target, samples: dict[str, dict[str, torch.Tensor]], or
     return share
 
 
+#: the index split's share of the keys when neither keys nor a fraction are given and the checkpoint records none
+DEFAULT_HELDOUT_FRACTION = 0.1
+
+
 def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_keys: Optional[str] = None,
-             heldout_fraction: float = 0.1, num_samples: int = 16, positions_per_sample: int = 8, steps: int = 7,
-             compare_untrained: bool = True, target_model: Optional[str] = None,
+             heldout_fraction: Optional[float] = None, num_samples: int = 16, positions_per_sample: int = 8,
+             steps: int = 7, compare_untrained: bool = True, target_model: Optional[str] = None,
              max_length: Optional[int] = None, device: Optional[str] = None,
              prompt_lookup_max: int = 4) -> dict[str, Any]:
     """tau of the checkpoint, of the same drafter untrained, and of prompt-lookup speculation (the
     free baseline, :mod:`eagle_train.ngram`) on the same held-out positions; writes
     ``acceptance.json`` and ``acceptance.png`` to ``out_dir``. ``device``: where the drafter and
-    the target run (default: the GPU when there is one)."""
+    the target run (default: the GPU when there is one). Held-out keys: ``heldout_keys``, else an
+    index split of ``heldout_fraction`` when it is given, else the keys the checkpoint records as
+    left out of training, else an index split of 0.1."""
     from eagle_train.module import EagleDrafterModule
     from eagle_train.ngram import PromptLookupDrafter
 
@@ -334,7 +340,8 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
 
     from eagle_data.checks import check_positive
 
-    dev = _check_eval_args(device, num_samples, positions_per_sample, steps, heldout_fraction)
+    dev = _check_eval_args(device, num_samples, positions_per_sample, steps,
+                           DEFAULT_HELDOUT_FRACTION if heldout_fraction is None else heldout_fraction)
     check_positive(prompt_lookup_max=prompt_lookup_max)
     over = {"target_model_path": target_model} if target_model else {}
     mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu", **over) if checkpoint else None
@@ -345,9 +352,12 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
     recorded = mod.excluded_keys if mod is not None else None   # what training left out (None: not recorded)
     trained_out = mod.hparams.get("exclude_keys") if mod is not None else None
     unchecked = False  # an index split: nothing says the drafter did not train on it
-    if heldout_keys is None and recorded:
+    if heldout_keys and heldout_fraction is not None:
+        raise ValueError("give heldout_keys or heldout_fraction, not both (the keys name the held-out samples)")
+    if heldout_keys is None and recorded and heldout_fraction is None:
         keys, source = _keys_in(dataset_dir, recorded, "the checkpoint"), "the checkpoint's held-out keys"
-    elif heldout_keys is None and recorded is None and trained_out and Path(trained_out).is_file():
+    elif heldout_keys is None and recorded is None and trained_out and Path(trained_out).is_file() \
+            and heldout_fraction is None:
         source = "the checkpoint's exclude_keys"  # a checkpoint from before the keys were recorded: its file
         keys = _keys_in(dataset_dir, read_key_list(trained_out, "exclude_keys"), f"{source} ({trained_out})")
     elif heldout_keys:
@@ -359,13 +369,16 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
                         "checkpoint records %d left out): if it trained on those samples, tau is overstated",
                         outside, len(keys), len(recorded))
     else:
-        source, keys = "index split (not checked against the training data)", heldout_split(dataset_dir, heldout_fraction)
+        fraction = DEFAULT_HELDOUT_FRACTION if heldout_fraction is None else heldout_fraction
+        source, keys = "index split (not checked against the training data)", heldout_split(dataset_dir, fraction)
         unchecked = True
     if mod is not None and unchecked:
-        log.warning("eval: no held-out keys (none given, none recorded by the checkpoint: train with "
-                    "--model.exclude_keys FILE): an index split of %s is evaluated, unchecked against "
-                    "the training data. If the drafter trained on it, tau is overstated; a set extracted apart from "
-                    "the training data is fine", dataset_dir)
+        why = (f"heldout_fraction given: the {len(recorded)} held-out keys the checkpoint records are not used"
+               if recorded else "no held-out keys (none given, none recorded by the checkpoint: train with "
+               "--model.exclude_keys FILE)")
+        log.warning("eval: %s: an index split of %s is evaluated, unchecked against the training data. If the "
+                    "drafter trained on it, tau is overstated; a set extracted apart from the training data is fine",
+                    why, dataset_dir)
     keys = sorted(keys)[:num_samples]
     if not keys:
         raise ValueError(f"no held-out keys to evaluate ({source}: {heldout_keys or dataset_dir} gives none)")

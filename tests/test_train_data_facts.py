@@ -2,6 +2,7 @@
 take the target from where it is now (found by a breaking pass)."""
 
 import json
+import logging
 import shutil
 
 import lightning.pytorch as pl
@@ -179,7 +180,8 @@ def test_eval_without_held_out_keys_warns_whatever_folder_it_reads(tiny, kr, ref
     assert not any("unchecked" in r.getMessage() for r in caplog.records)
 
 
-def test_held_out_keys_none_of_which_the_evaluated_folder_holds_are_named_with_their_source(tiny, kr, reference, tmp_path):
+def test_held_out_keys_none_of_which_the_evaluated_folder_holds_are_named_with_their_source(tiny, kr, reference, tmp_path,
+                                                                                              caplog):
     """The checkpoint's held-out keys belong to its training folder: given another folder, the error
     says where the keys came from (not a bare "samples not found")."""
     import dataclasses
@@ -195,8 +197,18 @@ def test_held_out_keys_none_of_which_the_evaluated_folder_holds_are_named_with_t
     excl.write_text(json.dumps(sorted(load_index(reference)["key"])[:3]))
     ck = _fit(_module(model, reference, tmp_path, exclude_keys=str(excl)), reference, tmp_path)
     kw = dict(num_samples=4, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
-    with pytest.raises(ValueError, match=r"held: none of the 3 held-out keys from the checkpoint is in this dataset"):
+    with pytest.raises(ValueError, match=r"held: none of the 3 held-out keys from the checkpoint is in this dataset.*"
+                                         r"--heldout_fraction 1.0 for a set extracted apart"):
         evaluate(str(held), str(ck), str(tmp_path / "ev"), **kw)
+    # a set extracted apart, asked for explicitly: scored whole, with the recorded keys named as unused
+    with caplog.at_level(logging.WARNING, logger="eagle_train.evaluate"):
+        s = evaluate(str(held), str(ck), str(tmp_path / "ev"), heldout_fraction=1.0, **kw)
+    assert s["heldout_source"] == "index split (not checked against the training data)"
+    assert s["heldout_keys"] == sorted(load_index(held)["key"])
+    assert any("heldout_fraction given: the 3 held-out keys the checkpoint records are not used" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(ValueError, match=r"give heldout_keys or heldout_fraction, not both"):
+        evaluate(str(held), str(ck), str(tmp_path / "ev"), heldout_keys=str(excl), heldout_fraction=1.0, **kw)
     with pytest.raises(ValueError, match=r"none of the 3 held-out keys from heldout_keys \(.*excl.json\)"):
         evaluate(str(held), None, str(tmp_path / "ev"), heldout_keys=str(excl), target_model=str(model), **kw)
     s = evaluate(str(reference), str(ck), str(tmp_path / "ev"), **kw)

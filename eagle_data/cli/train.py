@@ -52,7 +52,7 @@ def train(model: Optional[dict[str, Any]] = None, data: Optional[Union[dict[str,
 
 
 def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Optional[str] = None,
-             heldout_fraction: float = 0.1, num_samples: int = 16, positions_per_sample: int = 8,
+             heldout_fraction: Optional[float] = None, num_samples: int = 16, positions_per_sample: int = 8,
              steps: int = 7, compare_untrained: bool = True, target_model: Optional[str] = None,
              max_length: Optional[int] = None, device: Optional[str] = None, prompt_lookup_max: int = 4) -> None:
     """Acceptance length tau of a drafter vs the HF target on held-out samples, beside prompt lookup.
@@ -68,8 +68,10 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
             training left out (--model.exclude_keys), else a deterministic index split of ``path``,
             with a warning: nothing checks that the drafter did not train on those samples). Keys
             given here that the checkpoint does not record as left out are warned about.
-        heldout_fraction: fraction of the keys held out when they come from the index split (1.0 for
-            a held-out set extracted apart from the training data).
+        heldout_fraction: score a deterministic index split of this fraction of ``path``'s keys
+            (1.0 for a held-out set extracted apart from the training data), also when the
+            checkpoint records held-out keys (warned: unchecked against the training data);
+            default: the recorded keys, else 0.1. Not together with ``heldout_keys``.
         num_samples: evaluate at most this many held-out samples.
         positions_per_sample: draft chains per sample (positions inside assistant spans).
         steps: K draft tokens per chain.
