@@ -9,7 +9,16 @@ PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-stamp=".venv/.installed-$(echo "$extras" | tr ',' '-')-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)"
+hash=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)
+stamp=".venv/.installed-$(echo "$extras" | tr ',' '-')-$hash"
+# an install of these extras and more (e.g. dev,sglang from the test command) serves a call for fewer
+for other in .venv/.installed-*-"$hash"; do
+  [ -f "$other" ] || continue
+  have=$(basename "$other"); have=",${have#.installed-}"; have="${have%-$hash},"; have="${have//-/,}"
+  missing=0
+  for e in ${extras//,/ }; do [[ "$have" == *",$e,"* ]] || missing=1; done
+  [ $missing = 0 ] && stamp="$other" && break
+done
 if [ ! -f "$stamp" ]; then
   echo "setup: installing eagle-data[${extras}] into .venv (torch and friends, ~6 GB: minutes on a fresh machine)..."
   .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true

@@ -36,7 +36,10 @@ def vocab(path: str, size: int = 32000, out: Optional[str] = None, rebuild: bool
 def train(model: Optional[dict[str, Any]] = None, data: Optional[Union[dict[str, Any], str]] = None,
           trainer: Optional[dict[str, Any]] = None, seed_everything: int = 0,
           ckpt_path: Optional[str] = None) -> None:
-    """Train an EAGLE-3 drafter (LightningCLI sections; see configs/train/*.yaml).
+    """Train an EAGLE-3 drafter; every option: python -m eagle_train.cli fit --help.
+
+    The sections are LightningCLI's (see configs/train/*.yaml); the command above lists each
+    --model.*, --data.* and --trainer.* option with its type, default and doc.
 
     Args:
         model: eagle_train.module.EagleDrafterModule arguments (e.g. --model.lr 3e-4).
