@@ -5,7 +5,9 @@ The drafter is small (SmolLM2's: H = 576), so an eager step is a long train of s
 piece is compiled once per process (``dynamic=True``: real batches vary in ``B`` and ``T``) and
 only on CUDA (CPU runs and tests stay eager unless ``force``). If inductor fails on a machine,
 the piece falls back to eager for the rest of the process with one warning: the math is the
-same, only slower.
+same, only slower. This covers the forward call; a compiled region's backward is compiled when
+it first runs, outside that call: training's compile warm-up runs the backward and turns the
+compiled layer off when it fails there (``EagleDrafterModule.warm_up_compiles``).
 """
 
 from __future__ import annotations

@@ -56,13 +56,13 @@ def _unsharded(strategy: Any) -> bool:
 def warm_up_shapes(max_length: int, max_tokens: Optional[int]) -> list[tuple[int, int]]:
     """``[(B, T)]`` of :meth:`EagleDrafterModule.warm_up_compiles`: three small shapes (static, dynamic,
     ``B = 1``) and, when ``max_tokens`` is known and larger, one batch at that token budget."""
-    shapes = [(2, min(max_length, 384)), (5, min(max_length, 1000)), (1, min(max_length, 640))]
+    shapes = [(2, max(2, min(max_length, 384))), (5, max(2, min(max_length, 1000))), (1, max(2, min(max_length, 640)))]
     if max_tokens:
-        t = min(max_length, 2048)
+        t = max(2, min(max_length, 2048))
         b = max(2, max_tokens // t)
         if b * t > 5 * 1000:
             shapes.append((b, t))
-    return [(b, max(t, 2)) for b, t in shapes]
+    return shapes
 
 
 class EagleDrafterModule(pl.LightningModule):
@@ -192,29 +192,38 @@ class EagleDrafterModule(pl.LightningModule):
         return out, sum(supervised[i] for i in keep)
 
     def _shared(self, batch: dict[str, Any], stage: str, supervised: int):
-        """The loss of a batch with ``supervised`` supervised tokens, logged: metrics are averaged
-        over batches weighted by their supervised tokens; a training batch that teaches nothing
-        (samples cut by data.max_length before their first assistant token) is not logged;
-        validation logs it with weight 0 (every rank must log each metric under sync_dist): it
-        moves no average, and an epoch with no supervised token at all reads NaN, not 0."""
+        """The loss of a batch, logged: metrics are averaged over batches weighted by their
+        supervised tokens — in training ``supervised`` (the loss-mask count read before the step,
+        no extra host wait), in validation the rows each step's loss really scores (``n_k``: also
+        without the positions no step reaches and, with ``exclude_oov``, the out-of-vocabulary
+        teachers). A training batch that teaches nothing (samples cut by data.max_length before
+        their first assistant token) is not logged; validation logs it with weight 0 (every rank
+        must log each metric under sync_dist): it moves no average, and an epoch with nothing
+        supervised reads NaN, not 0."""
         out = ttt_loss(self.drafter, self.target_lm_head, batch, self.hparams.ttt_steps,
                        self.hparams.step_weight, self.hparams.exclude_oov)
         on_step = stage == "train"
-        bs = supervised
-        if bs == 0:
+        weights = [supervised] * len(out["n_k"]) if on_step else torch.stack(out["n_k"]).tolist()
+        if weights[0] == 0:
             if not self._warned_unsupervised:
                 self._warned_unsupervised = True
                 log.warning("a %s batch has no supervised token (its samples were cut by data.max_length before "
                             "their first assistant token, or have none): it costs a step and teaches nothing", stage)
             if on_step:
                 return out["loss"]
-        self.log(f"{stage}/loss", out["loss"], prog_bar=True, batch_size=bs, on_step=on_step, on_epoch=True,
-                 sync_dist=not on_step)
-        for k, (lk, ak) in enumerate(zip(out["loss_k"], out["acc_k"])):
-            self.log(f"{stage}/acc_{k}", ak, prog_bar=(k == 0), batch_size=bs, on_step=on_step, on_epoch=True,
-                     sync_dist=not on_step)
-            self.log(f"{stage}/loss_{k}", lk, batch_size=bs, on_step=on_step, on_epoch=True, sync_dist=not on_step)
+        self._log_metrics(stage, out["loss"], out["loss_k"], out["acc_k"], weights)
         return out["loss"]
+
+    def _log_metrics(self, stage: str, loss, loss_k: list, acc_k: list, weights: list[int]) -> None:
+        """``{stage}/loss`` (weight ``weights[0]``), ``acc_k`` and ``loss_k`` (weight ``weights[k]``)."""
+        on_step = stage == "train"
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=weights[0], on_step=on_step, on_epoch=True,
+                 sync_dist=not on_step)
+        for k, (lk, ak) in enumerate(zip(loss_k, acc_k)):
+            self.log(f"{stage}/acc_{k}", ak, prog_bar=(k == 0), batch_size=weights[k], on_step=on_step,
+                     on_epoch=True, sync_dist=not on_step)
+            self.log(f"{stage}/loss_{k}", lk, batch_size=weights[k], on_step=on_step, on_epoch=True,
+                     sync_dist=not on_step)
 
     def training_step(self, batch, batch_idx):
         batch, supervised = self._filter(batch)
@@ -224,7 +233,12 @@ class EagleDrafterModule(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         batch, supervised = self._filter(batch, exclude=False)  # the held-out keys are what validation may read
-        return None if batch is None else self._shared(batch, "val", supervised)
+        if batch is None:  # every row damaged: weight-0 metrics, so that every DDP rank logs the same ones
+            zero = torch.zeros((), device=self.device)
+            k = self.hparams.ttt_steps
+            self._log_metrics("val", zero, [zero] * k, [zero] * k, [0] * k)
+            return None
+        return self._shared(batch, "val", supervised)
 
     # ------------------------------------------------------------------ optim
     def configure_optimizers(self):
@@ -328,16 +342,27 @@ class EagleDrafterModule(pl.LightningModule):
                          "loss_mask": mask.clone(),
                          "aux_hidden_states": torch.randn(b, t, n_aux * h, device=self.device).to(dtype),
                          "hidden_states": torch.randn(b, t, h, device=self.device).to(dtype)}
-                with self.trainer.precision_plugin.forward_context():
-                    loss = ttt_loss(self.drafter, self.target_lm_head, batch, self.hparams.ttt_steps,
-                                    self.hparams.step_weight, self.hparams.exclude_oov)["loss"]
-                loss.backward()
+                try:
+                    self._warm_up_step(batch)
+                except Exception as e:  # noqa: BLE001 - inductor failures of any kind, also in the backward
+                    if not self.drafter.compile_layer:
+                        raise
+                    self.drafter.compile_layer = False  # the eager layer: same math; a failure there is real
+                    log.warning("compiled decoder layer failed in the warm-up (%s: %s); training runs it eagerly",
+                                type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                    self._warm_up_step(batch)
         self.drafter.zero_grad(set_to_none=True)
         if on_gpu:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
         log.info("compile warm-up: %.1f s before the training clock", seconds)
         return seconds
+
+    def _warm_up_step(self, batch: dict[str, Any]) -> None:
+        with self.trainer.precision_plugin.forward_context():
+            loss = ttt_loss(self.drafter, self.target_lm_head, batch, self.hparams.ttt_steps,
+                            self.hparams.step_weight, self.hparams.exclude_oov)["loss"]
+        loss.backward()
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self._t0 is None:

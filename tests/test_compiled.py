@@ -116,3 +116,29 @@ def test_sharded_strategies_run_the_layer_eagerly(tmp_path):
         mod._trainer = SimpleNamespace(strategy=strategy, datamodule=None)
         mod.setup("fit")
         assert mod.drafter.compile_layer is on, strategy
+
+
+def test_a_backward_compile_failure_in_the_warm_up_turns_the_layer_eager(tmp_path, forced, monkeypatch, caplog):
+    """A compiled region's backward is compiled when it first runs, outside ``compiled``'s own
+    fallback: the warm-up (which runs forward and backward) catches it and trains eagerly."""
+    import lightning.pytorch as pl
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def bw(gm, example_inputs):
+        raise RuntimeError("simulated inductor backward failure")
+
+    backend = aot_autograd(fw_compiler=lambda gm, ex: make_boxed_func(gm.forward), bw_compiler=bw)
+    real = torch.compile
+    monkeypatch.setattr(C.torch, "compile", lambda fn, dynamic=True: real(fn, dynamic=dynamic, backend=backend))
+    mod = tiny_module(tmp_path, exclude_oov=False)
+    mod.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    before = {k: v.clone() for k, v in mod.state_dict().items()}
+    with caplog.at_level(logging.WARNING, logger="eagle_train.module"):
+        mod.warm_up_compiles()
+    assert mod.drafter.compile_layer is False
+    assert any("compiled decoder layer failed in the warm-up" in r.getMessage() for r in caplog.records)
+    assert all(p.grad is None for p in mod.parameters())
+    assert all(torch.equal(before[k], v) for k, v in mod.state_dict().items())
+    batch = tiny_batch(tiny_target(), n=2, t=16)
+    ttt_loss(mod.drafter, mod.target_lm_head, batch, steps=2, exclude_oov=False)["loss"].backward()  # eager now

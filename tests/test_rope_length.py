@@ -29,6 +29,13 @@ def _model(kind: str):
                                             "long_factor": [1.0 + i for i in range(half)],
                                             "original_max_position_embeddings": 16})
         return T.Phi3ForCausalLM(cfg).eval()
+    if kind == "per_layer_dynamic":  # Gemma3-style: a rope per layer type, the global layers' dynamic
+        cfg = T.Gemma3TextConfig(**common, head_dim=16, max_position_embeddings=16, sliding_window=64,
+                                 layer_types=["sliding_attention", "full_attention"] * 2 + ["full_attention"],
+                                 rope_parameters={"full_attention": {"rope_type": "dynamic", "rope_theta": 100.0,
+                                                                     "factor": 4.0},
+                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}})
+        return T.Gemma3ForCausalLM(cfg).eval()
     cfg = T.LlamaConfig(**common, max_position_embeddings=16)
     return T.LlamaForCausalLM(cfg).eval()
 
@@ -40,7 +47,7 @@ def _alone(kind, ids):
     return c
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+@pytest.mark.parametrize("kind", ["dynamic", "longrope", "per_layer_dynamic"])
 def test_rows_past_the_original_context_match_the_row_alone(kind):
     be = HFBackend("tiny", AUX, dtype="float32", model=_model(kind))
     assert be.rope_limit == 16
@@ -75,3 +82,6 @@ def test_static_ropes_have_no_limit():
         "original_max_position_embeddings": 8192})) is None
     assert rope_length_limit(T.LlamaConfig(max_position_embeddings=64, rope_parameters={
         "rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})) == 64
+    # HF grows dynamic tables past max_position_embeddings whatever else the parameters say
+    assert rope_length_limit(T.LlamaConfig(max_position_embeddings=16, rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 64})) == 16

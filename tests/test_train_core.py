@@ -770,6 +770,7 @@ def test_warm_up_shapes_reach_the_token_budget():
     assert warm_up_shapes(2048, 4096) == small  # no bigger than the small shapes
     assert warm_up_shapes(100, 32768) == [(2, 100), (5, 100), (1, 100), (327, 100)]
     assert warm_up_shapes(1, None) == [(2, 2), (5, 2), (1, 2)]
-    for length, budget in ((2048, 32768), (300, 20000), (8192, 10000)):
+    assert warm_up_shapes(1, 40000) == [(2, 2), (5, 2), (1, 2), (20000, 2)]
+    for length, budget in ((2048, 32768), (300, 20000), (8192, 10000), (1, 40000), (3, 9999)):
         b, t = warm_up_shapes(length, budget)[-1]
-        assert t <= length and b * t <= budget
+        assert t <= max(length, 2) and b * t <= budget  # at least 2 tokens: one row of the TTT frame

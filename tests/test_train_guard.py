@@ -209,7 +209,18 @@ def test_validation_batches_without_supervised_tokens_move_no_metric(tmp_path):
                         default_root_dir=str(tmp_path))
         return tr.validate(mod, dataloaders=ListLoader(batches), verbose=False)[0]
 
-    alone, both, none = val([taught]), val([taught, untaught]), val([untaught])
-    assert alone["val/loss"] > 1.0 and set(alone) == set(both) == set(none)
-    assert all(both[k] == pytest.approx(alone[k], rel=1e-6) for k in alone)
-    assert all(math.isnan(v) for v in none.values())
+    # masked only where no step reaches (positions 0-1): the loss scores nothing there either
+    unreached = tiny_batch(tiny_target(), n=2, t=16, seed=2)
+    unreached["loss_mask"] = torch.zeros_like(unreached["loss_mask"])
+    unreached["loss_mask"][:, :2] = True
+    # every row damaged (dropped by the guard): still logged, with weight 0 (DDP ranks log alike)
+    damaged = tiny_batch(tiny_target(), n=2, t=16, seed=3)
+    damaged["input_ids"][:, 3] = 10 ** 6
+
+    alone = val([taught])
+    assert alone["val/loss"] > 1.0
+    for extra in (untaught, unreached, damaged):
+        both, none = val([taught, extra]), val([extra])
+        assert set(alone) == set(both) == set(none)
+        assert all(both[k] == pytest.approx(alone[k], rel=1e-6) for k in alone)
+        assert all(math.isnan(v) for v in none.values())

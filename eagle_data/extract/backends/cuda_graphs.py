@@ -73,7 +73,9 @@ def _rope_types(config) -> list[str]:
 
 def _rope_parameters(config) -> list[dict]:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    per_type = rope and all(isinstance(v, dict) or v is None for v in rope.values()) \
+        and any(isinstance(v, dict) for v in rope.values())
+    return [v for v in rope.values() if isinstance(v, dict)] if per_type else [rope]
 
 
 def rope_length_limit(config) -> int | None:

@@ -307,10 +307,16 @@ def reset_length_dependent_rope(model) -> None:
     grows them with the longest length seen and keeps them until a batch is shorter than the
     original context, so a forward would depend on the batches before it)."""
     for m in model.modules():
-        kind = getattr(m, "rope_type", None)
-        if isinstance(kind, str) and "dynamic" in kind and hasattr(m, "original_inv_freq"):
-            m.register_buffer("inv_freq", m.original_inv_freq.to(m.inv_freq.device), persistent=False)
-            m.max_seq_len_cached = m.original_max_seq_len
+        kinds = getattr(m, "rope_type", None)
+        kinds = {"": kinds} if isinstance(kinds, str) else kinds if isinstance(kinds, dict) else {}
+        for layer_type, kind in kinds.items():  # "": one rope; else one per layer type ("{type}_inv_freq")
+            prefix = f"{layer_type}_" if layer_type else ""
+            original = getattr(m, f"{prefix}original_inv_freq", None)
+            if not (isinstance(kind, str) and "dynamic" in kind and isinstance(original, torch.Tensor)):
+                continue
+            m.register_buffer(f"{prefix}inv_freq", original.to(getattr(m, f"{prefix}inv_freq").device),
+                              persistent=False)
+            setattr(m, f"{prefix}max_seq_len_cached", m.original_max_seq_len)
 
 
 def padding_mask(lens: Sequence[int], device: torch.device | str, non_blocking: bool = False) -> torch.Tensor | None:
