@@ -102,7 +102,9 @@ class EagleDrafterModule(pl.LightningModule):
             batch), run the loss forward and backward on synthetic batches of
             :func:`warm_up_shapes` (:meth:`warm_up_compiles`), so that torch.compile's first
             compiles (flex attention, the fused loss, the layer) do not eat the first timed
-            minute of a fixed-time run. Nothing is learnt from them. (``trainer.max_time`` counts it: Lightning's timer starts before it.)
+            minute of a fixed-time run. Nothing is learnt from them. (``trainer.max_time`` counts
+            it: Lightning's timer starts before it.) A compiled layer that fails there (forward or
+            backward) is turned off: training runs it eagerly.
         compile_layer: on CUDA, the drafter's decoder layer runs through ``torch.compile``
             (:attr:`eagle_train.model.Eagle3Drafter.compile_layer`: fewer, fused kernels per TTT
             step; eager again if inductor fails). CPU runs are eager either way, and so are
