@@ -340,8 +340,8 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
 
     from eagle_data.checks import check_positive
 
-    dev = _check_eval_args(device, num_samples, positions_per_sample, steps,
-                           DEFAULT_HELDOUT_FRACTION if heldout_fraction is None else heldout_fraction)
+    fraction = DEFAULT_HELDOUT_FRACTION if heldout_fraction is None else heldout_fraction
+    dev = _check_eval_args(device, num_samples, positions_per_sample, steps, fraction)
     check_positive(prompt_lookup_max=prompt_lookup_max)
     over = {"target_model_path": target_model} if target_model else {}
     mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu", **over) if checkpoint else None
@@ -369,7 +369,6 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
                         "checkpoint records %d left out): if it trained on those samples, tau is overstated",
                         outside, len(keys), len(recorded))
     else:
-        fraction = DEFAULT_HELDOUT_FRACTION if heldout_fraction is None else heldout_fraction
         source, keys = "index split (not checked against the training data)", heldout_split(dataset_dir, fraction)
         unchecked = True
     if mod is not None and unchecked:

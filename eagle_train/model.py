@@ -266,7 +266,7 @@ class DraftDecoderLayer(nn.Module):
                weights: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
         """``attn`` [B, T, h*d], ``hidden`` = the residual (layer input) -> pre-norm output [B, T, H];
         ``weights``: :func:`autocast_matrices` (None: the modules' own)."""
-        h = _proj(self.self_attn.o_proj, cast_for_autocast(attn), weights, "o_proj") + hidden
+        h = _proj(self.self_attn.o_proj, attn, weights, "o_proj") + hidden
         return self.mlp(self.post_attention_layernorm(h), weights) + h
 
 
