@@ -3,6 +3,8 @@ states of a row do not depend on the batch it shares or on the batches before it
 rope's original context (tiny random models: original context 16 tokens)."""
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 
 from eagle_data.extract.backends.cuda_graphs import rope_length_limit
@@ -85,3 +87,23 @@ def test_static_ropes_have_no_limit():
     # HF grows dynamic tables past max_position_embeddings whatever else the parameters say
     assert rope_length_limit(T.LlamaConfig(max_position_embeddings=16, rope_parameters={
         "rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 64})) == 16
+
+
+_ALONE_CACHE: dict = {}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["dynamic", "longrope", "per_layer_dynamic"]),
+       batches=st.lists(st.lists(st.integers(2, 48), min_size=1, max_size=4), min_size=1, max_size=4))
+def test_any_sequence_of_batches_gives_each_row_its_states_alone(kind, batches):
+    """Property: for any batches (lengths on both sides of the limit, any order), run one after
+    another on one backend, every row's states equal the row alone on a fresh model."""
+    be = HFBackend("tiny", AUX, dtype="float32", model=_model(kind))
+    for lens in batches:
+        rows = [torch.randint(1, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in lens]
+        for n, ids, c in zip(lens, rows, be.capture([(f"r{i}", r) for i, r in enumerate(rows)])):
+            if (kind, n) not in _ALONE_CACHE:
+                _ALONE_CACHE[kind, n] = _alone(kind, ids)
+            want = _ALONE_CACHE[kind, n]
+            torch.testing.assert_close(c.aux_hidden_states, want.aux_hidden_states, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(c.hidden_states, want.hidden_states, rtol=1e-5, atol=1e-5)
