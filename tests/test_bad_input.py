@@ -300,7 +300,8 @@ def test_a_run_refused_after_it_started_leaves_no_folder_behind(tiny, tmp_path):
     created above it; a folder that existed before is left as it was."""
     model, data = tiny
     for out, existed in ((tmp_path / "new", False), (tmp_path / "old", True), (tmp_path / "a" / "b" / "c", False),
-                         (tmp_path / "old" / "x" / "y", False), (tmp_path / "p" / ".." / "q" / "r", False)):
+                         (tmp_path / "old" / "x" / "y", False), (tmp_path / "p" / ".." / "q" / "r", False),
+                         (tmp_path / "m" / "n" / "..", False)):  # m/n/.. is m: m/n is never made
         if existed:
             out.mkdir()
         cfg = ExtractConfig(out=str(out), model=str(model), data=str(data), device="cpu", dtype="float32",

@@ -113,13 +113,19 @@ def read_progress(p: Path) -> RankProgress:
     return rec
 
 
+def out_path(out: str) -> Path:
+    """``out`` as a path; one with a ``..`` component resolved first (``m/n/..`` is ``m``: the
+    missing ``m/n`` is neither created nor left behind)."""
+    return Path(os.path.realpath(out)) if ".." in Path(out).parts else Path(out)
+
+
 def open_out(out: str, rank: int, doing: str = "extracted") -> tuple[Path, int | None]:
-    """Create the output directory ``out`` and lock ``rank`` in it (:func:`lock_rank`).
+    """Create the output directory ``out`` (:func:`out_path`) and lock ``rank`` in it (:func:`lock_rank`).
 
     Raises:
         ValueError: the directory cannot be created, or the rank is locked by a live process.
     """
-    path = Path(out)
+    path = out_path(out)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

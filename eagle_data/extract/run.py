@@ -43,7 +43,7 @@ from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage
                                        rows_to_read, storage_dtype)
 from eagle_data.extract.front_process import FrontProcess
 from eagle_data.extract.fault import ErrorPolicy
-from eagle_data.extract.manifest import load_progress, merge, open_out
+from eagle_data.extract.manifest import load_progress, merge, open_out, out_path
 from eagle_data.format.fingerprint import weights_fingerprint
 from eagle_data.extract.rank_state import RankState, refuse_foreign
 from eagle_data.extract.signals import ExtractionInterrupted, Signals, interruptible_iter
@@ -74,7 +74,7 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
     """
     check_paths(cfg)
     refuse_foreign(Path(cfg.out))
-    created = _missing_folders(Path(cfg.out))  # the folders this run creates
+    created = _missing_folders(out_path(cfg.out))  # the folders this run creates
     out, lock = open_out(cfg.out, cfg.rank)
     try:
         return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer)
