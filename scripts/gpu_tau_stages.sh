@@ -7,13 +7,15 @@
 #            (train_a + .gpu/p2/train_b, or TRAIN_GZ) -> /tmp/tau/all.jsonl; then the GRAPH_RUNS
 #   STAGE=3: as many training rows as the disk holds (at most MAX_ROWS), extract + vocab (GRAPHS=1: CUDA
 #            graphs; LONG_AB=1 first times the eager extraction of the same rows, then deletes it);
-#            the lr tune when LRS is set (~5.5 min), else lr LR (default 6e-4)
+#            the tune when VARIANTS or LRS is set (side by side, SWEEP_SECONDS each, default 90), else lr LR
+#            (default 6e-4)
 #   STAGE=4: train 8 minutes with checkpoints at 2/4/8 (~8.5 min)
 #   STAGE=5: the features-zeroed control when CONTROL=1 (2 min), all evals at once, then the table;
 #            the training shards are deleted after; then the GRAPH_RUNS
 # STEP_BENCH=1 (stage 2): `python -m benchmarks train_step` for the SmolLM2-shaped drafter of the run
 # (16 x <= 2,048 tokens, varying lengths, draft vocab 16,384) with the decoder layer eager and compiled
-# (the second profiled), then the 8B-shaped drafter at T=2048 and 8192 (compiled): JSON in $OUT.
+# (the second profiled), then the 8B-shaped drafter at T=2048 and 8192 (compiled): JSON in $OUT;
+# STEP_BENCH=8b: the 8B-shaped drafter only.
 # GRAPH_RUNS (e.g. "mask false true"): one `python -m benchmarks stages` per entry on the first 2,000
 # rows (bf16, 4 writers, process front) with --cuda_graphs as given (issue 16: CUDA graphs of the
 # prefill; "mask": eager with the padding mask always passed), each under the call's deadline
@@ -53,7 +55,9 @@ case $STAGE in
   pip install --no-deps -q --target /tmp/site $S/wheels/*.whl 2>&1 | tail -1
   zcat ${TRAIN_GZ:-$S/train_a.jsonl.gz .gpu/p2/train_b.jsonl.gz} > $T/all.jsonl; zcat $S/heldout.jsonl.gz > $T/heldout.jsonl
   wc -l $T/*.jsonl
-  if [ "${STEP_BENCH:-0}" = 1 ]; then
+  if [ "${STEP_BENCH:-0}" = 8b ]; then  # the 8B-shaped drafter only (default: compiled layer)
+    python -m benchmarks train_step --seq_lens '[2048, 8192]' --json_out $RUN_OUT/step_8b.json 2>&1 | grep -v -i warn | tail -n 3
+  elif [ "${STEP_BENCH:-0}" = 1 ]; then
     for c in false true; do
       prof=false; [ $c = true ] && prof=true
       python -m benchmarks train_step --shape smollm2-135m --seq_lens '[2048]' --batch_size 16 --vary_lengths true \
@@ -79,11 +83,12 @@ case $STAGE in
   t0=$(date +%s)
   OUT=$T PHASES="extract" bash scripts/tau_bench.sh 2>&1 | grep -v -i "warn" | grep -i "extracted\|dataset:\|covers\|error\|Traceback" | head -20
   echo "extract+vocab wall $(( $(date +%s) - t0 )) s"; du -sh $T/train; df -h /tmp | tail -1
-  if [ -n "${LRS:-}" ]; then
+  if [ -n "${LRS:-}${VARIANTS:-}" ]; then
     t0=$(date +%s)
-    OUT=$T PHASES="tune" SWEEP_SECONDS=90 bash scripts/tau_bench.sh 2>&1 | grep "tune\|Error\|error" | tail -5
+    OUT=$T PHASES="tune" SWEEP_SECONDS=${SWEEP_SECONDS:-90} bash scripts/tau_bench.sh 2>&1 | grep "tune\|Error\|error" | tail -5
     echo "tune wall $(( $(date +%s) - t0 )) s"
-    cp $T/tune.json $RUN_OUT/ 2>/dev/null; for f in $T/tune/*.log; do tail -c 3000 $f > $RUN_OUT/$(basename $f); done
+    cp $T/tune.json $RUN_OUT/ 2>/dev/null; for f in $T/tune/*.log; do tail -c 3000 $f > $RUN_OUT/tune_$(basename $f); done
+    for d in $T/tune/v*/; do cp "$(ls -t $d/lightning_logs/*/metrics.csv 2>/dev/null | head -1)" $RUN_OUT/tune_$(basename $d).csv 2>/dev/null; done
   else
     echo "${LR:-6e-4}" > $T/lr.txt
   fi
@@ -91,7 +96,7 @@ case $STAGE in
 4)
   t0=$(date +%s)
   TORCH_LOGS=recompiles OUT=$T PHASES="train" bash scripts/tau_bench.sh > $RUN_OUT/train.log 2>&1
-  echo "rc $? train wall $(( $(date +%s) - t0 )) s; lr $(cat $T/lr.txt)"; ls $T/run; grep -i "error\|Traceback" $RUN_OUT/train.log | head
+  echo "rc $? train wall $(( $(date +%s) - t0 )) s; lr $(cat $T/lr.txt 2>/dev/null); args $(cat $T/train_args.txt 2>/dev/null)"; ls $T/run; grep -i "error\|Traceback" $RUN_OUT/train.log | head
   grep -i "warm-up" $RUN_OUT/train.log; echo "recompile lines: $(grep -ci recompil $RUN_OUT/train.log)"; tail -c 1500 $RUN_OUT/train.log
   cp "$(ls -t $T/run/lightning_logs/*/metrics.csv 2>/dev/null | head -1)" $RUN_OUT/ 2>/dev/null; nvidia-smi --query-gpu=memory.used --format=csv
   ;;

@@ -8,8 +8,10 @@
 #   extract  both with SmolLM2 (bf16 on the GPU; the training set stored as STORAGE, default bfloat16,
 #            e.g. float8_e4m3fn for issue 16; FINAL_ROWS=taught stores the final states only where
 #            they teach; GRAPHS=1: the prefill through CUDA graphs); the draft vocabulary from the training set;
-#   tune     (optional) a short run per lr in LRS, side by side, cosine over SWEEP_SECONDS; the lr
-#            with the lowest training loss (last fifth of the logged steps) -> OUT/lr.txt.
+#   tune     (optional) a short run per variant, side by side, cosine over SWEEP_SECONDS: VARIANTS
+#            (one per line, extra `eagle-data train` options, e.g. "--model.lr 1.2e-3 --data.max_tokens
+#            65536") or one per lr of LRS; the variant with the lowest training loss (last fifth of the
+#            logged steps) -> OUT/train_args.txt, the train and control phases' TRAIN_ARGS.
 #            Training data only: the held-out set is not read;
 #   train    configs/train/tau_bench_gpu.yaml, checkpoints after each of MINUTES of training time
 #            (the lr cosine spans the last mark; training stops there);
@@ -74,36 +76,45 @@ train() {
     "$@"
 }
 
-if has tune && [ -n "$LRS" ]; then
-  mins=$(python -c "print($SWEEP_SECONDS / 60)"); mkdir -p "$OUT/tune"
-  for lr in $LRS; do
-    train "$OUT/tune/lr_$lr" "$mins" "$lr" false --trainer.logger \
-      "{\"class_path\": \"lightning.pytorch.loggers.CSVLogger\", \"init_args\": {\"save_dir\": \"$OUT/tune/lr_$lr\"}}" \
-      --trainer.log_every_n_steps 10 > "$OUT/tune/lr_$lr.log" 2>&1 &
-  done
+# the variants of the tune: VARIANTS (one per line: extra `eagle-data train` options), or one per lr of LRS
+if [ -z "${VARIANTS:-}" ] && [ -n "$LRS" ]; then VARIANTS=$(for lr in $LRS; do echo "--model.lr $lr"; done); fi
+if has tune && [ -n "${VARIANTS:-}" ]; then
+  mins=$(python -c "print($SWEEP_SECONDS / 60)"); rm -rf "$OUT/tune" "$OUT/lr.txt"; mkdir -p "$OUT/tune"; i=0
+  while IFS= read -r v; do
+    [ -n "$v" ] || continue; i=$((i + 1)); d="$OUT/tune/v$i"; mkdir -p "$d"; echo "$v" > "$d/args.txt"
+    # shellcheck disable=SC2086  # a variant is a list of options
+    train "$d" "$mins" "" false --data.num_workers "${TUNE_WORKERS:-3}" --trainer.logger \
+      "{\"class_path\": \"lightning.pytorch.loggers.CSVLogger\", \"init_args\": {\"save_dir\": \"$d\"}}" \
+      --trainer.log_every_n_steps 10 $v > "$d.log" 2>&1 &
+  done <<< "$VARIANTS"
   wait
   python - "$OUT" <<'PY'
 import csv, glob, json, statistics, sys
 out = sys.argv[1]
 res = {}
-for path in sorted(glob.glob(f"{out}/tune/lr_*/**/metrics.csv", recursive=True)):
-    lr = path.split("/tune/lr_")[1].split("/")[0]
-    rows = [r for r in csv.DictReader(open(path)) if r.get("train/loss_step")]
+for d in sorted(glob.glob(f"{out}/tune/v*/")):
+    args = open(f"{d}args.txt").read().strip()
+    paths = glob.glob(f"{d}**/metrics.csv", recursive=True)
+    rows = [r for p in paths for r in csv.DictReader(open(p)) if r.get("train/loss_step")]
+    if not rows:
+        print(f"tune: {args!r} logged no training loss (see {d.rstrip('/')}.log)")
+        continue
     tail = rows[-max(1, len(rows) // 5):]
-    res[lr] = {"loss": statistics.fmean(float(r["train/loss_step"]) for r in tail),
-               "steps": int(rows[-1]["step"]) if rows else 0}
+    res[args] = {"loss": statistics.fmean(float(r["train/loss_step"]) for r in tail), "steps": int(rows[-1]["step"])}
 if not res:
     sys.exit("tune: no run logged a training loss (see OUT/tune/*.log)")
 best = min(res, key=lambda k: res[k]["loss"])
-json.dump({"runs": res, "best_lr": best}, open(f"{out}/tune.json", "w"), indent=1)
-open(f"{out}/lr.txt", "w").write(best)
+json.dump({"runs": res, "best": best}, open(f"{out}/tune.json", "w"), indent=1)
+open(f"{out}/train_args.txt", "w").write(best)
 print("tune (training loss, last fifth of logged steps):",
-      ", ".join(f"lr {k}: {v['loss']:.4f} ({v['steps']} steps)" for k, v in res.items()), "-> lr", best)
+      "; ".join(f"{k}: {v['loss']:.4f} ({v['steps']} steps)" for k, v in res.items()), "-> best:", best)
 PY
 fi
 LR=${LR:-$(cat "$OUT/lr.txt" 2>/dev/null || true)}
 
-# TRAIN_ARGS: more `eagle-data train` options for the run and the control (e.g. "--model.step_weight 0.9")
+# TRAIN_ARGS: more `eagle-data train` options for the run and the control (e.g. "--model.step_weight 0.9");
+# default: the tune's best variant (OUT/train_args.txt), when there was a tune
+TRAIN_ARGS=${TRAIN_ARGS:-$(cat "$OUT/train_args.txt" 2>/dev/null || true)}
 if has train; then train "$OUT/run" "$MINUTES" "$LR" false ${TRAIN_ARGS:-}; fi
 if has control; then train "$OUT/run_zero" "$first" "$LR" true ${TRAIN_ARGS:-}; fi
 
