@@ -11,8 +11,9 @@
 #   tune     (optional) a short run per variant, side by side, cosine over SWEEP_SECONDS: VARIANTS
 #            (one per line, extra `eagle-data train` options, e.g. "--model.lr 1.2e-3 --data.max_tokens
 #            65536") or one per lr of LRS; the variant with the lowest training loss (last fifth of the
-#            logged steps) -> OUT/train_args.txt, the train and control phases' TRAIN_ARGS.
-#            Training data only: the held-out set is not read;
+#            logged steps) -> OUT/train_args.txt, the train and control phases' TRAIN_ARGS. A variant
+#            with "--model.zero_features true" is a control, never chosen (EVAL_TUNE=1 evaluates the
+#            tune's checkpoints beside the run's). Training data only: the held-out set is not read;
 #   train    configs/train/tau_bench_gpu.yaml, checkpoints after each of MINUTES of training time
 #            (the lr cosine spans the last mark; training stops there);
 #   control  the same training with the target's features zeroed (zero_features) for the first mark;
@@ -94,6 +95,8 @@ out = sys.argv[1]
 res = {}
 for d in sorted(glob.glob(f"{out}/tune/v*/")):
     args = open(f"{d}args.txt").read().strip()
+    if "--model.zero_features true" in args:  # a control, not a candidate (EVAL_TUNE=1 scores it)
+        continue
     paths = glob.glob(f"{d}**/metrics.csv", recursive=True)
     rows = [r for p in paths for r in csv.DictReader(open(p)) if r.get("train/loss_step")]
     if not rows:
@@ -119,26 +122,31 @@ if has train; then train "$OUT/run" "$MINUTES" "$LR" false ${TRAIN_ARGS:-}; fi
 if has control; then train "$OUT/run_zero" "$first" "$LR" true ${TRAIN_ARGS:-}; fi
 
 if has eval; then
-  evals=()
+  evals=()  # "checkpoint (relative to OUT) name compare_untrained"
   for m in $MINUTES; do evals+=("run/at_${m}min.ckpt eval_${m}min $([ "$m" = "$first" ] && echo true || echo false)"); done
   [ -f "$OUT/run_zero/at_${first}min.ckpt" ] && evals+=("run_zero/at_${first}min.ckpt eval_zero_${first}min false")
+  if [ "${EVAL_TUNE:-0}" = 1 ]; then  # the tune's runs too (e.g. a features-zeroed variant as the control)
+    for c in "$OUT"/tune/v*/at_*min.ckpt; do [ -f "$c" ] && evals+=("${c#"$OUT"/} eval_tune_$(basename "$(dirname "$c")") false"); done
+  fi
   for e in "${evals[@]}"; do
     set -- $e
     ed eval "$OUT/heldout" "$OUT/$1" --out "$OUT/$2" --heldout_fraction 1.0 --num_samples "$EVAL_N" \
       --positions_per_sample 16 --steps 7 --max_length 2048 --device "$DEVICE" --compare_untrained "$3" \
-      > "$OUT/$2.log" 2>&1 &
+      > "$OUT/$2.log" 2>&1 && echo "$1" > "$OUT/$2/checkpoint.txt" &
   done
   wait
   python - "$OUT" <<'PY'
-import glob, json, sys, torch
+import glob, json, os, sys, torch
 out = sys.argv[1]
 print("| drafter | train steps | tau | 95 % interval | chains | P(accept >= 1) |")
 print("|---|---|---|---|---|---|")
 seen = set()
 for path in sorted(glob.glob(f"{out}/eval_*/acceptance.json")):
     name = path.split("/eval_")[1].split("/")[0]
-    ckpt = f"{out}/run_zero/at_{name[5:]}.ckpt" if name.startswith("zero_") else f"{out}/run/at_{name}.ckpt"
+    ckpt = f"{out}/" + open(f"{os.path.dirname(path)}/checkpoint.txt").read().strip()
     steps = torch.load(ckpt, map_location="cpu", weights_only=True).get("global_step", "?")
+    if name.startswith("tune_"):  # name the variant by its options
+        name += f" ({open(os.path.dirname(os.path.dirname(ckpt)) + '/' + name[5:] + '/args.txt').read().strip()})"
     for who, r in json.load(open(path)).items():
         if not isinstance(r, dict) or "tau" not in r or (who != "trained" and who in seen):
             continue  # the untrained drafter and prompt lookup: same positions in every eval, shown once
@@ -149,3 +157,4 @@ for path in sorted(glob.glob(f"{out}/eval_*/acceptance.json")):
               f"{r['num_chains']} | {r['accept_at_least'][0]:.3f} |")
 PY
 fi
+
