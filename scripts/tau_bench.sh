@@ -12,8 +12,8 @@
 #            (one per line, extra `eagle-data train` options, e.g. "--model.lr 1.2e-3 --data.max_tokens
 #            65536") or one per lr of LRS; the variant with the lowest training loss (last fifth of the
 #            logged steps) -> OUT/train_args.txt, the train and control phases' TRAIN_ARGS. A variant
-#            with "--model.zero_features true" is a control, never chosen (EVAL_TUNE=1 evaluates the
-#            tune's checkpoints beside the run's). Training data only: the held-out set is not read;
+#            with "--model.zero_features true" is a control, never chosen (EVAL_TUNE="v1 v4" or "all"
+#            evaluates those of the tune's checkpoints beside the run's). Training data only: the held-out set is not read;
 #   train    configs/train/tau_bench_gpu.yaml, checkpoints after each of MINUTES of training time
 #            (the lr cosine spans the last mark; training stops there);
 #   control  the same training with the target's features zeroed (zero_features) for the first mark;
@@ -95,7 +95,7 @@ out = sys.argv[1]
 res = {}
 for d in sorted(glob.glob(f"{out}/tune/v*/")):
     args = open(f"{d}args.txt").read().strip()
-    if "--model.zero_features true" in args:  # a control, not a candidate (EVAL_TUNE=1 scores it)
+    if "--model.zero_features true" in args:  # a control, not a candidate (EVAL_TUNE scores it)
         continue
     paths = glob.glob(f"{d}**/metrics.csv", recursive=True)
     rows = [r for p in paths for r in csv.DictReader(open(p)) if r.get("train/loss_step")]
@@ -125,8 +125,11 @@ if has eval; then
   evals=()  # "checkpoint (relative to OUT) name compare_untrained"
   for m in $MINUTES; do evals+=("run/at_${m}min.ckpt eval_${m}min $([ "$m" = "$first" ] && echo true || echo false)"); done
   [ -f "$OUT/run_zero/at_${first}min.ckpt" ] && evals+=("run_zero/at_${first}min.ckpt eval_zero_${first}min false")
-  if [ "${EVAL_TUNE:-0}" = 1 ]; then  # the tune's runs too (e.g. a features-zeroed variant as the control)
-    for c in "$OUT"/tune/v*/at_*min.ckpt; do [ -f "$c" ] && evals+=("${c#"$OUT"/} eval_tune_$(basename "$(dirname "$c")") false"); done
+  if [ -n "${EVAL_TUNE:-}" ]; then  # the tune's runs too ("v1 v4", or "all"; e.g. a features-zeroed control)
+    for c in "$OUT"/tune/v*/at_*min.ckpt; do
+      v=$(basename "$(dirname "$c")")
+      [ -f "$c" ] && { [ "$EVAL_TUNE" = all ] || [[ " $EVAL_TUNE " == *" $v "* ]]; } && evals+=("${c#"$OUT"/} eval_tune_$v false")
+    done
   fi
   for e in "${evals[@]}"; do
     set -- $e
