@@ -8,7 +8,7 @@
 #   STAGE=3: as many training rows as the disk holds (at most MAX_ROWS), extract + vocab (GRAPHS=1: CUDA
 #            graphs; LONG_AB=1 first times the eager extraction of the same rows, then deletes it);
 #            the tune when VARIANTS or LRS is set (side by side, SWEEP_SECONDS each, default 90), else lr LR
-#            (default 6e-4)
+#            (default: the config's)
 #   STAGE=4: train 8 minutes with checkpoints at 2/4/8 (~8.5 min)
 #   STAGE=5: the features-zeroed control when CONTROL=1 (2 min), all evals at once, then the table;
 #            the training shards are deleted after; then the GRAPH_RUNS
@@ -90,7 +90,7 @@ case $STAGE in
     cp $T/tune.json $RUN_OUT/ 2>/dev/null; for f in $T/tune/*.log; do tail -c 3000 $f > $RUN_OUT/tune_$(basename $f); done
     for d in $T/tune/v*/; do cp "$(ls -t $d/lightning_logs/*/metrics.csv 2>/dev/null | head -1)" $RUN_OUT/tune_$(basename $d).csv 2>/dev/null; done
   else
-    echo "${LR:-6e-4}" > $T/lr.txt
+    rm -f $T/lr.txt $T/train_args.txt; [ -n "${LR:-}" ] && echo "$LR" > $T/lr.txt
   fi
   ;;
 4)
