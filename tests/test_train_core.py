@@ -266,6 +266,29 @@ def test_chain_matches_ttt_first_step(tmp_path):
     assert prop[0, 0] == d.target_ids()[d.logits(hs[0])[0, r].argmax()]
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_chain_step_matches_ttt_when_the_data_are_the_drafts(tmp_path, seed):
+    """The training/serving contract of the later steps: where the data continue with the very
+    tokens the chain drafted, TTT step ``k`` at row ``r`` proposes the chain's draft ``k`` (its own
+    hidden state, the previous draft, rope position ``r + k``, the prefix keys plus its own) — at
+    every step, every row, several K. A step that read another row's state or token would train the
+    drafter for a chain it never runs."""
+    mod = tiny_module(tmp_path / str(seed), seed=seed)
+    b = tiny_batch(tiny_target(), n=1, t=24, seed=seed)
+    ids, aux = b["input_ids"][0], b["aux_hidden_states"][0].float()
+    rows = torch.cat([ids[1:], ids.new_zeros(1)])
+    d, tids = mod.drafter, mod.drafter.target_ids()
+    for steps in (2, 5):
+        for r in (0, 7, 24 - steps):
+            drafts = d.propose_chain(rows, aux, [r], [int(rows[r])], steps=steps)[0]
+            data = rows.clone()
+            data[r + 1: r + steps] = drafts[: steps - 1]  # step k reads token r + k: the draft of step k - 1
+            with torch.no_grad():
+                hs = d.ttt_forward(data[None], aux[None], torch.ones(1, 24, dtype=torch.bool), steps=steps)
+            got = [int(tids[d.logits(h)[0, r].argmax()]) for h in hs]
+            assert got == drafts.tolist(), (steps, r)
+
+
 def test_loss_regression(tmp_path):
     """Fixed init + fixed batch: loss after 8 AdamW steps equals the recorded value; it decreases."""
     torch.manual_seed(0)
