@@ -267,26 +267,49 @@ def test_chain_matches_ttt_first_step(tmp_path):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_every_chain_step_matches_ttt_when_the_data_are_the_drafts(tmp_path, seed):
-    """The training/serving contract of the later steps: where the data continue with the very
-    tokens the chain drafted, TTT step ``k`` at row ``r`` proposes the chain's draft ``k`` (its own
-    hidden state, the previous draft, rope position ``r + k``, the prefix keys plus its own) — at
-    every step, every row, several K. A step that read another row's state or token would train the
-    drafter for a chain it never runs."""
-    mod = tiny_module(tmp_path / str(seed), seed=seed)
-    b = tiny_batch(tiny_target(), n=1, t=24, seed=seed)
-    ids, aux = b["input_ids"][0], b["aux_hidden_states"][0].float()
-    rows = torch.cat([ids[1:], ids.new_zeros(1)])
+def test_every_chain_step_is_what_the_ttt_loss_trains_where_the_data_are_the_drafts(tmp_path, seed, monkeypatch):
+    """The training/serving contract of every step, through :func:`ttt_loss` itself: where a sample
+    continues with the very tokens the served chain drafted from row ``r``, TTT step ``k`` at row
+    ``r`` holds the chain's own pre-norm state of step ``k`` (same token, rope position, keys;
+    compared as numbers, not argmaxes) and is taught by the final state at position ``r + k + 1``
+    (each position's greedy token made distinct here, so a teacher off by any number of steps is
+    seen). A padded second sample shares the batch. Any step reading another row's state, token, position or
+    teacher would train the drafter for a chain it never runs."""
+    from eagle_train import loss as L
+
+    mod = tiny_module(tmp_path / str(seed), seed=seed, exclude_oov=False)
     d, tids = mod.drafter, mod.drafter.target_ids()
-    for steps in (2, 5):
-        for r in (0, 7, 24 - steps):
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.nn.functional.normalize(torch.randn(256, 64, generator=gen), dim=-1)  # argmax(head @ c*head[i]) = i
+    base = tiny_batch(tiny_target(), n=2, t=24, seed=seed)
+    for steps, r in ((3, 0), (7, 4), (7, 13)):
+        batch = {k: v.clone() if torch.is_tensor(v) else v for k, v in base.items()}
+        batch["aux_hidden_states"] = batch["aux_hidden_states"].float()
+        batch["hidden_states"] = batch["hidden_states"].float()
+        ids, aux = batch["input_ids"][0], batch["aux_hidden_states"][0]
+        rows = torch.cat([ids[1:], ids.new_zeros(1)])
+        chain_states = []
+        with monkeypatch.context() as mp:
+            mp.setattr(d, "logits", lambda h, f=d.logits: (chain_states.append(h.reshape(-1)), f(h))[1])
             drafts = d.propose_chain(rows, aux, [r], [int(rows[r])], steps=steps)[0]
-            data = rows.clone()
-            data[r + 1: r + steps] = drafts[: steps - 1]  # step k reads token r + k: the draft of step k - 1
+        batch["input_ids"][0, r + 2: r + steps + 1] = drafts[: steps - 1]  # step k reads x[r+k+1]: draft k-1
+        greedy = tids[torch.arange(steps) * 5 + 1]  # distinct draft-vocabulary tokens, one per position
+        batch["hidden_states"][0, r + 1: r + steps + 1] = 50.0 * head[greedy]  # the target's greedy tokens
+        batch["loss_mask"][:] = False
+        batch["loss_mask"][0, r + 2: r + steps + 2] = True  # each step k supervises row r (and a few others)
+        seen = []
+        with monkeypatch.context() as mp:
+            mp.setattr(L, "_step_ce", lambda dr, h, teach, arg, ts, n, f=L._step_ce: (seen.append((h, arg[ts])),
+                                                                                    f(dr, h, teach, arg, ts, n))[1])
+            sup = L.supervised_rows(d, head, batch, steps, False)
             with torch.no_grad():
-                hs = d.ttt_forward(data[None], aux[None], torch.ones(1, 24, dtype=torch.bool), steps=steps)
-            got = [int(tids[d.logits(h)[0, r].argmax()]) for h in hs]
-            assert got == drafts.tolist(), (steps, r)
+                L.ttt_loss(d, head, batch, steps=steps, exclude_oov=False)
+        assert len(seen) == steps
+        for k, (h, teach_arg) in enumerate(seen):
+            i = int(sup[k, 0, :r].sum())  # row r's place among step k's supervised rows (sample 0 first)
+            torch.testing.assert_close(h[i], chain_states[k], rtol=1e-4, atol=1e-5)
+            assert int(tids[teach_arg[i]]) == int(greedy[k]), (steps, r, k)
+            assert int(tids[d.logits(h[i]).argmax()]) == int(drafts[k])
 
 
 def test_loss_regression(tmp_path):
