@@ -315,6 +315,36 @@ def test_a_run_refused_after_it_started_leaves_no_folder_behind(tiny, tmp_path):
     assert [p.name for p in (tmp_path / "old").iterdir()] == [LOCK_NAME]  # its own run's lock file
 
 
+def test_an_out_with_dotdot_is_checked_written_and_reported_as_the_folder_it_names(tiny, tmp_path):
+    """``--out`` spelled with ``..`` is the folder it names for every check, not only for mkdir:
+    ``afile/..`` is refused as the OS refuses it (not written into afile's folder); ``m/nope/..``
+    is refused exactly like ``m`` when m holds a user's files; ``new/sub/../ds`` writes new/ds,
+    never makes new/sub, and the manifest records a path that exists."""
+    import json
+
+    model, data = tiny
+
+    def cfg(out):
+        return ExtractConfig(out=str(out), model=str(model), data=str(data), device="cpu", dtype="float32",
+                             num_samples=3, progress=False)
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        run_extract(cfg(tmp_path / "afile" / ".."))
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "README.md").write_text("mine")
+    for out in (m, m / "nope" / ".."):
+        with pytest.raises(ValueError, match="holds files that no extraction wrote"):
+            run_extract(cfg(out))
+    assert (m / "README.md").read_text() == "mine" and sorted(p.name for p in m.iterdir()) == ["README.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "m"]
+    run_extract(cfg(tmp_path / "new" / "sub" / ".." / "ds"))
+    assert not (tmp_path / "new" / "sub").exists()
+    recorded = json.loads((tmp_path / "new" / "ds" / "manifest.json").read_text())["config"]["out"]
+    assert Path(recorded).resolve() == (tmp_path / "new" / "ds").resolve()
+
+
 def test_the_cleanup_of_a_refused_run_keeps_a_folder_another_rank_has_locked(tmp_path):
     """A rank starting in the same new folder holds its byte of the lock file: the failed run's
     cleanup leaves the folder (and the lock file) to it; alone, it removes them."""

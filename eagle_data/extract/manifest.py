@@ -115,8 +115,21 @@ def read_progress(p: Path) -> RankProgress:
 
 def out_path(out: str) -> Path:
     """``out`` as a path; one with a ``..`` component resolved first (``m/n/..`` is ``m``: the
-    missing ``m/n`` is neither created nor left behind)."""
-    return Path(os.path.realpath(out)) if ".." in Path(out).parts else Path(out)
+    missing ``m/n`` is neither created nor left behind), so that every check sees the folder really
+    written, and the path printed and recorded exists.
+
+    Raises:
+        ValueError: ``..`` follows an existing file (``afile/..``, which the OS refuses too).
+    """
+    path = Path(out)
+    if ".." not in path.parts:
+        return path
+    here = Path(path.anchor)
+    for part in path.parts[1 if path.anchor else 0:]:
+        if part == ".." and here.exists() and not here.is_dir():
+            raise ValueError(f"out {out!r}: {str(here)!r} is not a directory")
+        here = here / part
+    return Path(os.path.realpath(out))
 
 
 def open_out(out: str, rank: int, doing: str = "extracted") -> tuple[Path, int | None]:

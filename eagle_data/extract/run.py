@@ -72,9 +72,10 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
         ExtractionInterrupted: SIGINT (or a SIGTERM with a non-default previous handler);
             a SIGTERM with the default handler terminates the process after cleanup.
     """
+    cfg = replace(cfg, out=str(out_path(cfg.out)))  # "m/n/.." is m: checked, written and reported as m
     check_paths(cfg)
     refuse_foreign(Path(cfg.out))
-    created = _missing_folders(out_path(cfg.out))  # the folders this run creates
+    created = _missing_folders(Path(cfg.out))  # the folders this run creates
     out, lock = open_out(cfg.out, cfg.rank)
     try:
         return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer)
@@ -88,7 +89,7 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
 
 
 def _missing_folders(path: Path) -> list[Path]:
-    """``path`` and its ancestors as written (``..`` kept) that do not exist yet, highest first."""
+    """``path`` and its ancestors that do not exist yet, highest first."""
     p = path.absolute()
     return [d for d in reversed([p, *p.parents]) if not d.exists()]
 

@@ -39,7 +39,7 @@ from eagle_data.extract.chat import ChatRenderer
 from eagle_data.extract.config import model_dir, rows_to_read
 from eagle_data.extract.conversations import normalize_record
 from eagle_data.extract.fault import BadRecord, DropCounter, Skip
-from eagle_data.extract.manifest import open_out, package_versions
+from eagle_data.extract.manifest import open_out, out_path, package_versions
 from eagle_data.format.fingerprint import weights_fingerprint
 from eagle_data.extract.mask import MaskError
 from eagle_data.extract.run import load_tokenizer
@@ -230,6 +230,7 @@ def run_regenerate(cfg: RegenerateConfig, generator: Generator | None = None, to
             ``out``, the source changed under a finished part, or the rank is being run by another
             live process.
     """
+    cfg = replace(cfg, out=str(out_path(cfg.out)))  # "m/n/.." is m: checked, written and reported as m
     check_paths(cfg)
     cfg = replace(cfg, num_samples=rows_to_read(cfg))
     model_path = model_dir(cfg.model)
