@@ -90,7 +90,8 @@ case $STAGE in
     cp $T/tune.json $RUN_OUT/ 2>/dev/null; for f in $T/tune/*.log; do tail -c 3000 $f > $RUN_OUT/tune_$(basename $f); done
     for d in $T/tune/v*/; do cp "$(ls -t $d/lightning_logs/*/metrics.csv 2>/dev/null | head -1)" $RUN_OUT/tune_$(basename $d).csv 2>/dev/null; done
   else
-    rm -f $T/lr.txt $T/train_args.txt; [ -n "${LR:-}" ] && echo "$LR" > $T/lr.txt
+    rm -f $T/lr.txt $T/train_args.txt
+    if [ -n "${LR:-}" ]; then echo "$LR" > $T/lr.txt; fi
   fi
   ;;
 4)

@@ -11,7 +11,8 @@
 #   tune     (optional) a short run per variant, side by side, cosine over SWEEP_SECONDS: VARIANTS
 #            (one per line, extra `eagle-data train` options, e.g. "--model.lr 1.2e-3 --data.max_tokens
 #            65536") or one per lr of LRS; the variant with the lowest training loss (last fifth of the
-#            logged steps) -> OUT/train_args.txt, the train and control phases' TRAIN_ARGS. A variant
+#            logged steps; a variant that failed or diverged is left out, and said) -> OUT/train_args.txt,
+#            the train and control phases' TRAIN_ARGS (an explicit LR still wins). A variant
 #            with "--model.zero_features true" is a control, never chosen (EVAL_TUNE="v1 v4" or "all"
 #            evaluates those of the tune's checkpoints beside the run's). Training data only: the held-out set is not read;
 #   train    configs/train/tau_bench_gpu.yaml, checkpoints after each of MINUTES of training time
@@ -63,51 +64,64 @@ if has extract; then
   ed vocab "$OUT/train" --size "$VOCAB" --out "$OUT/draft_vocab_$VOCAB.safetensors"
 fi
 
-# train DIR MINUTES_LIST LR ZERO [extra args...]: one run, checkpoints DIR/at_{m}min.ckpt
+# train DIR MINUTES_LIST LR ZERO [extra args...]: one run, checkpoints DIR/at_{m}min.ckpt; LR (when
+# given) comes last, so an explicit lr wins over the extra args (e.g. the tune's choice)
 train() {
   local dir=$1 marks=$2 lr=$3 zero=$4; shift 4
   local end; end=$(echo "$marks" | awk '{print $NF}')
   local lrarg=(); [ -n "$lr" ] && lrarg=(--model.lr "$lr")
   ed train --config "$CONFIG" --model.dataset_dir "$OUT/train" \
     --model.draft_vocab "$OUT/draft_vocab_$VOCAB.safetensors" --model.draft_vocab_size "$VOCAB" \
-    --model.zero_features "$zero" --model.lr_schedule_minutes "$end" "${lrarg[@]}" \
+    --model.zero_features "$zero" --model.lr_schedule_minutes "$end" \
     --data.train "$OUT/train" --trainer.accelerator "$ACCEL" --trainer.precision "$PRECISION" \
     --trainer.max_time "{\"seconds\": $(python -c "print(int($end * 60 + 600))")}" --trainer.default_root_dir "$dir" \
     --trainer.callbacks "[{\"class_path\": \"eagle_train.callbacks.TimedCheckpoints\", \"init_args\": {\"minutes\": [$(echo "$marks" | tr ' ' ',')], \"stop_after_last\": true}}]" \
-    "$@"
+    "$@" "${lrarg[@]}"
 }
 
-# the variants of the tune: VARIANTS (one per line: extra `eagle-data train` options), or one per lr of LRS
+# the variants of the tune: VARIANTS (one per line: extra `eagle-data train` options, split at white
+# space, no quoting), or one per lr of LRS; an explicit LR is each variant's lr unless it sets one
 if [ -z "${VARIANTS:-}" ] && [ -n "$LRS" ]; then VARIANTS=$(for lr in $LRS; do echo "--model.lr $lr"; done); fi
 if has tune && [ -n "${VARIANTS:-}" ]; then
-  mins=$(python -c "print($SWEEP_SECONDS / 60)"); rm -rf "$OUT/tune" "$OUT/lr.txt"; mkdir -p "$OUT/tune"; i=0
+  mins=$(python -c "print($SWEEP_SECONDS / 60)")
+  rm -rf "$OUT/tune" "$OUT/lr.txt" "$OUT/train_args.txt" "$OUT/tune.json"; mkdir -p "$OUT/tune"; i=0; pids=()
   while IFS= read -r v; do
-    [ -n "$v" ] || continue; i=$((i + 1)); d="$OUT/tune/v$i"; mkdir -p "$d"; echo "$v" > "$d/args.txt"
+    [ -n "${v// /}" ] || continue; i=$((i + 1)); d="$OUT/tune/v$i"; mkdir -p "$d"; echo "$v" > "$d/args.txt"
+    base=(); [ -n "${LR:-}" ] && base=(--model.lr "$LR")
     # shellcheck disable=SC2086  # a variant is a list of options
     train "$d" "$mins" "" false --data.num_workers "${TUNE_WORKERS:-3}" --trainer.logger \
       "{\"class_path\": \"lightning.pytorch.loggers.CSVLogger\", \"init_args\": {\"save_dir\": \"$d\"}}" \
-      --trainer.log_every_n_steps 10 $v > "$d.log" 2>&1 &
+      --trainer.log_every_n_steps 10 "${base[@]}" $v > "$d.log" 2>&1 &
+    pids+=("$!")
   done <<< "$VARIANTS"
-  wait
+  for j in "${!pids[@]}"; do  # a variant that failed (e.g. out of memory late in its run) is not a candidate
+    wait "${pids[$j]}" || echo "failed" > "$OUT/tune/v$((j + 1))/failed"
+  done
   python - "$OUT" <<'PY'
-import csv, glob, json, statistics, sys
+import csv, glob, json, math, os, re, statistics, sys
 out = sys.argv[1]
-res = {}
-for d in sorted(glob.glob(f"{out}/tune/v*/")):
-    args = open(f"{d}args.txt").read().strip()
-    if "--model.zero_features true" in args:  # a control, not a candidate (EVAL_TUNE scores it)
+res, left = {}, []
+for d in sorted(glob.glob(f"{out}/tune/v*/"), key=lambda p: int(p.rstrip("/").rsplit("v", 1)[1])):
+    args, log = open(f"{d}args.txt").read().strip(), d.rstrip("/") + ".log"
+    if re.search(r"--model\.zero_features(=|\s+)true\b", args):  # a control, not a candidate (EVAL_TUNE scores it)
+        continue
+    if os.path.exists(f"{d}failed"):
+        left.append(f"{args!r} failed (see {log})")
         continue
     paths = glob.glob(f"{d}**/metrics.csv", recursive=True)
     rows = [r for p in paths for r in csv.DictReader(open(p)) if r.get("train/loss_step")]
-    if not rows:
-        print(f"tune: {args!r} logged no training loss (see {d.rstrip('/')}.log)")
+    tail = [float(r["train/loss_step"]) for r in rows[-max(1, len(rows) // 5):]]
+    if not rows or not all(map(math.isfinite, tail)):
+        left.append(f"{args!r} " + ("diverged (non-finite loss)" if rows else "logged no training loss") + f" (see {log})")
         continue
-    tail = rows[-max(1, len(rows) // 5):]
-    res[args] = {"loss": statistics.fmean(float(r["train/loss_step"]) for r in tail), "steps": int(rows[-1]["step"])}
+    res[args] = {"loss": statistics.fmean(tail), "steps": int(rows[-1]["step"])}
+for why in left:
+    print("tune: left out:", why)
 if not res:
-    sys.exit("tune: no run logged a training loss (see OUT/tune/*.log)")
+    sys.exit("tune: no candidate (every variant failed, diverged or is a features-zeroed control): "
+             "nothing chosen, OUT/train_args.txt not written")
 best = min(res, key=lambda k: res[k]["loss"])
-json.dump({"runs": res, "best": best}, open(f"{out}/tune.json", "w"), indent=1)
+json.dump({"runs": res, "left_out": left, "best": best}, open(f"{out}/tune.json", "w"), indent=1)
 open(f"{out}/train_args.txt", "w").write(best)
 print("tune (training loss, last fifth of logged steps):",
       "; ".join(f"{k}: {v['loss']:.4f} ({v['steps']} steps)" for k, v in res.items()), "-> best:", best)
@@ -123,41 +137,51 @@ if has control; then train "$OUT/run_zero" "$first" "$LR" true ${TRAIN_ARGS:-}; 
 
 if has eval; then
   evals=()  # "checkpoint (relative to OUT) name compare_untrained"
-  for m in $MINUTES; do evals+=("run/at_${m}min.ckpt eval_${m}min $([ "$m" = "$first" ] && echo true || echo false)"); done
+  for m in $MINUTES; do
+    if [ -f "$OUT/run/at_${m}min.ckpt" ]; then evals+=("run/at_${m}min.ckpt eval_${m}min $([ "$m" = "$first" ] && echo true || echo false)")
+    else echo "eval: no checkpoint $OUT/run/at_${m}min.ckpt (not trained, or stopped before ${m} minutes)"; fi
+  done
   [ -f "$OUT/run_zero/at_${first}min.ckpt" ] && evals+=("run_zero/at_${first}min.ckpt eval_zero_${first}min false")
-  if [ -n "${EVAL_TUNE:-}" ]; then  # the tune's runs too ("v1 v4", or "all"; e.g. a features-zeroed control)
-    for c in "$OUT"/tune/v*/at_*min.ckpt; do
-      v=$(basename "$(dirname "$c")")
-      [ -f "$c" ] && { [ "$EVAL_TUNE" = all ] || [[ " $EVAL_TUNE " == *" $v "* ]]; } && evals+=("${c#"$OUT"/} eval_tune_$v false")
+  for v in ${EVAL_TUNE:-}; do  # the tune's runs too ("v1 v4", or "all"; e.g. a features-zeroed control)
+    [ "$v" = all ] && v=$(cd "$OUT/tune" 2>/dev/null && ls -d v*/ | tr -d / || true)
+    for w in $v; do
+      c=$(ls "$OUT/tune/$w"/at_*min.ckpt 2>/dev/null | head -n 1 || true)
+      if [ -n "$c" ]; then evals+=("${c#"$OUT"/} eval_tune_$w false"); else echo "eval: tune variant $w has no checkpoint"; fi
     done
-  fi
+  done
+  names=()
   for e in "${evals[@]}"; do
     set -- $e
-    ed eval "$OUT/heldout" "$OUT/$1" --out "$OUT/$2" --heldout_fraction 1.0 --num_samples "$EVAL_N" \
-      --positions_per_sample 16 --steps 7 --max_length 2048 --device "$DEVICE" --compare_untrained "$3" \
-      > "$OUT/$2.log" 2>&1 && echo "$1" > "$OUT/$2/checkpoint.txt" &
+    rm -rf "${OUT:?}/$2"; names+=("$2")  # no result of an earlier call is shown as this one's
+    { ed eval "$OUT/heldout" "$OUT/$1" --out "$OUT/$2" --heldout_fraction 1.0 --num_samples "$EVAL_N" \
+        --positions_per_sample 16 --steps 7 --max_length 2048 --device "$DEVICE" --compare_untrained "$3" \
+        > "$OUT/$2.log" 2>&1 && echo "$1" > "$OUT/$2/checkpoint.txt"; } &
   done
   wait
-  python - "$OUT" <<'PY'
-import glob, json, os, sys, torch
-out = sys.argv[1]
+  python - "$OUT" "${names[@]}" <<'PY'
+import json, os, sys, torch
+out, names = sys.argv[1], sys.argv[2:]
 print("| drafter | train steps | tau | 95 % interval | chains | P(accept >= 1) |")
 print("|---|---|---|---|---|---|")
 seen = set()
-for path in sorted(glob.glob(f"{out}/eval_*/acceptance.json")):
-    name = path.split("/eval_")[1].split("/")[0]
-    ckpt = f"{out}/" + open(f"{os.path.dirname(path)}/checkpoint.txt").read().strip()
+for name in names:
+    label_name = name[5:]
+    if label_name.startswith("tune_"):  # name the variant by its options
+        label_name += f" ({open(f'{out}/tune/{label_name[5:]}/args.txt').read().strip()})"
+    if not os.path.exists(f"{out}/{name}/checkpoint.txt"):
+        print(f"| trained {label_name} | - | failed (see {out}/{name}.log) | - | - | - |")
+        continue
+    ckpt = f"{out}/" + open(f"{out}/{name}/checkpoint.txt").read().strip()
     steps = torch.load(ckpt, map_location="cpu", weights_only=True).get("global_step", "?")
-    if name.startswith("tune_"):  # name the variant by its options
-        name += f" ({open(os.path.dirname(os.path.dirname(ckpt)) + '/' + name[5:] + '/args.txt').read().strip()})"
-    for who, r in json.load(open(path)).items():
+    for who, r in json.load(open(f"{out}/{name}/acceptance.json")).items():
         if not isinstance(r, dict) or "tau" not in r or (who != "trained" and who in seen):
             continue  # the untrained drafter and prompt lookup: same positions in every eval, shown once
         seen.add(who)
-        label = {"trained": f"trained {name}", "untrained": "untrained", "prompt_lookup": "prompt lookup"}[who]
+        label = {"trained": f"trained {label_name}", "untrained": "untrained", "prompt_lookup": "prompt lookup"}[who]
         lo, hi = r["tau_ci95"] or ("-", "-")
         print(f"| {label} | {steps if who == 'trained' else '-'} | {r['tau']:.3f} | [{lo}, {hi}] | "
               f"{r['num_chains']} | {r['accept_at_least'][0]:.3f} |")
 PY
 fi
+
 
