@@ -137,11 +137,11 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         _settle()
         c_gb_s = written / stats["seconds"] / 1e9
         res.update(c_pipeline_tok_s=round(stats["tokens_per_s"]), c_tokens=stats["new_tokens"],
-                   c_seconds=stats["seconds"], c_GB_s=round(c_gb_s, 3), c_waits_s=stats["waits_s"],
+                   c_seconds=stats["seconds"], c_GB_s=_sig(c_gb_s), c_waits_s=stats["waits_s"],
                    c_front=stats["front"], c_front_start_s=stats["front_start_s"])
         # (d) the same bytes as (c) wrote, as fsync'd files of shard size
-        res["d_disk_GB_s_1"] = round(disk_write_rate(root, written, int(cfg.shard_max_bytes), 1), 3)
-        res[f"d_disk_GB_s_{writers}"] = round(disk_write_rate(root, written, int(cfg.shard_max_bytes), writers), 3)
+        res["d_disk_GB_s_1"] = _sig(disk_write_rate(root, written, int(cfg.shard_max_bytes), 1))
+        res[f"d_disk_GB_s_{writers}"] = _sig(disk_write_rate(root, written, int(cfg.shard_max_bytes), writers))
     res["c_over_disk"] = round(c_gb_s / max(res["d_disk_GB_s_1"], res[f"d_disk_GB_s_{writers}"]), 3)
     if not pipeline_only:
         res["c_over_a"] = round(res["c_pipeline_tok_s"] / res["a_plain_tok_s"], 3)
@@ -151,6 +151,11 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     if json_out:
         Path(json_out).write_text(json.dumps(res, indent=1))
     return res
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant figures: a small run's GB/s is not rounded to 0."""
+    return float(f"{x:.{digits}g}")
 
 
 def _settle(seconds: float = 2.0) -> None:
