@@ -103,10 +103,10 @@ out = sys.argv[1]
 res, left = {}, []
 for d in sorted(glob.glob(f"{out}/tune/v*/"), key=lambda p: int(p.rstrip("/").rsplit("v", 1)[1])):
     args, log = open(f"{d}args.txt").read().strip(), d.rstrip("/") + ".log"
-    if re.search(r"--model\.zero_features(=|\s+)true\b", args):  # a control, not a candidate (EVAL_TUNE scores it)
-        continue
-    if os.path.exists(f"{d}failed"):
+    if os.path.exists(f"{d}failed"):  # a control too: said, though never a candidate
         left.append(f"{args!r} failed (see {log})")
+        continue
+    if re.search(r"--model\.zero_features(=|\s+)true\b", args):  # a control, not a candidate (EVAL_TUNE scores it)
         continue
     paths = glob.glob(f"{d}**/metrics.csv", recursive=True)
     rows = [r for p in paths for r in csv.DictReader(open(p)) if r.get("train/loss_step")]
