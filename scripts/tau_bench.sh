@@ -85,9 +85,9 @@ if [ -z "${VARIANTS:-}" ] && [ -n "$LRS" ]; then VARIANTS=$(for lr in $LRS; do e
 if has tune && [ -n "${VARIANTS:-}" ]; then
   mins=$(python -c "print($SWEEP_SECONDS / 60)")
   rm -rf "$OUT/tune" "$OUT/lr.txt" "$OUT/train_args.txt" "$OUT/tune.json"; mkdir -p "$OUT/tune"; i=0; pids=()
+  base=(); [ -n "${LR:-}" ] && base=(--model.lr "$LR")  # before each variant's options: a variant's lr wins
   while IFS= read -r v; do
     [ -n "${v// /}" ] || continue; i=$((i + 1)); d="$OUT/tune/v$i"; mkdir -p "$d"; echo "$v" > "$d/args.txt"
-    base=(); [ -n "${LR:-}" ] && base=(--model.lr "$LR")
     # shellcheck disable=SC2086  # a variant is a list of options
     train "$d" "$mins" "" false --data.num_workers "${TUNE_WORKERS:-3}" --trainer.logger \
       "{\"class_path\": \"lightning.pytorch.loggers.CSVLogger\", \"init_args\": {\"save_dir\": \"$d\"}}" \
@@ -183,5 +183,3 @@ for name in names:
               f"{r['num_chains']} | {r['accept_at_least'][0]:.3f} |")
 PY
 fi
-
-

@@ -133,12 +133,13 @@ def out_path(out: str) -> Path:
 
 
 def open_out(out: str, rank: int, doing: str = "extracted") -> tuple[Path, int | None]:
-    """Create the output directory ``out`` (:func:`out_path`) and lock ``rank`` in it (:func:`lock_rank`).
+    """Create the output directory ``out`` (already resolved by the caller: :func:`out_path`) and lock
+    ``rank`` in it (:func:`lock_rank`).
 
     Raises:
         ValueError: the directory cannot be created, or the rank is locked by a live process.
     """
-    path = out_path(out)
+    path = Path(out)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
