@@ -32,6 +32,17 @@ def _grad(z: torch.Tensor, lse: torch.Tensor, teach: torch.Tensor, tc: torch.Ten
     return ((torch.exp(z.float() - lse[:, None]) - teach[tc]) * g).to(z.dtype)
 
 
+def chunks(n: int, rows: int) -> list[tuple[int, int]]:
+    """``[start, end)`` bounds of ``n`` rows in chunks of ``rows``, a last chunk of one row merged into
+    the one before it: torch.compile specialises a size of 0 or 1 and would compile the two kernels
+    again mid-training for it (seen on the H200 after the warm-up); one chunk of ``rows + 1`` is just
+    another dynamic size."""
+    bounds = [(i, min(i + rows, n)) for i in range(0, n, rows)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    return bounds
+
+
 def _fn(name: str, device: torch.device):
     return compiled(f"soft_ce.{name}", {"stats": _stats, "grad": _grad}[name], device)
 
@@ -44,9 +55,9 @@ class _LinearSoftCE(torch.autograd.Function):
         arg = torch.empty(n, dtype=torch.int64, device=x.device)
         ce = torch.zeros((), dtype=torch.float32, device=x.device)
         stats = _fn("stats", x.device)
-        for i in range(0, n, rows):
-            lse_c, pz_c, arg_c = stats(x[i:i + rows] @ w.T, teach, tc[i:i + rows])
-            lse[i:i + rows], arg[i:i + rows] = lse_c, arg_c
+        for i, j in chunks(n, rows):
+            lse_c, pz_c, arg_c = stats(x[i:j] @ w.T, teach, tc[i:j])
+            lse[i:j], arg[i:j] = lse_c, arg_c
             ce = ce + (lse_c - pz_c).sum()
         ctx.save_for_backward(x, w, teach, tc, lse)
         ctx.rows = rows
@@ -60,11 +71,11 @@ class _LinearSoftCE(torch.autograd.Function):
         gx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
         grad = _fn("grad", x.device)
-        for i in range(0, n, rows):
-            xc = x[i:i + rows]
-            gz = grad(xc @ w.T, lse[i:i + rows], teach, tc[i:i + rows], g.float())
+        for i, j in chunks(n, rows):
+            xc = x[i:j]
+            gz = grad(xc @ w.T, lse[i:j], teach, tc[i:j], g.float())
             if gx is not None:
-                gx[i:i + rows] = gz @ w
+                gx[i:j] = gz @ w
             if gw is not None:
                 gw += (gz.T @ xc).float()
         return gx, (gw.to(w.dtype) if gw is not None else None), None, None, None
@@ -79,7 +90,7 @@ def linear_soft_ce(x: torch.Tensor, w: torch.Tensor, teach: torch.Tensor, tc: to
     Args:
         x: [n, H] normed drafter states; w: [N, H] draft head weight.
         teach: [n_teacher, N] fp32 teacher probabilities (rows sum to 1); tc: int64 [n].
-        rows: rows per chunk (>= 1).
+        rows: rows per chunk (>= 1; a last chunk of one row joins the one before, :func:`chunks`).
     """
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")

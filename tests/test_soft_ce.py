@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from eagle_train.soft_ce import linear_soft_ce
+from eagle_train.soft_ce import chunks, linear_soft_ce
 
 
 def _inputs(n, h, v, n_teacher, seed, dtype=torch.float64):
@@ -37,6 +37,16 @@ def test_equals_autograd_formula(n, h, v, n_teacher, rows, seed):
         a = torch.zeros_like(b) if a is None else a
         b = torch.zeros_like(a) if b is None else b
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@given(n=st.integers(0, 300), rows=st.integers(1, 64))
+def test_chunks_cover_every_row_once_and_none_has_one_row_unless_all_do(n, rows):
+    """A chunk of 1 row among larger ones makes torch.compile specialise and recompile mid-training
+    (with ``rows`` = 1 every chunk has one row: one shape, nothing to recompile)."""
+    b = chunks(n, rows)
+    assert [r for i, j in b for r in range(i, j)] == list(range(n))
+    assert all(j - i <= rows + 1 for i, j in b)
+    assert n == 1 or rows == 1 or all(j - i != 1 for i, j in b)
 
 
 def test_empty_rows_keep_a_graph():
