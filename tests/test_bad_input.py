@@ -139,6 +139,7 @@ def test_unreadable_lines_and_json_array_files(tmp_path):
     recs = list(iter_records(str(p)))
     assert [r for r, _ in recs] == [0, 1, 2, 3]
     assert isinstance(recs[1][1], Skip) and recs[1][1].reason == "unreadable_record" and recs[1][1].row == 1
+    assert recs[1][1].detail == "line 2: not JSON: Expecting property name enclosed in double quotes at character 2 of the line"
     assert isinstance(recs[2][1], Skip) and recs[3][1] == [1]
     a = tmp_path / "arr.json"
     a.write_text(json.dumps([{"id": 1}, {"id": 2}]))

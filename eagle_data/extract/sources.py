@@ -146,7 +146,9 @@ def _iter_json_file(path: str) -> Iterator[Any]:
             try:
                 yield json.loads(line.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-                yield Skip(-1, f"{Path(path).name}:{n}", "unreadable_record", f"line {n}: {type(e).__name__}: {e}")
+                why = (f"not JSON: {e.msg} at character {e.pos + 1} of the line" if isinstance(e, json.JSONDecodeError)
+                       else f"{type(e).__name__}: {e}")  # (the decoder's own "line 1 column ..." is within the line)
+                yield Skip(-1, f"{Path(path).name}:{n}", "unreadable_record", f"line {n}: {why}")
 
 
 def _iter_source(data: str, split: str) -> Iterator[Any]:
