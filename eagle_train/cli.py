@@ -30,13 +30,14 @@ class _ParseOnlyCLI(LightningCLI):
         pass
 
 
-def make_cli(args: Any = None, run: bool = True, parse_only: bool = False) -> LightningCLI:
+def make_cli(args: Any = None, run: bool = True, parse_only: bool = False,
+             parser_kwargs: Optional[dict[str, Any]] = None) -> LightningCLI:
     from eagle_train.quiet import quiet_lightning
 
     quiet_lightning()
     model, data = _classes()
     cls = _ParseOnlyCLI if parse_only else LightningCLI
-    return cls(model, data, args=args, run=run, save_config_kwargs={"overwrite": True})
+    return cls(model, data, args=args, run=run, save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs)
 
 
 def last_checkpoint(root: str) -> Optional[str]:
@@ -70,6 +71,8 @@ def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
     Raises:
         ValueError: ``ckpt_path`` is not a checkpoint this module can load safely (no unpickling).
     """
+    from jsonargparse import ArgumentError
+
     from eagle_train.module import _load_checkpoint_file
 
     if ckpt_path == "last":
@@ -80,7 +83,10 @@ def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
         _check_resume(_load_checkpoint_file(ckpt_path), ckpt_path, config.get("model") or {})
     argv, sys.argv = sys.argv, sys.argv[:1]  # the sections are the arguments (LightningCLI warns on both)
     try:
-        cli = make_cli(args={k: v for k, v in config.items() if v is not None}, run=False)
+        cli = make_cli(args={k: v for k, v in config.items() if v is not None}, run=False,
+                       parser_kwargs={"prog": "eagle-data train", "exit_on_error": False})
+    except ArgumentError as e:  # an unknown or mistyped option: the message, not 70 lines of usage
+        raise ValueError(f"train: {e} (every option: python -m eagle_train.cli fit --help)") from None
     finally:
         sys.argv = argv
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)

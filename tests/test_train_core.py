@@ -820,3 +820,18 @@ def test_warm_up_shapes_reach_the_token_budget():
     for length, budget in ((2048, 32768), (300, 20000), (8192, 10000), (1, 40000), (3, 9999)):
         b, t = warm_up_shapes(length, budget)[-1]
         assert t <= max(length, 2) and b * t <= budget  # at least 2 tokens: one row of the TTT frame
+
+
+@pytest.mark.parametrize("args,msg", [(["--model.bogus", "3"], "Group 'model' does not accept option 'bogus'"),
+                                      (["--trainer.max_stepz", "3"], "Group 'trainer' does not accept option 'max_stepz'"),
+                                      (["--model.lr", "abc"], "Got value: abc")])
+def test_cli_train_bad_option_is_one_clear_error(tmp_path, capsys, args, msg):
+    """An unknown or mistyped training option used to print ~70 lines of usage headed `main.py`."""
+    from eagle_data.cli import main as cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--trainer.default_root_dir", str(tmp_path), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: train: " in err and msg in err, err
+    assert "usage:" not in err and "main.py" not in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
