@@ -1,9 +1,12 @@
 """Record normalisation: accepted layouts, role mapping, and named skip reasons."""
 
+import json
+
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from eagle_data.extract.conversations import Conversation, normalize, normalize_record
-from eagle_data.extract.fault import ErrorPolicy
+from eagle_data.extract.fault import ErrorPolicy, Skip
 
 OK_SHAREGPT = {"id": "a.1", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
 
@@ -142,3 +145,44 @@ def test_a_record_with_both_conversations_and_messages_is_skipped_not_guessed():
            "messages": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "b"}]}
     out = normalize_record(0, rec)
     assert out.reason == "ambiguous_record" and "both 'conversations' and 'messages'" in out.detail
+
+
+_FLAGS = st.sampled_from([{}, {"weight": 0}, {"weight": 1}, {"train": False}, {"train": True}, {"weight": 0.5},
+                          {"train": "no"}, {"weight": 0, "train": True}])
+_CALL = st.fixed_dictionaries({"name": st.sampled_from(["f", "get_weather"]),
+                               "arguments": st.dictionaries(st.sampled_from("abc"), st.integers(-3, 3), max_size=2)})
+
+
+@settings(max_examples=60, deadline=None)
+@given(flags=_FLAGS, calls=st.lists(_CALL, min_size=1, max_size=3), reasoning=st.sampled_from([None, "", "think"]),
+       as_list=st.booleans())
+def test_a_sharegpt_function_call_turn_is_the_openai_tool_call_turn_with_its_flags(flags, calls, reasoning, as_list):
+    """A ShareGPT ``function_call`` turn takes ``weight`` / ``train`` and reasoning like any assistant
+    turn (its flags were ignored: a weight-0 call was supervised), and one call or a list of calls."""
+    extra = {**flags, **({} if reasoning is None else {"reasoning_content": reasoning})}
+    value = json.dumps(calls if as_list or len(calls) > 1 else calls[0])
+    share = normalize_record(0, {"conversations": [
+        {"from": "human", "value": "q"}, {"from": "function_call", "value": value, **extra},
+        {"from": "observation", "value": "r"}, {"from": "gpt", "value": "done"}]})
+    oa = normalize_record(0, {"messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": c} for c in calls], **extra},
+        {"role": "tool", "content": "r"}, {"role": "assistant", "content": "done"}]})
+    if isinstance(oa, Skip):
+        assert isinstance(share, Skip) and share.reason == oa.reason == "bad_turn"
+        return
+    assert share.messages == oa.messages
+    assert share.messages[1].get("train", True) is (flags.get("weight", 1) != 0 and flags.get("train") is not False)
+    assert ("reasoning_content" in share.messages[1]) is (reasoning == "think")
+
+
+@pytest.mark.parametrize("calls,detail", [
+    ('[{"name": "f", "arguments": {}}, 3]', "[1] is int, not an object"),
+    ([{"type": "code_interpreter", "function": {"name": "f", "arguments": {}}}], "field 'type' = 'code_interpreter'"),
+    ([{"function": {"name": "f", "arguments": {"a": 1}, "parameters": {"p": 1}}}], "both 'arguments' and 'parameters'"),
+    ({}, "[0] has no function name"),
+])
+def test_tool_calls_that_cannot_be_rendered_as_given_are_a_named_skip(calls, detail):
+    out = normalize_record(0, {"messages": [{"role": "user", "content": "x"},
+                                            {"role": "assistant", "content": None, "tool_calls": calls}]})
+    assert isinstance(out, Skip) and out.reason == "bad_tool_call" and detail in out.detail, out

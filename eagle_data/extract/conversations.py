@@ -23,13 +23,17 @@ Message fields (OpenAI style, as HF chat templates take them):
   handed to the template (see :mod:`eagle_data.extract.chat`).
 * ``tool_calls`` on an assistant turn: ``[{"type": "function", "function": {"name": str,
   "arguments": dict | JSON string}}]`` (a JSON-string ``arguments`` is parsed, as vLLM does;
-  OpenAI's legacy ``function_call`` field is one such call; on any other role: skipped);
-  ShareGPT ``function_call`` turns hold one such call (``{"name", "arguments"}``) as JSON text.
+  OpenAI's legacy ``function_call`` field is one such call; on any other role: skipped; the list
+  may be JSON text; a call whose ``type`` is not ``"function"``, or that gives both ``arguments``
+  and ``parameters``, is skipped: ``bad_tool_call``); ShareGPT ``function_call`` turns hold one
+  such call (``{"name", "arguments"}``) or a list of them as JSON text, and take ``weight`` /
+  ``train`` and reasoning like any assistant turn.
 * ``tool`` messages (ShareGPT ``tool``/``observation``/``function``): the tool's result;
   ``tool_call_id`` and ``name`` are kept.
 * ``weight`` (0 or 1, axolotl's ShareGPT) or ``train`` (bool) on an assistant turn: ``0`` /
   ``false`` keeps the turn in the conversation (context) but out of the loss mask (an internal
-  ``"train": False`` that the template never sees).
+  ``"train": False`` that the template never sees). Only assistant turns are ever supervised, so
+  these fields on other roles change nothing.
 
 A top-level ``"tools"`` (OpenAI tool schemas: a list of objects, or that list as JSON text) is
 handed to the template as its ``tools`` variable (template text: never supervised); a template
@@ -128,7 +132,12 @@ def _json_text(value: Any, where: str, reason: str, failure: str) -> None:
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     """OpenAI ``tool_calls`` -> ``[{"type": "function", "function": {"name", "arguments": dict}}]``."""
-    if isinstance(calls, (dict, str)):
+    if isinstance(calls, str):  # one call or a list of calls, as JSON text
+        try:
+            calls = json.loads(calls)
+        except json.JSONDecodeError as e:
+            raise BadRecord("bad_tool_call", f"{where} is not JSON: {e}") from None
+    if isinstance(calls, dict):
         calls = [calls]
     if not isinstance(calls, list) or not calls:
         raise BadRecord("bad_tool_call", f"{where} is not a non-empty list")
@@ -139,10 +148,17 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
                 call = json.loads(call)
             except json.JSONDecodeError as e:
                 raise BadRecord("bad_tool_call", f"{where}[{j}] is not JSON: {e}") from None
-        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(call, dict):
+            raise BadRecord("bad_tool_call", f"{where}[{j}] is {type(call).__name__}, not an object")
+        if call.get("type", "function") != "function":
+            raise BadRecord("bad_tool_call", f"{where}[{j}] field 'type' = {call['type']!r}: only 'function' calls "
+                                             f"are supported")
+        fn = call.get("function", call)
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
             raise BadRecord("bad_tool_call", f"{where}[{j}] has no function name")
-        args = fn.get("arguments", fn.get("parameters", {}))
+        if fn.get("arguments") is not None and fn.get("parameters") is not None:
+            raise BadRecord("bad_tool_call", f"{where}[{j}] gives both 'arguments' and 'parameters'; keep one")
+        args = fn.get("arguments") if fn.get("arguments") is not None else fn.get("parameters", {})
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
@@ -168,16 +184,19 @@ def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "conten
     role = ROLE_MAP.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
     if role is None:
         raise BadRecord("unknown_role", f"turn {i} field '{rkey}' = {raw_role!r}")
-    if raw_role.strip().lower() == "function_call":  # ShareGPT tool call: the value is the call's JSON
-        return {"role": "assistant", "content": "",
-                "tool_calls": _tool_calls(_text(turn.get(ckey), f"turn {i} field '{ckey}'"), f"turn {i} field '{ckey}'")}
     msg: dict[str, Any] = {"role": role}
-    calls = turn.get("tool_calls") or None  # [] (as vLLM's responses carry): no calls
-    if calls is None and turn.get("function_call") is not None:  # OpenAI's legacy single call
-        calls = [turn["function_call"]]
-    if calls is not None and role != "assistant":
-        raise BadRecord("bad_tool_call", f"turn {i} is a {role} message with tool calls")
-    content = _text(turn.get(ckey), f"turn {i} field '{ckey}'", allow_none=calls is not None)
+    calls_at = "tool_calls"
+    if raw_role.strip().lower() == "function_call":  # ShareGPT tool call: the value is the call's (calls') JSON
+        calls, calls_at, content = _text(turn.get(ckey), f"turn {i} field '{ckey}'"), ckey, ""
+    else:
+        calls = turn.get("tool_calls")
+        if calls is None and turn.get("function_call") is not None:  # OpenAI's legacy single call
+            calls, calls_at = [turn["function_call"]], "function_call"
+        if calls == [] or (isinstance(calls, str) and not calls.strip()):  # [] as vLLM's responses carry: none
+            calls = None
+        if calls is not None and role != "assistant":
+            raise BadRecord("bad_tool_call", f"turn {i} is a {role} message with tool calls")
+        content = _text(turn.get(ckey), f"turn {i} field '{ckey}'", allow_none=calls is not None)
     msg["content"] = content or ""
     if role == "assistant":
         if not _trained(turn, i):
@@ -187,7 +206,7 @@ def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "conten
                 msg["reasoning_content"] = reasoning
                 break
         if calls is not None:
-            msg["tool_calls"] = _tool_calls(calls, f"turn {i} field 'tool_calls'")
+            msg["tool_calls"] = _tool_calls(calls, f"turn {i} field '{calls_at}'")
     if role == "tool":
         for k in ("tool_call_id", "name"):
             if isinstance(turn.get(k), str):
