@@ -181,6 +181,52 @@ def test_folder_sources_read_every_data_file_and_refuse_other_files(tmp_path, ca
         resolve(str(d))
 
 
+def test_glob_sources_span_folders_and_refuse_files_that_are_not_data(tmp_path):
+    """``*`` used to drop a .jsonl.gz, a notes file and a subfolder unsaid; ``**`` missed the top level."""
+    from eagle_data.extract.sources import resolve
+
+    d = tmp_path / "g"
+    (d / "sub" / "deeper").mkdir(parents=True)
+    for f in ("a.jsonl", "sub/c.jsonl", "sub/deeper/d.JSON"):
+        (d / f).write_text("{}\n")
+    assert resolve(f"{d}/*")[1]["data_files"] == [str(d / f) for f in ("a.jsonl", "sub/c.jsonl", "sub/deeper/d.JSON")]
+    assert resolve(f"{d}/**/*.jsonl")[1]["data_files"] == [str(d / "a.jsonl"), str(d / "sub/c.jsonl")]
+    assert resolve(f"{d}/*.jsonl")[1]["data_files"] == [str(d / "a.jsonl")]
+    (d / "b.jsonl.gz").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"the glob .*/\* matches files that are not \.json/\.jsonl/\.parquet: .*b\.jsonl\.gz"):
+        resolve(f"{d}/*")
+    assert resolve(f"{d}/*.jsonl")[1]["data_files"] == [str(d / "a.jsonl")]  # a narrower glob is the way out
+
+
+def test_parquet_sources_keep_each_records_own_keys_and_files_may_differ(tmp_path):
+    """Arrow pads a struct column with the other rows' keys ({"a": 1} next to {"b": "x"} read back
+    as {"a": 1, "b": None}, rendered and supervised); `datasets` cast every file to the first one's
+    schema and crashed mid-run on a file with one more field."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle_data.extract.conversations import normalize_record
+    from eagle_data.extract.sources import iter_records
+
+    def rec(i, args, **turn):
+        return {"id": f"p{i}", "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, **turn,
+             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": args}}]},
+            {"role": "tool", "content": "r"}, {"role": "assistant", "content": "done"}]}
+
+    d = tmp_path / "pq"
+    d.mkdir()
+    pq.write_table(pa.Table.from_pylist([rec(0, {"a": 1}), rec(1, {"b": "x"})]), d / "a.parquet")
+    pq.write_table(pa.Table.from_pylist([rec(2, {"a": 2}, weight=0)]), d / "b.parquet")  # one more field
+    got = [normalize_record(r, x) for r, x in iter_records(str(d))]
+    assert [c.messages[1]["tool_calls"][0]["function"]["arguments"] for c in got] == [{"a": 1}, {"b": "x"}, {"a": 2}]
+    assert [c.messages[1].get("train", True) for c in got] == [True, True, False]
+    (d / "c.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match=r"c\.parquet is not a readable parquet file"):
+        list(iter_records(str(d)))
+
+
 def test_split_of_local_data_and_backend_options_are_checked(tiny, tmp_path):
     """--split means a hub split (local files have only 'train'); backend_kwargs the backend does
     not take, a model folder without weights: ValueError naming them, before any work."""

@@ -447,3 +447,23 @@ def test_extract_warns_on_another_template_or_a_shorter_max_length(tiny, tmp_pat
                                   progress=False))
     text = caplog.text
     assert "another chat template" in text and "truncates at 399" in text and "another model" not in text
+
+
+def test_a_parquet_source_with_date_and_bytes_columns_is_kept_whole(tiny, tmp_path):
+    """A timestamp column crashed the part's write after generation (datetime is not JSON), and a
+    rerun crashed again; such values are written as ISO / base64 text, the chat untouched."""
+    import datetime as dt
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "c.parquet"
+    when = dt.datetime(2026, 12, 3, 10, 0, 0)
+    pq.write_table(pa.Table.from_pylist([{"id": "a", "created": when, "blob": b"\x00\xff", "conversations": [
+        {"from": "human", "value": "question 1"}, {"from": "gpt", "value": "old"}]}]), src)
+    man = _run(tiny, tmp_path / "o", data=src)
+    assert (man["regenerated"], man["failed"], man["skipped"]) == (1, 0, 0)
+    rec = _read(tmp_path / "o", DATA_DIR)[0]
+    assert rec["created"] == "2026-12-03T10:00:00" and rec["blob"] == "AP8="
+    assert rec["conversations"][0] == {"from": "human", "value": "question 1"}
+    assert rec["conversations"][1]["value"].startswith("reply ")

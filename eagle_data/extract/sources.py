@@ -5,9 +5,10 @@
 * ``"sharegpt"``: the embedded default (ShareGPT V3 from PyPI, see :mod:`eagle_data.assets`);
 * the output folder of ``eagle-data regenerate``: its ``data/`` parts in source order (only
   once the regeneration is complete);
-* a local ``.json`` / ``.jsonl`` / ``.parquet`` file, a glob of them, or a directory: every
-  such file below it (subfolders included, extensions in any case, sorted by path; hidden files
-  and folders are not read); any other file in it is an error (nothing is skipped unsaid);
+* a local ``.json`` / ``.jsonl`` / ``.parquet`` file, a glob of them (``**`` spans folders; a
+  matched folder counts as a directory), or a directory: every such file below it (subfolders
+  included, extensions in any case, sorted by path; hidden files and folders are not read); any
+  other file it matches or holds is an error (nothing is skipped unsaid);
 * a ``datasets`` hub name (only on machines that can reach a hub).
 
 Rows are numbered in source order; rank ``r`` of ``w`` takes rows with ``row % w == r``.
@@ -20,6 +21,10 @@ middle. Here every line is its own record; a line that is not valid JSON becomes
 other bad record. A ``.json`` file holding one JSON array (or one record object) is read as
 that; one whose first line is a JSON value on its own is read as JSON lines; anything else is
 a ``ValueError`` naming the syntax error's position.
+
+Local parquet files are read file by file with pyarrow (files whose columns differ are fine);
+records read through Arrow (parquet, hub datasets) have their null-valued keys dropped
+(:func:`drop_nulls`: Arrow pads every row's structs with the other rows' keys).
 """
 
 from __future__ import annotations
@@ -51,8 +56,7 @@ def resolve(data: str) -> tuple[str, dict[str, Any], str]:
     if p.is_dir():
         files = data_files(p) if is_regeneration(p) else _folder_files(p)
     else:
-        files = sorted(Path(f) for f in _glob.glob(data)) if any(c in data for c in "*?[") else [p]
-    files = [f for f in files if f.suffix.lower() in _FORMATS]
+        files = _glob_files(data) if any(c in data for c in "*?[") else [p]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise ValueError(f"data: {missing[0]} does not exist")
@@ -89,6 +93,23 @@ def _folder_files(folder: Path) -> list[Path]:
                          f"{' ...' if len(other) > 5 else ''}; move them out or pass a glob such as "
                          f"'{folder}/*.jsonl'")
     return found
+
+
+def _glob_files(pattern: str) -> list[Path]:
+    """The data files a glob matches (``**`` spans folders; a matched folder gives every data file
+    below it, as a folder does), sorted by path.
+
+    Raises:
+        ValueError: it also matches files that are not data (they would be left out unsaid).
+    """
+    files: list[Path] = []
+    for f in sorted(Path(m) for m in _glob.glob(pattern, recursive=True)):
+        files.extend(_folder_files(f) if f.is_dir() else [f])
+    other = [str(f) for f in files if f.suffix.lower() not in _FORMATS]
+    if other:
+        raise ValueError(f"data: the glob {pattern} matches files that are not .json/.jsonl/.parquet: {other[:5]}"
+                         f"{' ...' if len(other) > 5 else ''}; narrow it (e.g. '*.jsonl') or move them out")
+    return sorted(set(files))
 
 
 def _tag(name: str) -> str:
@@ -153,10 +174,10 @@ def _iter_json_file(path: str) -> Iterator[Any]:
 
 def _iter_source(data: str, split: str) -> Iterator[Any]:
     builder, kw, _ = resolve(data)
-    if builder == "json" and kw.get("data_files"):  # local files (incl. the embedded ShareGPT)
+    if builder in ("json", "parquet") and kw.get("data_files"):  # local files (incl. the embedded ShareGPT)
         files = kw["data_files"]
         for f in [files] if isinstance(files, str) else files:
-            yield from _iter_json_file(f)
+            yield from (_iter_json_file(f) if builder == "json" else _iter_parquet_file(f))
         return
     import datasets
 
@@ -165,7 +186,41 @@ def _iter_source(data: str, split: str) -> Iterator[Any]:
     except Exception as e:  # no hub reachable, unknown name, bad split: a data error, not a crash
         raise ValueError(f"data: {data!r} is not a local .json/.jsonl/.parquet file or folder, and loading it as "
                          f"a `datasets` hub name failed: {type(e).__name__}: {e}") from e
-    yield from ds
+    for rec in ds:
+        yield drop_nulls(rec)
+
+
+def drop_nulls(x: Any) -> Any:
+    """``x`` with None-valued object keys dropped, at any depth. For records read through Arrow
+    (parquet, hub datasets): a struct column holds the union of every row's keys, with nulls
+    where a row had none — a tool call ``{"a": 1}`` next to ``{"b": "x"}`` reads back as
+    ``{"a": 1, "b": None}``, and those keys would be rendered and supervised. A null there cannot
+    be told from an absent key, so it is read as absent (elsewhere None means absent anyway)."""
+    if isinstance(x, dict):
+        return {k: drop_nulls(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [drop_nulls(v) for v in x]
+    return x
+
+
+def _iter_parquet_file(path: str) -> Iterator[Any]:
+    """Records of one local parquet file, a row group batch at a time, with :func:`drop_nulls`.
+    File by file with pyarrow, not ``datasets``: that casts every file to the first one's
+    schema and stops mid-run when another file has one more field.
+
+    Raises:
+        ValueError: the file is not readable parquet (naming it).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"data: {path} is not a readable parquet file: {e}") from None
+    for batch in pf.iter_batches(batch_size=256):
+        for rec in batch.to_pylist():
+            yield drop_nulls(rec)
 
 
 def iter_records(data: str, split: str = "train", rank: int = 0, world_size: int = 1,

@@ -14,6 +14,7 @@ Every part's counts satisfy ``regenerated + failed + skipped == rows``.
 
 from __future__ import annotations
 
+import base64
 import bisect
 import hashlib
 import json
@@ -30,6 +31,19 @@ log = logging.getLogger(__name__)
 
 #: the three outcomes of a source row
 OUTCOMES = ("regenerated", "failed", "skipped")
+
+
+def json_value(x: Any) -> Any:
+    """The JSON form of a source column value JSON has no type for (parquet/hub columns: dates and
+    times as ISO text, bytes as base64 text, arrays as lists; anything else as its ``str``): the
+    record is kept whole, and such a column never holds chat text."""
+    if hasattr(x, "isoformat"):
+        return x.isoformat()
+    if isinstance(x, (bytes, bytearray)):
+        return base64.b64encode(bytes(x)).decode("ascii")
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return str(x)
 
 
 @dataclass
@@ -117,7 +131,7 @@ class RankProgress:
         assert sum(rec.counts.values()) == rec.end - rec.start, (rec.counts, rec.start, rec.end)
         name = part_name(rec.start, rec.end)
         for d, rows in ((DATA_DIR, data), (REJECTS_DIR, rejects)):
-            blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+            blob = "".join(json.dumps(r, ensure_ascii=False, default=json_value) + "\n" for r in rows).encode("utf-8")
             atomic_write_bytes(self.out / d / name, blob)
             rec.sha256[d] = hashlib.sha256(blob).hexdigest()
         self.state["parts"].append(asdict(rec))
