@@ -467,3 +467,25 @@ def test_a_parquet_source_with_date_and_bytes_columns_is_kept_whole(tiny, tmp_pa
     assert rec["created"] == "2026-12-03T10:00:00" and rec["blob"] == "AP8="
     assert rec["conversations"][0] == {"from": "human", "value": "question 1"}
     assert rec["conversations"][1]["value"].startswith("reply ")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(st.sampled_from(list("ab é€😀\n")), min_size=1, max_size=12), data=st.data())
+def test_a_reply_is_the_text_the_model_wrote_or_fails_named(tiny, text, data):
+    """A reply cut by the budget mid-character used to be stored with U+FFFD, which extraction
+    re-tokenises into other tokens: the cut now loses only that character (the text is a prefix
+    of the whole reply's); U+FFFD otherwise, or an id with no text, fails the row with its reason."""
+    from transformers import AutoTokenizer
+
+    from eagle_data.regen.run import reply_text
+
+    tok = AutoTokenizer.from_pretrained(tiny[0])
+    ids = tok.encode(text, add_special_tokens=False)
+    k = data.draw(st.integers(1, len(ids)))
+    got_ids, got, why = reply_text(tok, Reply(ids[:k], "length", k))
+    assert why is None and "\ufffd" not in got and text.startswith(got) and got_ids == ids[:len(got_ids)]
+    assert k - len(got_ids) <= 3
+    _, got, why = reply_text(tok, Reply(ids[:k], "stop", k + 1))
+    assert (why is None and got == tok.decode(ids[:k])) or (why[0] == "invalid_utf8_reply" and "\ufffd" in got)
+    assert (why is None) is text.startswith(got)
+    assert reply_text(tok, Reply(ids + [len(tok)], "stop", k))[2][0] == "token_id_out_of_range"

@@ -12,7 +12,8 @@ with exactly one outcome:
   ``broken_alternation``, ...), ``tool_call_turn``, ``no_regenerable_turn``, ``template_error``,
   ``special_token_in_text``, ``context_too_long``;
 * ``failed`` (the generation did not give a usable reply): ``engine_error``, ``empty_reply``,
-  ``special_token_in_reply``, ``reply_at_length`` (with ``length_replies="reject"``).
+  ``special_token_in_reply``, ``token_id_out_of_range``, ``invalid_utf8_reply``,
+  ``reply_at_length`` (with ``length_replies="reject"``).
 
 A regenerated row is rendered and masked as extraction will do; one that extraction would skip
 is skipped here with extraction's reason (e.g. ``tool_calls_not_rendered``).
@@ -123,9 +124,11 @@ class Regenerator:
         if reply.error is not None:
             self._reject(part, job.row, job.source_id, "failed", "engine_error", reply.error)
             return
-        text = self.tok.decode(reply.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        ids, text, why = reply_text(self.tok, reply)
         fields = split_reply(text, self.cfg.split_reasoning)
-        if not any(v.strip() for v in fields.values()):
+        if why is not None:
+            self._reject(part, job.row, job.source_id, "failed", why[0], f"message {job.pending}: {why[1]}")
+        elif not any(v.strip() for v in fields.values()):
             self._reject(part, job.row, job.source_id, "failed", "empty_reply",
                          f"message {job.pending}: {len(reply.token_ids)} token(s), blank text ({reply.finish})")
         elif (hit := self.renderer.find_special(text)) is not None:
@@ -135,7 +138,7 @@ class Regenerator:
             self._end_early(job, part, "cut_at_length", "failed", "reply_at_length",
                             f"message {job.pending}: the reply ran out of tokens ({len(reply.token_ids)})")
         else:
-            apply_reply(job, job.pending, fields, reply.finish, len(prompt), len(reply.token_ids))
+            apply_reply(job, job.pending, fields, reply.finish, len(prompt), len(ids))
 
     def _check_extractable(self, job: Job, part: _Part) -> None:
         """Reject (with extraction's own reason) a regenerated row that extraction would skip."""
@@ -171,6 +174,31 @@ class Regenerator:
         data = [output_record(j, self.settings_id) for j in jobs if j.row not in part.rejects]
         return data, [part.rejects[r] for r in sorted(part.rejects)], part
 
+
+def reply_text(tok: Any, reply: Any) -> tuple[list[int], str, tuple[str, str] | None]:
+    """``(token ids, text, failure)`` of a reply: its text is what extraction will tokenise, so it
+    must be what the model wrote. A reply cut by the token budget in the middle of a character
+    loses that partial character (up to 3 trailing tokens; decoded alone it is U+FFFD, which
+    re-tokenises into other tokens). Failure ``(reason, detail)``, else None:
+    ``token_id_out_of_range`` (an id past the tokenizer's vocabulary, i.e. a padded embedding row:
+    it decodes to nothing), ``invalid_utf8_reply`` (U+FFFD left: bytes that are not UTF-8)."""
+    ids = list(reply.token_ids)
+    bad = [t for t in ids if not 0 <= t < len(tok)]
+    if bad:
+        return ids, "", ("token_id_out_of_range", f"the reply holds token id {bad[0]}, past the tokenizer's "
+                                                  f"{len(tok)} ids: it has no text")
+    decode = lambda x: tok.decode(x, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
+    text = decode(ids)
+    if reply.finish == "length":
+        for _ in range(3):
+            if not (ids and text.endswith("\ufffd")):
+                break
+            ids = ids[:-1]
+            text = decode(ids)
+    if "\ufffd" in text:
+        return ids, text, ("invalid_utf8_reply", f"the reply decodes to U+FFFD at character {text.index(chr(0xfffd))} "
+                                                 f"(its bytes are not UTF-8 there): its text is not what the model wrote")
+    return ids, text, None
 
 def _settings(cfg: RegenerateConfig, model_path: str, renderer: ChatRenderer, stops: frozenset[int]) -> dict[str, Any]:
     tok_json = Path(model_path) / "tokenizer.json"
