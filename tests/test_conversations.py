@@ -186,3 +186,17 @@ def test_tool_calls_that_cannot_be_rendered_as_given_are_a_named_skip(calls, det
     out = normalize_record(0, {"messages": [{"role": "user", "content": "x"},
                                             {"role": "assistant", "content": None, "tool_calls": calls}]})
     assert isinstance(out, Skip) and out.reason == "bad_tool_call" and detail in out.detail, out
+
+
+def test_the_legacy_functions_field_is_the_records_tools():
+    """OpenAI's legacy top-level ``functions`` was ignored unsaid while its ``function_call`` was used."""
+    schema = {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    c = normalize_record(0, {"functions": [schema], "messages": turns})
+    assert c.tools == [{"type": "function", "function": schema}]
+    assert c.tools == normalize_record(0, {"tools": [{"type": "function", "function": schema}], "messages": turns}).tools
+    both = normalize_record(0, {"functions": [schema], "tools": [{"type": "function", "function": schema}],
+                                "messages": turns})
+    assert isinstance(both, Skip) and both.reason == "bad_tools" and "legacy 'functions'" in both.detail
+    bad = normalize_record(0, {"functions": {"x": 1}, "messages": turns})
+    assert isinstance(bad, Skip) and bad.reason == "bad_tools" and "field 'functions'" in bad.detail

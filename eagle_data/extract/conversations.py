@@ -37,7 +37,8 @@ Message fields (OpenAI style, as HF chat templates take them):
 
 A top-level ``"tools"`` (OpenAI tool schemas: a list of objects, or that list as JSON text) is
 handed to the template as its ``tools`` variable (template text: never supervised); a template
-that does not render it gets the note ``tools_not_rendered``.
+that does not render it gets the note ``tools_not_rendered``. OpenAI's legacy top-level
+``"functions"`` (the schemas alone) is read as ``tools`` of type ``function``.
 
 Rules: optional leading system message, then turns starting with user (leading assistant
 turns are dropped, as FastChat/SpecForge do for ShareGPT continuations: note
@@ -314,6 +315,11 @@ def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
         notes.append(("trailing_turns_dropped", f"{trail} turn(s) after the last answer dropped"))
         chat = chat[:len(chat) - trail]
     tools = normalize_tools(record.get("tools"))
+    if record.get("functions") not in (None, [], ""):  # OpenAI's legacy schemas (beside legacy function_call)
+        if tools is not None:
+            raise BadRecord("bad_tools", "both 'tools' and the legacy 'functions' are given; keep one")
+        funcs = normalize_tools(record["functions"], "field 'functions'")
+        tools = [{"type": "function", "function": f} for f in funcs] if funcs else None
     return Conversation(row, sid, system + chat, notes, system_at + at[:len(chat)], tools)
 
 
