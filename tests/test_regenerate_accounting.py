@@ -391,6 +391,26 @@ def test_a_row_extraction_would_skip_is_skipped_with_its_reason(tiny, tmp_path):
     assert _read(tmp_path / "o", REJECTS_DIR)[0]["detail"].startswith("extraction would skip it")
 
 
+@pytest.mark.parametrize("mode", ["all", "last"])
+def test_a_row_with_no_trained_turn_is_skipped_as_extraction_would(tiny, tmp_path, mode):
+    """Such rows were regenerated, then skipped by extraction (no_loss_tokens): the two disagreed."""
+    from eagle_data.extract.config import ExtractConfig
+    from eagle_data.extract.run import run_extract
+
+    def rec(w1, w2):
+        return {"conversations": [{"from": "human", "value": "question 1"}, {"from": "gpt", "value": "a", "weight": w1},
+                                  {"from": "human", "value": "question 2"}, {"from": "gpt", "value": "b", "weight": w2}]}
+
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps(rec(*w)) + "\n" for w in [(0, 0), (0, 1), (1, 0)]))
+    man = _run(tiny, tmp_path / "o", data=src, mode=mode)
+    assert (man["regenerated"], man["skipped"], man["reasons"]) == (2, 1, {"no_loss_tokens": 1})
+    assert _read(tmp_path / "o", REJECTS_DIR)[0]["row"] == 0
+    m = run_extract(ExtractConfig(model=str(tiny[0]), data=str(tmp_path / "o"), out=str(tmp_path / "x"),
+                                  dtype="float32", progress=False))
+    assert m["num_samples"] == 2 and m["skip_counts"] == {}
+
+
 def test_cli_errors_for_an_empty_source_and_an_extract_into_a_regeneration(tiny, tmp_path, capsys):
     from eagle_data.cli import main as cli
 

@@ -9,7 +9,8 @@ Rules:
 
 * targets: assistant turns without tool calls (a tool-call turn is kept as it is: the tool's
   result that follows answers that call); ``mode="last"``: only the last assistant turn, and a
-  row whose last turn is a tool call is skipped (``tool_call_turn``);
+  row whose last turn is a tool call is skipped (``tool_call_turn``); a row none of whose assistant
+  turns is trained (``weight`` 0 / ``train`` false) is skipped as extraction would (``no_loss_tokens``);
 * prompt of a target = the template's render of the messages before it with
   ``add_generation_prompt=True``, tokenised once (what a server feeds the model);
 * a target whose prompt leaves no room (``len(prompt) >= max_length``): in ``mode="all"`` after
@@ -95,10 +96,14 @@ def plan(conv: Conversation, record: dict[str, Any], mode: str) -> Job:
     """The :class:`Job` of a validated conversation.
 
     Raises:
-        BadRecord: ``tool_call_turn`` (mode "last", the last turn is a tool call) or
+        BadRecord: ``no_loss_tokens`` (every assistant turn is marked not to train, so extraction
+            would skip the row), ``tool_call_turn`` (mode "last", the last turn is a tool call) or
             ``no_regenerable_turn`` (every assistant turn is a tool call).
     """
     assistant = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
+    if not any(conv.messages[i].get("train", True) for i in assistant):  # as extraction would skip it
+        raise BadRecord("no_loss_tokens", f"every assistant turn ({len(assistant)}) is marked not to train "
+                                          f"(weight 0 / train false): nothing would be supervised")
     if mode == "last":
         if conv.messages[assistant[-1]].get("tool_calls"):
             raise BadRecord("tool_call_turn", f"the last assistant turn (message {assistant[-1]}) is a tool call")
