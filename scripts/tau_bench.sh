@@ -23,7 +23,8 @@
 #            same positions (eagle-data eval, 95 % intervals), all checkpoints at once; then a table.
 # Usage: OUT=out/tau N=8769 LRS="3e-4 6e-4 1.2e-3" bash scripts/tau_bench.sh   (GPU; PHASES="extract tune" etc. for parts)
 #        OUT=/tmp/tau N=12 HELD=4 MINUTES="0.05 0.1" DEVICE=cpu ACCEL=cpu PRECISION=32-true EVAL_N=2 \
-#          bash scripts/tau_bench.sh                           (smoke test)
+#          TRAIN_ARGS="--data.max_tokens 4096 --data.num_workers 1" bash scripts/tau_bench.sh   (CPU smoke test:
+#          the GPU config's 65,536-token batches and 8 workers take ~10 GB and minutes per step on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/tau}; N=${N:-6000}; HELD=${HELD:-200}; DEVICE=${DEVICE:-cuda}; VOCAB=${VOCAB:-16384}
@@ -32,6 +33,21 @@ PHASES=${PHASES:-"prep regen extract tune train control eval"}; REGEN=${REGEN:-0
 CONFIG=${CONFIG:-configs/train/tau_bench_gpu.yaml}
 ed() { python -m eagle_data.cli.main "$@"; }
 has() { [[ " $PHASES " == *" $1 "* ]]; }
+for p in $PHASES; do  # a misspelt phase would be skipped unsaid
+  case " prep regen extract tune train control eval " in *" $p "*) ;; *) echo "PHASES: unknown phase '$p' (prep regen extract tune train control eval)" >&2; exit 2;; esac
+done
+# MINUTES as the checkpoint names write them ({m:g}: "0.050" -> "0.05", "1e-1" -> "0.1"), increasing
+MINUTES=$(python - $MINUTES <<'PY'
+import math, sys
+try:
+    m = [float(x) for x in sys.argv[1:]]
+except ValueError:
+    m = []
+if not m or not all(0 < x < math.inf for x in m) or m != sorted(set(m)):
+    sys.exit(f"MINUTES: numbers > 0, increasing, each once (got {' '.join(sys.argv[1:])!r})")
+print(" ".join(f"{x:g}" for x in m))
+PY
+) || exit 2
 first=$(echo "$MINUTES" | awk '{print $1}'); last=$(echo "$MINUTES" | awk '{print $NF}')
 mkdir -p "$OUT"
 
@@ -141,7 +157,8 @@ if has eval; then
     if [ -f "$OUT/run/at_${m}min.ckpt" ]; then evals+=("run/at_${m}min.ckpt eval_${m}min $([ "$m" = "$first" ] && echo true || echo false)")
     else echo "eval: no checkpoint $OUT/run/at_${m}min.ckpt (not trained, or stopped before ${m} minutes)"; fi
   done
-  [ -f "$OUT/run_zero/at_${first}min.ckpt" ] && evals+=("run_zero/at_${first}min.ckpt eval_zero_${first}min false")
+  if [ -f "$OUT/run_zero/at_${first}min.ckpt" ]; then evals+=("run_zero/at_${first}min.ckpt eval_zero_${first}min false")
+  elif has control || [ -d "$OUT/run_zero" ]; then echo "eval: no control checkpoint $OUT/run_zero/at_${first}min.ckpt"; fi
   for v in ${EVAL_TUNE:-}; do  # the tune's runs too ("v1 v4", or "all"; e.g. a features-zeroed control)
     [ "$v" = all ] && v=$(cd "$OUT/tune" 2>/dev/null && ls -d v*/ | tr -d / || true)
     for w in $v; do
@@ -149,6 +166,7 @@ if has eval; then
       if [ -n "$c" ]; then evals+=("${c#"$OUT"/} eval_tune_$w false"); else echo "eval: tune variant $w has no checkpoint"; fi
     done
   done
+  [ "${#evals[@]}" -gt 0 ] || { echo "eval: no checkpoint to evaluate under $OUT" >&2; exit 1; }
   names=()
   for e in "${evals[@]}"; do
     set -- $e

@@ -200,3 +200,18 @@ def test_the_legacy_functions_field_is_the_records_tools():
     assert isinstance(both, Skip) and both.reason == "bad_tools" and "legacy 'functions'" in both.detail
     bad = normalize_record(0, {"functions": {"x": 1}, "messages": turns})
     assert isinstance(bad, Skip) and bad.reason == "bad_tools" and "field 'functions'" in bad.detail
+
+
+def test_turns_in_the_other_layouts_keys_are_read_with_those_keys():
+    """``{"role", "content"}`` turns under ``conversations`` were skipped as ``unknown_role: turn 0
+    field 'from' = None``; each turn is now read with its own keys (the reverse too)."""
+    oa = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0},
+          {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}]
+    sg = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "weight": 0},
+          {"from": "human", "value": "q2"}, {"from": "gpt", "value": "b"}]
+    want = normalize_record(0, {"messages": oa}).messages
+    assert normalize_record(0, {"conversations": oa}).messages == want
+    assert normalize_record(0, {"messages": sg}).messages == want
+    assert normalize_record(0, {"conversations": [sg[0], oa[1], sg[2], oa[3]]}).messages == want
+    bad = normalize_record(0, {"conversations": [{"speaker": "human", "text": "q"}]})
+    assert isinstance(bad, Skip) and bad.reason == "unknown_role" and "field 'from' = None" in bad.detail

@@ -42,6 +42,40 @@ def chats(n: int, seed: int = 0) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def no_text_ids(tiny) -> list[int]:
+    """Ids of the tiny random model that are not text: past the tokenizer (padded rows) or decoding
+    alone to U+FFFD (a lone UTF-8 byte). A random model emits them often, a trained one hardly
+    ever; regenerate fails such replies loudly (test_regenerate_accounting.py). These tests are
+    about batching, seeds, resuming and masks, so its engines here never choose them."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny[0])
+    n = AutoConfig.from_pretrained(tiny[0]).vocab_size
+    bad = [i for i in range(n) if i >= len(tok) or "\ufffd" in tok.decode([i])]
+    assert 0 < len(bad) < n - 100, len(bad)
+    return bad
+
+
+@pytest.fixture(autouse=True)
+def text_replies_only(monkeypatch, no_text_ids):
+    """The engines of these tests never choose :func:`no_text_ids` (HF: ``suppress_tokens``;
+    SGLang: a ``logit_bias``); forked children inherit it."""
+    from eagle_data.regen.engines import HFGenerator, SGLangGenerator
+
+    hf_init, sg_params = HFGenerator.__init__, SGLangGenerator._params
+
+    def init(self, *a, **k):
+        hf_init(self, *a, **k)
+        self.gen_cfg.suppress_tokens = no_text_ids
+
+    def params(self, *a, **k):
+        return {**sg_params(self, *a, **k), "logit_bias": {str(i): -1e9 for i in no_text_ids}}
+
+    monkeypatch.setattr(HFGenerator, "__init__", init)
+    monkeypatch.setattr(SGLangGenerator, "_params", params)
+
+
+@pytest.fixture(scope="module")
 def multi(tmp_path_factory, tiny):
     model, _ = tiny
     path = tmp_path_factory.mktemp("regen") / "multi.jsonl"
@@ -64,7 +98,7 @@ def replies(records: list[dict]) -> list[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def stop_token(multi):
+def stop_token(multi, no_text_ids):
     """A token the tiny model emits inside some greedy replies, used as an extra stop token so that
     both finish reasons occur."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,27 +113,28 @@ def stop_token(multi):
         text = ChatRenderer(tok).render([{"role": "user", "content": json.loads(line)["conversations"][0]["value"]}],
                                         True)
         ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
-        outs.append(lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                                do_sample=False)[0, ids.shape[1]:].tolist())
-    early = {t for o in outs for t in o[:2]}
-    later = [t for o in outs for t in o[2:] if t not in early and t < len(tok) and t not in tok.all_special_ids]
+        outs.append(lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                suppress_tokens=no_text_ids)[0, ids.shape[1]:].tolist())
+    first = {o[0] for o in outs}  # never a reply's first token (that reply would be empty)
+    later = [t for o in outs for t in set(o[1:]) if t not in first and t not in tok.all_special_ids]
+    later = [t for t in later if later.count(t) < len(outs)]  # some replies never meet it: they run to the budget
     assert later, outs
     pick = max(set(later), key=later.count)
     return tok.convert_ids_to_tokens(pick)
 
 
-def reference_turn(lm, tok, prompt_text: str, budget: int, stops: set[int]) -> tuple[str, str]:
+def reference_turn(lm, tok, prompt_text: str, budget: int, stops: set[int], no_text: list[int]) -> tuple[str, str]:
     """One prompt, unpadded, plain ``generate``: the reply text and finish reason."""
     ids = torch.tensor([tok(prompt_text, add_special_tokens=False)["input_ids"]])
     out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+                      eos_token_id=None, pad_token_id=0, suppress_tokens=no_text)[0, ids.shape[1]:].tolist()
     for k, t in enumerate(out):
         if t in stops:
             return tok.decode(out[:k], skip_special_tokens=False), "stop"
     return tok.decode(out, skip_special_tokens=False), "length"
 
 
-def test_hf_batched_equals_single_unpadded_generate(tmp_path, multi, stop_token):
+def test_hf_batched_equals_single_unpadded_generate(tmp_path, multi, stop_token, no_text_ids):
     """Every turn (mode "all": each reply is the next turn's context) equals a plain, unpadded,
     one-prompt greedy ``generate`` on the conversation as regenerated so far."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -124,7 +159,7 @@ def test_hf_batched_equals_single_unpadded_generate(tmp_path, multi, stop_token)
                 y["role"] == "assistant" for y in msgs[:i]) == j)
             text = renderer.render(msgs[:m], add_generation_prompt=True)
             assert len(tok(text, add_special_tokens=False)["input_ids"]) == meta["prompt_tokens"][j]
-            want = reference_turn(lm, tok, text, 12, stops)
+            want = reference_turn(lm, tok, text, 12, stops, no_text_ids)
             assert (msgs[m]["content"], fin) == want, (meta["row"], j)
 
 

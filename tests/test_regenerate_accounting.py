@@ -509,3 +509,14 @@ def test_a_reply_is_the_text_the_model_wrote_or_fails_named(tiny, text, data):
     assert (why is None and got == tok.decode(ids[:k])) or (why[0] == "invalid_utf8_reply" and "\ufffd" in got)
     assert (why is None) is text.startswith(got)
     assert reply_text(tok, Reply(ids + [len(tok)], "stop", k))[2][0] == "token_id_out_of_range"
+
+
+def test_a_reply_is_written_back_under_the_turns_own_text_key(tiny, tmp_path):
+    """A {"role", "content"} turn under "conversations" is read with its own keys; its reply must
+    replace its "content" (a "value" beside it would leave extraction reading the old text)."""
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps({"conversations": [{"role": "user", "content": "question 1"},
+                                                 {"role": "assistant", "content": "old"}]}) + "\n")
+    assert _run(tiny, tmp_path / "o", data=src)["regenerated"] == 1
+    turn = _read(tmp_path / "o", DATA_DIR)[0]["conversations"][1]
+    assert set(turn) == {"role", "content"} and turn["content"].startswith("reply ")

@@ -12,6 +12,9 @@ Accepted record layouts (one row of an HF ``datasets.Dataset``):
 * ShareGPT: ``{"id": ..., "conversations": [{"from": "human"|"gpt"|..., "value": str}]}``
 * OpenAI:   ``{"id": ..., "messages": [{"role": "user"|"assistant"|..., "content": ...}]}``
 
+A turn without the layout's role key that has the other one is read with the other layout's
+keys (``{"role", "content"}`` turns under ``"conversations"``, as many datasets store them).
+
 Optionally a top-level ``"system"`` string. Roles are normalised with :data:`ROLE_MAP`.
 
 Message fields (OpenAI style, as HF chat templates take them):
@@ -176,11 +179,26 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+#: a turn's (role key, text key) in each layout; a turn written in the other layout's keys is read with those
+TURN_KEYS = {"from": ("from", "value"), "role": ("role", "content")}
+
+
+def turn_keys(turn: dict[str, Any], rkey: str, ckey: str) -> tuple[str, str]:
+    """``(rkey, ckey)``, or the other layout's keys when the turn has no ``rkey`` but has the other
+    role key (``{"role", "content"}`` turns under ``"conversations"`` are common, and the reverse)."""
+    if rkey not in turn:
+        other = TURN_KEYS["role" if rkey == "from" else "from"]
+        if other[0] in turn:
+            return other
+    return rkey, ckey
+
+
 def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "content") -> dict[str, Any]:
     """One turn (OpenAI fields by default) -> ``{"role", "content": str, ...}`` as described in
     the module docstring. Raises :class:`BadRecord` (a ValueError) naming the turn and field."""
     if not isinstance(turn, dict):
         raise BadRecord("bad_turn", f"turn {i} is {type(turn).__name__}, not an object")
+    rkey, ckey = turn_keys(turn, rkey, ckey)
     raw_role = turn.get(rkey)
     role = ROLE_MAP.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
     if role is None:

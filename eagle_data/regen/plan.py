@@ -34,7 +34,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle_data.extract.conversations import REASONING_KEYS, Conversation
+from eagle_data.extract.conversations import REASONING_KEYS, Conversation, turn_keys
 from eagle_data.extract.fault import BadRecord
 
 #: the tag that ends a reasoning block in the replies of thinking models
@@ -144,7 +144,8 @@ def apply_reply(job: Job, message: int, fields: dict[str, str], finish: str, pro
 def output_record(job: Job, settings_id: str) -> dict[str, Any]:
     """The source record with the regenerated turns written back (see the module docstring)."""
     rec = copy.deepcopy(job.record)
-    key, ckey = ("conversations", "value") if isinstance(rec.get("conversations"), list) else ("messages", "content")
+    key, rkey, ckey = (("conversations", "from", "value") if isinstance(rec.get("conversations"), list)
+                       else ("messages", "role", "content"))
     turns = rec[key]
     for t in job.done:
         assert t.turn is not None, "a regenerated assistant turn always comes from the turn list"
@@ -152,7 +153,7 @@ def output_record(job: Job, settings_id: str) -> dict[str, Any]:
         raw = turns[t.turn]
         for k in REASONING_KEYS:
             raw.pop(k, None)
-        raw[ckey] = new["content"]
+        raw[turn_keys(raw, rkey, ckey)[1]] = new["content"]  # the turn's own text key
         if "reasoning_content" in new:
             raw["reasoning_content"] = new["reasoning_content"]
     if job.cut:
