@@ -215,3 +215,11 @@ def test_turns_in_the_other_layouts_keys_are_read_with_those_keys():
     assert normalize_record(0, {"conversations": [sg[0], oa[1], sg[2], oa[3]]}).messages == want
     bad = normalize_record(0, {"conversations": [{"speaker": "human", "text": "q"}]})
     assert isinstance(bad, Skip) and bad.reason == "unknown_role" and "field 'from' = None" in bad.detail
+
+
+@pytest.mark.parametrize("sid,want", [({"x": 1}, '{"x": 1}'), ([1, "a"], '[1, "a"]'), (7, "7"), (True, "true"),
+                                      ("plain", "plain"), (None, "5")])
+def test_a_record_id_is_kept_as_its_json_text(sid, want):
+    """A non-string id used to be stored as Python's repr ("{'x': 1}")."""
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert normalize_record(5, {"id": sid, "messages": turns}).source_id == want

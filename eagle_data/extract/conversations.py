@@ -350,8 +350,9 @@ def normalize_record(row: int, record: Any) -> Conversation | Skip:
         return record
     if not isinstance(record, dict):
         return Skip(row, str(row), "not_an_object", f"record is {type(record).__name__}, not a JSON object")
-    sid = record.get("id")
-    sid = str(sid) if sid is not None else str(row)
+    sid = record.get("id")  # kept as text: a string as is, any other JSON value as its JSON (not Python's repr)
+    sid = str(row) if sid is None else sid if isinstance(sid, str) else json.dumps(sid, ensure_ascii=False,
+                                                                                 sort_keys=True, default=str)
     try:
         _text(sid, "field 'id'")
         return _conversation(row, sid, record)
