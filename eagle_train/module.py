@@ -163,6 +163,8 @@ class EagleDrafterModule(pl.LightningModule):
         self.register_buffer("target_lm_head", w["lm_head.weight"].float(), persistent=False)
         self._exclude = set(excluded)
         self.bad_samples = 0  # damaged samples this process dropped from its batches (see _filter)
+        self.skipped_steps = 0  # steps that taught nothing on any rank: no update (see optimizer_step)
+        self._step_teaches, self._step_skipped = True, False
         self._warned_unsupervised = False
         self._target_fingerprint: Optional[str] = None
         # the keys left out, as a checkpoint records them (on_load_checkpoint: the checkpoint's; None there
@@ -210,7 +212,7 @@ class EagleDrafterModule(pl.LightningModule):
             if not self._warned_unsupervised:
                 self._warned_unsupervised = True
                 log.warning("a %s batch has no supervised token (its samples were cut by data.max_length before "
-                            "their first assistant token, or have none): it costs a step and teaches nothing", stage)
+                            "their first assistant token, or have none): it teaches nothing", stage)
             if on_step:
                 return out["loss"]
         self._log_metrics(stage, out["loss"], out["loss_k"], out["acc_k"], weights)
@@ -229,9 +231,35 @@ class EagleDrafterModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         batch, supervised = self._filter(batch)
+        self._step_teaches = batch is not None and supervised > 0  # read by optimizer_step
         if batch is None:  # whole batch held out: a zero loss keeps DDP ranks in step
             return sum(p.sum() * 0.0 for p in self.drafter.parameters())
         return self._shared(batch, "train", supervised)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        """The update, unless the step taught nothing on every rank (batches wholly held out or
+        with no supervised token): AdamW would still move the weights by its momentum. Forward and
+        backward run either way (DDP ranks stay in step); a skipped step is counted in
+        :attr:`skipped_steps` (Lightning's ``global_step`` still counts it), the lr schedule does not
+        advance."""
+        result = optimizer_closure()
+        teaches = float(self._step_teaches)  # one process: a host bool, no device sync
+        if self.trainer.world_size > 1:
+            teaches = float(self.trainer.strategy.reduce(torch.tensor(teaches, device=self.device), reduce_op="sum"))
+        self._step_skipped = teaches == 0
+        if self._step_skipped:
+            self.skipped_steps += 1
+            if self.skipped_steps == 1:
+                log.warning("a training step taught nothing (its batch was held out, or no sample had a supervised "
+                            "token left after data.max_length): no update (counted in skipped_steps)")
+            return
+        optimizer.step(closure=lambda: result)
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        """The schedule advances with the updates, not over a step :meth:`optimizer_step` skipped."""
+        if self._step_skipped:
+            return
+        scheduler.step() if metric is None else scheduler.step(metric)
 
     def validation_step(self, batch, batch_idx):
         batch, supervised = self._filter(batch, exclude=False)  # the held-out keys are what validation may read

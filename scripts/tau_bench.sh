@@ -22,11 +22,13 @@
 #            K=7, max_length 2048, beside the untrained drafter and prompt-lookup speculation on the
 #            same positions (eagle-data eval, 95 % intervals), all checkpoints at once; then a table.
 # Usage: OUT=out/tau N=8769 LRS="3e-4 6e-4 1.2e-3" bash scripts/tau_bench.sh   (GPU; PHASES="extract tune" etc. for parts)
-#        OUT=/tmp/tau N=12 HELD=4 MINUTES="0.05 0.1" DEVICE=cpu ACCEL=cpu PRECISION=32-true EVAL_N=2 \
+#        OUT=/tmp/tau N=12 HELD=4 MINUTES="0.3 0.6" DEVICE=cpu ACCEL=cpu PRECISION=32-true EVAL_N=2 \
 #          TRAIN_ARGS="--data.max_tokens 4096 --data.num_workers 1" bash scripts/tau_bench.sh   (CPU smoke test:
-#          the GPU config's 65,536-token batches and 8 workers take ~10 GB and minutes per step on 2 cores)
+#          ~7 min on 2 cores; the GPU config's 65,536-token batches and 8 workers alone take ~10 GB and
+#          minutes per step there)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] && export PATH="$PWD/.venv/bin:$PATH"  # scripts/setup.sh's environment, as main.sh uses it
 OUT=${OUT:-out/tau}; N=${N:-6000}; HELD=${HELD:-200}; DEVICE=${DEVICE:-cuda}; VOCAB=${VOCAB:-16384}
 MINUTES=${MINUTES:-"2 4 8"}; ACCEL=${ACCEL:-gpu}; PRECISION=${PRECISION:-bf16-mixed}; EVAL_N=${EVAL_N:-40}
 PHASES=${PHASES:-"prep regen extract tune train control eval"}; REGEN=${REGEN:-0}; LRS=${LRS:-""}; SWEEP_SECONDS=${SWEEP_SECONDS:-60}

@@ -162,6 +162,39 @@ def test_a_batch_without_supervised_tokens_does_not_pull_the_epoch_metrics_down(
     assert any("no supervised token" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("order", ["after", "before"])
+def test_a_step_that_teaches_nothing_moves_no_weight_and_is_no_step(tmp_path, order):
+    """A batch with no supervised token, or wholly held out, used to be a full AdamW step: its
+    zero gradient still moved the weights by the momentum (about 2/3 of a real step) and the lr
+    schedule advanced. Now the weights and the schedule are those of the taught batches alone."""
+    import lightning.pytorch as pl
+
+    target = tiny_target()
+    taught = [tiny_batch(target, n=2, t=16, seed=s) for s in (0, 1)]
+    untaught = tiny_batch(target, n=2, t=16, seed=2)
+    untaught["loss_mask"] = torch.zeros_like(untaught["loss_mask"])
+    held = tiny_batch(target, n=2, t=16, seed=3)  # keys k0, k1: both held out below
+    (tmp_path / "held.json").write_text('["k0", "k1"]')
+
+    def fit(batches):
+        mod = tiny_module(tmp_path, ttt_steps=2, lr=1e-2, warmup_steps=2, compile_warmup=False,
+                          exclude_keys=str(tmp_path / "held.json"))
+        tr = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+        tr.fit(mod, train_dataloaders=ListLoader(batches))
+        return mod, tr
+
+    for t in taught:  # the held-out keys must be out of the taught batches
+        t["keys"] = ["a" + k for k in t["keys"]]
+    alone, tr_alone = fit([taught[0], taught[1]])
+    mixed = [taught[0], untaught, held, taught[1]] if order == "after" else [untaught, held, taught[0], taught[1]]
+    mod, tr = fit(mixed)
+    assert mod.skipped_steps == 2 and alone.skipped_steps == 0  # (Lightning's global_step counts batches: 4)
+    assert tr.lr_scheduler_configs[0].scheduler.last_epoch == tr_alone.lr_scheduler_configs[0].scheduler.last_epoch
+    for (name, a), b in zip(alone.drafter.named_parameters(), mod.drafter.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
 def test_a_resume_that_would_hold_out_other_keys_is_refused(tmp_path):
     import lightning.pytorch as pl
 
