@@ -214,6 +214,10 @@ def test_inspect_decodes_runs_so_every_script_displays():
     out = masked_text(r.tokenizer, ids, mask, 10_000, brackets=True).plain
     assert "\ufffd" not in out and "Ελληνικά 🦜?" in out and "⟦日本語 🦜 καλά<|im_end|>⟧" in out
     assert masked_text(r.tokenizer, ids, mask, 12).plain.endswith(" …[cut]")
+    long = [{"role": "user", "content": "x " * 2000}, {"role": "assistant", "content": "the answer"}]
+    ids, mask = r.tokenize(long)
+    out = masked_text(r.tokenizer, ids, mask, 1500, brackets=True).plain  # a long prompt hid every answer
+    assert "⟦the answer<|im_end|>⟧" in out and "chars]…" in out and len(out) < 1500
 
 
 def _runs(stem, msgs, **kw):

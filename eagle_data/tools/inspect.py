@@ -30,16 +30,22 @@ def read_sample(shard: Path, key: str) -> tuple[dict, dict]:
 def masked_text(tokenizer, input_ids, loss_mask, max_chars: int, brackets: bool = False) -> Text:
     """Decode each run of equal ``loss_mask`` as a whole (a character split over several byte
     tokens, as in Greek, Japanese or emoji, decodes correctly); supervised runs in bold green,
-    and with ``brackets`` (output without colours: a file or CI log) also between ``⟦`` and ``⟧``."""
+    and with ``brackets`` (output without colours: a file or CI log) also between ``⟦`` and ``⟧``.
+    An unsupervised run longer than half of ``max_chars`` (a long prompt) keeps its first and last
+    sixth of ``max_chars`` around ``…[N chars]…``, so that the cut does not hide every answer."""
     text = Text()
     ids, mask = input_ids.tolist(), loss_mask.tolist()
-    start = 0
+    start, keep = 0, max(max_chars // 6, 1)
     while start < len(ids) and len(text) <= max_chars:
         end = start
         while end < len(ids) and mask[end] == mask[start]:
             end += 1
         part = tokenizer.decode(ids[start:end])
         sup = bool(mask[start])
+        if not sup and len(part) > max_chars // 2 and len(part) > 2 * keep:
+            text.append(part[:keep], style="dim")
+            text.append(f" …[{len(part) - 2 * keep} chars]… ", style="red")
+            part = part[-keep:]
         if brackets and sup:
             part = f"⟦{part}⟧"
         text.append(part, style="bold green" if sup else "dim")
