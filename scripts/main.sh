@@ -28,6 +28,7 @@ if [ -z "${SKIP_TRAIN:-}" ]; then
   echo "acceptance plot: out/drafter-demo/acceptance.png"
   serve=(eagle-data serve-check out/drafter-demo/sglang_drafter "$out" --heldout_keys out/drafter-demo/heldout_keys.json
          --out out/drafter-demo/serve-check)
+  rm -rf out/drafter-demo/serve-check  # an earlier run's result would read as this drafter's
   if python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"; then
     # SGLang's own EAGLE-3 speculative decoding serves the export (CPU: eagle-data's stand-in kernels);
     # prints the engine's tau beside the offline replay's on the same text

@@ -215,8 +215,10 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
         raise ValueError(f"{data}: none of the {len(keys)} held-out samples has an assistant reply starting "
                          f"within max_prompt_tokens={max_prompt_tokens}")
     if len(prompts) < num_prompts:
-        print(f"serve-check: {len(prompts)} prompt(s) of the {num_prompts} asked for: the other held-out samples have "
-              f"no assistant reply starting within max_prompt_tokens={max_prompt_tokens}", file=sys.stderr)
+        why = (f"only {len(keys)} held-out sample(s)" if len(keys) <= len(prompts) else
+               f"the other {len(keys) - len(prompts)} held-out sample(s) have no assistant reply starting within "
+               f"max_prompt_tokens={max_prompt_tokens}")
+        print(f"serve-check: {len(prompts)} prompt(s) of the {num_prompts} asked for: {why}", file=sys.stderr)
     res = run_serve_check(target_path, drafter, prompts, steps=steps, max_new_tokens=max_new_tokens,
                           dtype=dtype, device=device, exported=exported)
     res["prompt_keys"] = used
