@@ -164,7 +164,7 @@ class EagleDrafterModule(pl.LightningModule):
         self._exclude = set(excluded)
         self.bad_samples = 0  # damaged samples this process dropped from its batches (see _filter)
         self.skipped_steps = 0  # steps that taught nothing on any rank: no update (see optimizer_step)
-        self._step_teaches, self._step_skipped = True, False
+        self._step_teaches, self._step_skipped = False, False  # any micro-batch of the step taught; the last was skipped
         self._warned_unsupervised = False
         self._target_fingerprint: Optional[str] = None
         # the keys left out, as a checkpoint records them (on_load_checkpoint: the checkpoint's; None there
@@ -231,7 +231,7 @@ class EagleDrafterModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         batch, supervised = self._filter(batch)
-        self._step_teaches = batch is not None and supervised > 0  # read by optimizer_step
+        self._step_teaches |= batch is not None and supervised > 0  # over accumulated micro-batches; optimizer_step resets
         if batch is None:  # whole batch held out: a zero loss keeps DDP ranks in step
             return sum(p.sum() * 0.0 for p in self.drafter.parameters())
         return self._shared(batch, "train", supervised)
@@ -243,7 +243,7 @@ class EagleDrafterModule(pl.LightningModule):
         :attr:`skipped_steps` (Lightning's ``global_step`` still counts it), the lr schedule does not
         advance."""
         result = optimizer_closure()
-        teaches = float(self._step_teaches)  # one process: a host bool, no device sync
+        teaches, self._step_teaches = float(self._step_teaches), False  # one process: a host bool, no device sync
         if self.trainer.world_size > 1:
             teaches = float(self.trainer.strategy.reduce(torch.tensor(teaches, device=self.device), reduce_op="sum"))
         self._step_skipped = teaches == 0

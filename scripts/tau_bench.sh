@@ -35,6 +35,8 @@ PHASES=${PHASES:-"prep regen extract tune train control eval"}; REGEN=${REGEN:-0
 CONFIG=${CONFIG:-configs/train/tau_bench_gpu.yaml}
 ed() { python -m eagle_data.cli.main "$@"; }
 has() { [[ " $PHASES " == *" $1 "* ]]; }
+PHASES=$(echo $PHASES)  # one space between names (has() matches " name ")
+[ -n "$PHASES" ] || { echo "PHASES: empty (prep regen extract tune train control eval)" >&2; exit 2; }
 for p in $PHASES; do  # a misspelt phase would be skipped unsaid
   case " prep regen extract tune train control eval " in *" $p "*) ;; *) echo "PHASES: unknown phase '$p' (prep regen extract tune train control eval)" >&2; exit 2;; esac
 done
@@ -45,9 +47,10 @@ try:
     m = [float(x) for x in sys.argv[1:]]
 except ValueError:
     m = []
-if not m or not all(0 < x < math.inf for x in m) or m != sorted(set(m)):
-    sys.exit(f"MINUTES: numbers > 0, increasing, each once (got {' '.join(sys.argv[1:])!r})")
-print(" ".join(f"{x:g}" for x in m))
+names = [f"{x:g}" for x in m]  # the checkpoint names: two marks must not share one
+if not m or not all(0 < x < math.inf for x in m) or m != sorted(set(m)) or len(set(names)) < len(m):
+    sys.exit(f"MINUTES: numbers > 0, increasing, each once to 6 significant digits (got {' '.join(sys.argv[1:])!r})")
+print(" ".join(names))
 PY
 ) || exit 2
 first=$(echo "$MINUTES" | awk '{print $1}'); last=$(echo "$MINUTES" | awk '{print $NF}')

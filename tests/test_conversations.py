@@ -223,3 +223,40 @@ def test_a_record_id_is_kept_as_its_json_text(sid, want):
     """A non-string id used to be stored as Python's repr ("{'x': 1}")."""
     turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     assert normalize_record(5, {"id": sid, "messages": turns}).source_id == want
+
+
+def test_mixed_layout_keys_keep_their_text_and_disagreeing_keys_are_a_named_skip():
+    """{"from", "content"} with tool calls lost its text (the layout's 'value' was absent and a
+    tool-call turn may have none); both layouts' keys with other values were read as one of them."""
+    call = [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
+    for rec in ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "content": "I call", "tool_calls": call},
+                                   {"from": "observation", "value": "r"}, {"from": "gpt", "value": "done"}]},
+                {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "value": "I call", "tool_calls": call},
+                              {"role": "tool", "content": "r"}, {"role": "assistant", "content": "done"}]}):
+        c = normalize_record(0, rec)
+        assert c.messages[1]["content"] == "I call" and c.messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    same = normalize_record(0, {"messages": [{"role": "user", "from": "human", "content": "q", "value": "q"},
+                                             {"role": "assistant", "content": "a"}]})
+    assert [m["content"] for m in same.messages] == ["q", "a"]  # both keys, same meaning: fine
+    for turn in ({"from": "human", "role": "assistant", "value": "q"}, {"from": "human", "value": "q", "content": "zz"}):
+        out = normalize_record(0, {"conversations": [turn, {"from": "gpt", "value": "a"}]})
+        assert isinstance(out, Skip) and out.reason == "ambiguous_turn" and "disagree" in out.detail, out
+
+
+def test_a_legacy_function_call_beside_empty_tool_calls_is_kept_and_tool_form_functions_are_not_wrapped_twice():
+    fc = {"name": "f", "arguments": '{"a": 1}'}
+    for empty in ([], ""):
+        c = normalize_record(0, {"messages": [{"role": "user", "content": "q"}, {
+            "role": "assistant", "content": "Calling", "tool_calls": empty, "function_call": fc}]})
+        assert c.messages[1]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert normalize_record(0, {"functions": [tool], "messages": turns}).tools == [tool]
+
+
+def test_ids_of_other_types_are_clean_text():
+    import datetime as dt
+
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert normalize_record(0, {"id": b"\xff\x00", "messages": turns}).source_id == "ff00"
+    assert normalize_record(0, {"id": dt.datetime(2024, 1, 1), "messages": turns}).source_id == "2024-01-01T00:00:00"

@@ -509,6 +509,8 @@ def test_a_reply_is_the_text_the_model_wrote_or_fails_named(tiny, text, data):
     assert (why is None and got == tok.decode(ids[:k])) or (why[0] == "invalid_utf8_reply" and "\ufffd" in got)
     assert (why is None) is text.startswith(got)
     assert reply_text(tok, Reply(ids + [len(tok)], "stop", k))[2][0] == "token_id_out_of_range"
+    real = tok.encode(text + "\ufffd", add_special_tokens=False)  # the model's own U+FFFD character is text
+    assert reply_text(tok, Reply(real, "stop", len(real))) == (real, text + "\ufffd", None)
 
 
 def test_a_reply_is_written_back_under_the_turns_own_text_key(tiny, tmp_path):
@@ -516,7 +518,22 @@ def test_a_reply_is_written_back_under_the_turns_own_text_key(tiny, tmp_path):
     replace its "content" (a "value" beside it would leave extraction reading the old text)."""
     src = tmp_path / "c.jsonl"
     src.write_text(json.dumps({"conversations": [{"role": "user", "content": "question 1"},
-                                                 {"role": "assistant", "content": "old"}]}) + "\n")
-    assert _run(tiny, tmp_path / "o", data=src)["regenerated"] == 1
-    turn = _read(tmp_path / "o", DATA_DIR)[0]["conversations"][1]
-    assert set(turn) == {"role", "content"} and turn["content"].startswith("reply ")
+                                                 {"role": "assistant", "content": "old"}]}) + "\n"
+                   + json.dumps({"conversations": [{"from": "human", "value": "question 2"},  # both keys, one meaning
+                                                   {"from": "gpt", "role": "assistant", "value": "old", "content": "old"}]})
+                   + "\n")
+    assert _run(tiny, tmp_path / "o", data=src)["regenerated"] == 2
+    a, b = (r["conversations"][1] for r in _read(tmp_path / "o", DATA_DIR))
+    assert set(a) == {"role", "content"} and a["content"].startswith("reply ")
+    assert b["value"] == b["content"] and b["value"].startswith("reply ")  # no stale copy left beside it
+
+
+def test_a_weight_0_turn_stays_untrained_after_regeneration(tiny, tmp_path):
+    """apply_reply dropped the turn's train flag: a record cut after a regenerated weight-0 turn was
+    reported regenerated, then skipped by extraction (no_loss_tokens)."""
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps({"conversations": [
+        {"from": "human", "value": "question 1"}, {"from": "gpt", "value": "a", "weight": 0},
+        {"from": "human", "value": LONG}, {"from": "gpt", "value": "b"}]}) + "\n")
+    man = _run(tiny, tmp_path / "o", data=src, mode="all")
+    assert (man["regenerated"], man["skipped"]) == (0, 1) and man["reasons"] == {"no_loss_tokens": 1}

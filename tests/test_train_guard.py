@@ -195,6 +195,24 @@ def test_a_step_that_teaches_nothing_moves_no_weight_and_is_no_step(tmp_path, or
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+def test_an_accumulated_step_that_taught_in_any_micro_batch_is_an_update(tmp_path):
+    """With accumulate_grad_batches the step's last micro-batch alone decided: a taught micro-batch
+    followed by an untaught one was thrown away."""
+    import lightning.pytorch as pl
+
+    target = tiny_target()
+    taught = tiny_batch(target, n=2, t=16, seed=0)
+    untaught = tiny_batch(target, n=2, t=16, seed=2)
+    untaught["loss_mask"] = torch.zeros_like(untaught["loss_mask"])
+    mod = tiny_module(tmp_path, ttt_steps=2, lr=1e-2, compile_warmup=False)
+    before = [p.detach().clone() for p in mod.drafter.parameters()]
+    tr = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, accumulate_grad_batches=2,
+                    enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    tr.fit(mod, train_dataloaders=ListLoader([taught, untaught, untaught, untaught]))
+    assert mod.skipped_steps == 1  # the second step (two untaught micro-batches) only
+    assert any(not torch.equal(a, b) for a, b in zip(before, mod.drafter.parameters()))
+
+
 def test_a_resume_that_would_hold_out_other_keys_is_refused(tmp_path):
     import lightning.pytorch as pl
 

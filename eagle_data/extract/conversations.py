@@ -183,14 +183,26 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 TURN_KEYS = {"from": ("from", "value"), "role": ("role", "content")}
 
 
+def _meaning(value: Any, is_role: bool) -> Any:
+    """A role key's value as the role it names ("human" and "user" agree), a text key's as is."""
+    return ROLE_MAP.get(value.strip().lower(), value) if is_role and isinstance(value, str) else value
+
+
 def turn_keys(turn: dict[str, Any], rkey: str, ckey: str) -> tuple[str, str]:
-    """``(rkey, ckey)``, or the other layout's keys when the turn has no ``rkey`` but has the other
-    role key (``{"role", "content"}`` turns under ``"conversations"`` are common, and the reverse)."""
-    if rkey not in turn:
-        other = TURN_KEYS["role" if rkey == "from" else "from"]
-        if other[0] in turn:
-            return other
-    return rkey, ckey
+    """The turn's own ``(role key, text key)``: each is the layout's (``rkey``, ``ckey``) unless the
+    turn has only the other layout's (``{"role", "content"}`` turns under ``"conversations"`` are
+    common, and the reverse; also mixed, e.g. ``{"from", "content"}``).
+
+    Raises:
+        BadRecord: ``ambiguous_turn``, both layouts' role keys or text keys with different values."""
+    out = []
+    for mine, other in ((rkey, {"from": "role", "role": "from"}[rkey]),
+                        (ckey, {"value": "content", "content": "value"}[ckey])):
+        if mine in turn and other in turn and _meaning(turn[mine], mine == rkey) != _meaning(turn[other], mine == rkey):
+            raise BadRecord("ambiguous_turn", f"fields '{mine}' = {turn[mine]!r:.60} and '{other}' = "
+                                              f"{turn[other]!r:.60} disagree; keep one")
+        out.append(other if mine not in turn and other in turn else mine)
+    return out[0], out[1]
 
 
 def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "content") -> dict[str, Any]:
@@ -198,7 +210,10 @@ def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "conten
     the module docstring. Raises :class:`BadRecord` (a ValueError) naming the turn and field."""
     if not isinstance(turn, dict):
         raise BadRecord("bad_turn", f"turn {i} is {type(turn).__name__}, not an object")
-    rkey, ckey = turn_keys(turn, rkey, ckey)
+    try:
+        rkey, ckey = turn_keys(turn, rkey, ckey)
+    except BadRecord as e:
+        raise BadRecord(e.reason, f"turn {i} {e}") from None
     raw_role = turn.get(rkey)
     role = ROLE_MAP.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
     if role is None:
@@ -209,10 +224,10 @@ def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "conten
         calls, calls_at, content = _text(turn.get(ckey), f"turn {i} field '{ckey}'"), ckey, ""
     else:
         calls = turn.get("tool_calls")
-        if calls is None and turn.get("function_call") is not None:  # OpenAI's legacy single call
-            calls, calls_at = [turn["function_call"]], "function_call"
         if calls == [] or (isinstance(calls, str) and not calls.strip()):  # [] as vLLM's responses carry: none
             calls = None
+        if calls is None and turn.get("function_call") is not None:  # OpenAI's legacy single call
+            calls, calls_at = [turn["function_call"]], "function_call"
         if calls is not None and role != "assistant":
             raise BadRecord("bad_tool_call", f"turn {i} is a {role} message with tool calls")
         content = _text(turn.get(ckey), f"turn {i} field '{ckey}'", allow_none=calls is not None)
@@ -337,8 +352,23 @@ def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
         if tools is not None:
             raise BadRecord("bad_tools", "both 'tools' and the legacy 'functions' are given; keep one")
         funcs = normalize_tools(record["functions"], "field 'functions'")
-        tools = [{"type": "function", "function": f} for f in funcs] if funcs else None
+        tools = [f if f.get("type") == "function" and isinstance(f.get("function"), dict)  # already a tool
+                 else {"type": "function", "function": f} for f in funcs] if funcs else None
     return Conversation(row, sid, system + chat, notes, system_at + at[:len(chat)], tools)
+
+
+def _id_text(sid: Any, row: int) -> str:
+    """A record's id as text: a string as is, a JSON value as its JSON (not Python's repr), a date as
+    ISO text, bytes as hex; none: the row number."""
+    if sid is None:
+        return str(row)
+    if isinstance(sid, str):
+        return sid
+    if isinstance(sid, (bytes, bytearray)):
+        return bytes(sid).hex()
+    if hasattr(sid, "isoformat"):
+        return sid.isoformat()
+    return json.dumps(sid, ensure_ascii=False, sort_keys=True, default=str)
 
 
 def normalize_record(row: int, record: Any) -> Conversation | Skip:
@@ -350,9 +380,7 @@ def normalize_record(row: int, record: Any) -> Conversation | Skip:
         return record
     if not isinstance(record, dict):
         return Skip(row, str(row), "not_an_object", f"record is {type(record).__name__}, not a JSON object")
-    sid = record.get("id")  # kept as text: a string as is, any other JSON value as its JSON (not Python's repr)
-    sid = str(row) if sid is None else sid if isinstance(sid, str) else json.dumps(sid, ensure_ascii=False,
-                                                                                 sort_keys=True, default=str)
+    sid = _id_text(record.get("id"), row)
     try:
         _text(sid, "field 'id'")
         return _conversation(row, sid, record)

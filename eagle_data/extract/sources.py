@@ -56,7 +56,8 @@ def resolve(data: str) -> tuple[str, dict[str, Any], str]:
     if p.is_dir():
         files = data_files(p) if is_regeneration(p) else _folder_files(p)
     else:
-        files = _glob_files(data) if any(c in data for c in "*?[") else [p]
+        files = _glob_files(data) if any(c in data for c in "*?[") and not p.exists() else [p]  # 'a[1].jsonl' is a file
+    files = [f for f in files if f.suffix.lower() in _FORMATS]  # (a hub name, or another file: below)
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise ValueError(f"data: {missing[0]} does not exist")
@@ -219,7 +220,7 @@ def _iter_parquet_file(path: str) -> Iterator[Any]:
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"data: {path} is not a readable parquet file: {e}") from None
     for batch in pf.iter_batches(batch_size=256):
-        for rec in batch.to_pylist():
+        for rec in batch.to_pylist(maps_as_pydicts="strict"):  # a map column as a dict, not (key, value) pairs
             yield drop_nulls(rec)
 
 

@@ -137,7 +137,8 @@ def split_reply(text: str, split_reasoning: bool) -> dict[str, str]:
 def apply_reply(job: Job, message: int, fields: dict[str, str], finish: str, prompt_tokens: int,
                 reply_tokens: int) -> None:
     """Put a reply into the job's conversation (the context of its later turns)."""
-    job.conv.messages[message] = {"role": "assistant", **fields}
+    old = job.conv.messages[message]
+    job.conv.messages[message] = {"role": "assistant", **fields, **({"train": False} if old.get("train") is False else {})}
     job.done.append(Turn(message, job.conv.turn_index[message], finish, prompt_tokens, reply_tokens))
 
 
@@ -153,7 +154,8 @@ def output_record(job: Job, settings_id: str) -> dict[str, Any]:
         raw = turns[t.turn]
         for k in REASONING_KEYS:
             raw.pop(k, None)
-        raw[turn_keys(raw, rkey, ckey)[1]] = new["content"]  # the turn's own text key
+        for k in {turn_keys(raw, rkey, ckey)[1]} | ({"value", "content"} & set(raw)):  # its text key(s): no stale copy
+            raw[k] = new["content"]
         if "reasoning_content" in new:
             raw["reasoning_content"] = new["reasoning_content"]
     if job.cut:

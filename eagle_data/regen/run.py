@@ -144,7 +144,10 @@ class Regenerator:
         """Reject (with extraction's own reason) a regenerated row that extraction would skip."""
         msgs = job.conv.messages[:job.done[-1].message + 1] if job.cut else job.conv.messages
         try:
-            self.renderer.encode_normalized(msgs, job.conv.tools)
+            enc = self.renderer.encode_normalized(msgs, job.conv.tools)
+            if not bool(enc.loss_mask[:self.cfg.max_length].any()):  # e.g. cut after its only trained turn
+                self._reject(part, job.row, job.source_id, "skipped", "no_loss_tokens",
+                             f"extraction would skip it: nothing supervised within max_length {self.cfg.max_length}")
         except MaskError as e:
             self._reject(part, job.row, job.source_id, "skipped", e.reason, f"extraction would skip it: {e}")
         except Exception as e:  # the template raised on the whole conversation
@@ -181,7 +184,8 @@ def reply_text(tok: Any, reply: Any) -> tuple[list[int], str, tuple[str, str] | 
     loses that partial character (up to 3 trailing tokens; decoded alone it is U+FFFD, which
     re-tokenises into other tokens). Failure ``(reason, detail)``, else None:
     ``token_id_out_of_range`` (an id past the tokenizer's vocabulary, i.e. a padded embedding row:
-    it decodes to nothing), ``invalid_utf8_reply`` (U+FFFD left: bytes that are not UTF-8)."""
+    it decodes to nothing), ``invalid_utf8_reply`` (U+FFFD left that is not the model's own character
+    U+FFFD, i.e. the text does not tokenise back to its tokens: bytes that are not UTF-8)."""
     ids = list(reply.token_ids)
     bad = [t for t in ids if not 0 <= t < len(tok)]
     if bad:
@@ -190,14 +194,15 @@ def reply_text(tok: Any, reply: Any) -> tuple[list[int], str, tuple[str, str] | 
     decode = lambda x: tok.decode(x, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
     text = decode(ids)
     if reply.finish == "length":
-        for _ in range(3):
+        for _ in range(3):  # (a real U+FFFD at the very end may go too: the reply was cut there anyway)
             if not (ids and text.endswith("\ufffd")):
                 break
             ids = ids[:-1]
             text = decode(ids)
-    if "\ufffd" in text:
+    if "\ufffd" in text and tok.encode(text, add_special_tokens=False) != ids:  # (a real U+FFFD round-trips)
         return ids, text, ("invalid_utf8_reply", f"the reply decodes to U+FFFD at character {text.index(chr(0xfffd))} "
-                                                 f"(its bytes are not UTF-8 there): its text is not what the model wrote")
+                                                 f"and that text does not tokenise back to the model's tokens: its bytes "
+                                                 f"are not UTF-8 there")
     return ids, text, None
 
 def _settings(cfg: RegenerateConfig, model_path: str, renderer: ChatRenderer, stops: frozenset[int]) -> dict[str, Any]:
