@@ -260,3 +260,17 @@ def test_ids_of_other_types_are_clean_text():
     turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     assert normalize_record(0, {"id": b"\xff\x00", "messages": turns}).source_id == "ff00"
     assert normalize_record(0, {"id": dt.datetime(2024, 1, 1), "messages": turns}).source_id == "2024-01-01T00:00:00"
+
+
+def test_integer_call_ids_are_kept_and_arguments_beside_function_are_a_named_skip():
+    """An integer call id / tool_call_id was dropped unsaid (templates such as Kimi K2's render it);
+    arguments given beside "function" instead of in it became {} unsaid."""
+    c = normalize_record(0, {"messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": 7, "function": {"name": "f", "arguments": {}}}]},
+        {"role": "tool", "content": "r", "tool_call_id": 7}, {"role": "assistant", "content": "done"}]})
+    assert c.messages[1]["tool_calls"][0]["id"] == "7" and c.messages[2]["tool_call_id"] == "7"
+    out = normalize_record(0, {"messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}, "arguments": {"a": 1}}]}]})
+    assert isinstance(out, Skip) and out.reason == "bad_tool_call" and "beside 'function'" in out.detail

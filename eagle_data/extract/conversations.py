@@ -12,8 +12,10 @@ Accepted record layouts (one row of an HF ``datasets.Dataset``):
 * ShareGPT: ``{"id": ..., "conversations": [{"from": "human"|"gpt"|..., "value": str}]}``
 * OpenAI:   ``{"id": ..., "messages": [{"role": "user"|"assistant"|..., "content": ...}]}``
 
-A turn without the layout's role key that has the other one is read with the other layout's
-keys (``{"role", "content"}`` turns under ``"conversations"``, as many datasets store them).
+A turn's role and text are read from its own keys: one that has only the other layout's
+(``{"role", "content"}`` turns under ``"conversations"``, as many datasets store them; the reverse;
+or mixed) is read with those; both layouts' keys with different meanings are skipped
+(``ambiguous_turn``).
 
 Optionally a top-level ``"system"`` string. Roles are normalised with :data:`ROLE_MAP`.
 
@@ -158,6 +160,8 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise BadRecord("bad_tool_call", f"{where}[{j}] field 'type' = {call['type']!r}: only 'function' calls "
                                              f"are supported")
         fn = call.get("function", call)
+        if fn is not call and ({"arguments", "parameters"} & set(call)) and not ({"arguments", "parameters"} & set(fn)):
+            raise BadRecord("bad_tool_call", f"{where}[{j}] has its arguments beside 'function', not in it")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
             raise BadRecord("bad_tool_call", f"{where}[{j}] has no function name")
         if fn.get("arguments") is not None and fn.get("parameters") is not None:
@@ -173,14 +177,10 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         _json_text(args, f"{where}[{j}] arguments", "bad_tool_call", f"{where}[{j}] arguments are not JSON")
         _text(fn["name"], f"{where}[{j}] name")
         new = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-        if isinstance(call, dict) and isinstance(call.get("id"), str):
-            new["id"] = call["id"]
+        if isinstance(call.get("id"), (str, int)) and not isinstance(call["id"], bool):  # templates render it
+            new["id"] = str(call["id"])
         out.append(new)
     return out
-
-
-#: a turn's (role key, text key) in each layout; a turn written in the other layout's keys is read with those
-TURN_KEYS = {"from": ("from", "value"), "role": ("role", "content")}
 
 
 def _meaning(value: Any, is_role: bool) -> Any:
@@ -243,7 +243,9 @@ def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "conten
             msg["tool_calls"] = _tool_calls(calls, f"turn {i} field '{calls_at}'")
     if role == "tool":
         for k in ("tool_call_id", "name"):
-            if isinstance(turn.get(k), str):
+            if isinstance(turn.get(k), int) and not isinstance(turn[k], bool):  # an integer id: templates render it
+                msg[k] = str(turn[k])
+            elif isinstance(turn.get(k), str):
                 msg[k] = _text(turn[k], f"turn {i} field '{k}'")
     return msg
 
