@@ -31,14 +31,15 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] && export PATH="$PWD/.venv/bin:$PATH"  # scripts/setup.sh's environment, as main.sh uses it
 OUT=${OUT:-out/tau}; N=${N:-6000}; HELD=${HELD:-200}; DEVICE=${DEVICE:-cuda}; VOCAB=${VOCAB:-16384}
 MINUTES=${MINUTES:-"2 4 8"}; ACCEL=${ACCEL:-gpu}; PRECISION=${PRECISION:-bf16-mixed}; EVAL_N=${EVAL_N:-40}
-PHASES=${PHASES:-"prep regen extract tune train control eval"}; REGEN=${REGEN:-0}; LRS=${LRS:-""}; SWEEP_SECONDS=${SWEEP_SECONDS:-60}
+ALL_PHASES="prep regen extract tune train control eval"
+PHASES=${PHASES:-$ALL_PHASES}; REGEN=${REGEN:-0}; LRS=${LRS:-""}; SWEEP_SECONDS=${SWEEP_SECONDS:-60}
 CONFIG=${CONFIG:-configs/train/tau_bench_gpu.yaml}
 ed() { python -m eagle_data.cli.main "$@"; }
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 PHASES=$(echo $PHASES)  # one space between names (has() matches " name ")
-[ -n "$PHASES" ] || { echo "PHASES: empty (prep regen extract tune train control eval)" >&2; exit 2; }
+[ -n "$PHASES" ] || { echo "PHASES: empty ($ALL_PHASES)" >&2; exit 2; }
 for p in $PHASES; do  # a misspelt phase would be skipped unsaid
-  case " prep regen extract tune train control eval " in *" $p "*) ;; *) echo "PHASES: unknown phase '$p' (prep regen extract tune train control eval)" >&2; exit 2;; esac
+  case " $ALL_PHASES " in *" $p "*) ;; *) echo "PHASES: unknown phase '$p' ($ALL_PHASES)" >&2; exit 2;; esac
 done
 # MINUTES as the checkpoint names write them ({m:g}: "0.050" -> "0.05", "1e-1" -> "0.1"), increasing
 MINUTES=$(python - $MINUTES <<'PY'

@@ -205,6 +205,7 @@ def reply_text(tok: Any, reply: Any) -> tuple[list[int], str, tuple[str, str] | 
                                                  f"are not UTF-8 there")
     return ids, text, None
 
+
 def _settings(cfg: RegenerateConfig, model_path: str, renderer: ChatRenderer, stops: frozenset[int]) -> dict[str, Any]:
     tok_json = Path(model_path) / "tokenizer.json"
     s = {k: getattr(cfg, k) for k in RESUME_FIELDS}
