@@ -115,7 +115,7 @@ def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len:
     if model_path == "smollm2":
         from eagle_data.assets import smollm2_model_dir
         model_path = str(smollm2_model_dir())
-    _, _, vocab = model_facts(model_path)
+    _, _, vocab, _ = model_facts(model_path)
     prompts = _prompts(vocab, num_prompts, prompt_len, seed)
     common = dict(chunked_prefill_size=chunked_prefill_size,
                   mem_fraction_static=backend_kwargs.pop("mem_fraction_static", None),

@@ -120,6 +120,10 @@ def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[i
     if not aux_layer_ids:
         raise ValueError("aux_layer_ids are required (the dataset manifest's ids): the checkpoint records none "
                          "(trained without model.dataset_dir or model.aux_layer_ids); pass --aux_layer_ids")
+    if format == "sglang":
+        from eagle_data.extract.backends.base import check_served_aux_ids
+
+        check_served_aux_ids(aux_layer_ids, target_config.get("architectures"))
     if getattr(drafter, "zero_features", False):
         raise ValueError("this drafter was trained with zero_features (a control that ignores the target's "
                          "states); a server would feed it real states, so it is not exported")

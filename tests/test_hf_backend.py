@@ -69,6 +69,27 @@ def test_layer_id_defaults_and_validation():
             validate_aux_layer_ids(bad, 8)
 
 
+def test_deepseek_v3_aux_layers_are_hf_hidden_states_k_plus_1_and_served_ids_start_at_1():
+    """The seeds' family (MLA + MoE): aux id k is HF hidden_states[k + 1], the final state is the
+    post-norm one; ids SGLang would serve as layer inputs (first id not 1) are refused by name,
+    for DeepSeek-V3 only."""
+    m = tiny_family("deepseek_v3")
+    be = HFBackend("tiny_ds", [1, 2, 4], dtype="float32", model=m)
+    ids = torch.randint(0, 600, (23,), generator=torch.Generator().manual_seed(3))
+    (c,) = be.capture([("k", ids)])
+    with torch.no_grad():
+        hs = m(ids[None], output_hidden_states=True).hidden_states
+    for j, k in enumerate([1, 2, 4]):
+        torch.testing.assert_close(c.aux_hidden_states[:, j * 64:(j + 1) * 64], hs[k + 1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c.hidden_states, hs[-1][0], rtol=1e-5, atol=1e-5)
+    assert m.config.architectures is None  # a model built in code names no architecture: nothing to check
+    m.config.architectures = ["DeepseekV3ForCausalLM"]
+    with pytest.raises(ValueError, match=r"aux_layer_ids \[0, 2, 4\]: SGLang serves DeepseekV3ForCausalLM .* layer inputs"):
+        HFBackend("tiny_ds", [0, 2, 4], dtype="float32", model=m)
+    HFBackend("tiny_ds", [1, 2, 4], dtype="float32", model=m)
+    HFBackend("tiny", [0, 2, 4], dtype="float32", model=tiny_llama())  # Llama serves ids as outputs: fine
+
+
 @pytest.mark.parametrize("lens", [(5, 5), (5, 3)])
 def test_a_model_returning_too_few_positions_is_named(lens):
     """States with fewer positions than the batch: one clear error naming the shapes and keys,
@@ -87,7 +108,7 @@ def family_backends():
 
 @pytest.mark.parametrize("family, sees_padding", [
     ("llama", False), ("mistral_window_4", False), ("gemma3_local_global", False), ("bloom_alibi", False),
-    ("gpt2", False), ("olmoe", False), ("qwen3_moe", False), ("gemma3_bidirectional", True)])
+    ("gpt2", False), ("olmoe", False), ("qwen3_moe", False), ("deepseek_v3", False), ("gemma3_bidirectional", True)])
 @settings(max_examples=8, deadline=None)
 @given(lens=st.lists(st.integers(1, 19), min_size=1, max_size=4), seed=st.integers(0, 10**6))
 def test_right_padded_batches_equal_each_sample_alone(family_backends, family, sees_padding, lens, seed):

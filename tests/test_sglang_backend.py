@@ -18,6 +18,7 @@ if importlib.util.find_spec("sglang") is None:
 
 from eagle_data.extract.backends import make_backend  # noqa: E402
 from eagle_data.extract.backends.hf import HFBackend  # noqa: E402
+from tiny import save_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -116,6 +117,29 @@ def test_aux_slices_are_hf_hidden_states_k_plus_1(pair, tiny_dir):
     assert _rel(cap.hidden_states, hs[-1]) < tol  # final = post-norm = HF hidden_states[L]
 
 
+def test_layer_hooks_equal_the_engines_own_eagle3_capture(tiny_dir):
+    """The capture route of every supported sglang (forward hooks on the aux decoder layers) gives
+    bit-identical rows to sglang 0.5.23's own EAGLE-3 aux capture (``enable_return_aux_hidden_states``),
+    the route of earlier releases of this backend, prompt by prompt (a 300-token one in three prefill
+    chunks). Within one batch the two engines may schedule requests differently, which moves fp32 rows
+    by ~1e-8 (matmul blocking), so each prompt runs alone."""
+    from eagle_data.extract.backends.sglang import SGLangBackend
+
+    batch = [(f"r{i}", p) for i, p in enumerate(_prompts([5, 300, 17, 64], seed=6))]
+    got = {}
+    for engine_aux in (False, True):
+        sg = SGLangBackend(model_path=str(tiny_dir), aux_layer_ids=AUX, dtype="bfloat16", device="cpu",
+                           chunked_prefill_size=128, _engine_aux=engine_aux)
+        try:
+            assert ("forward_hooks on the aux decoder layers" in sg.info.extra["capture"]) is not engine_aux
+            got[engine_aux] = [sg.capture([item])[0] for item in batch]
+        finally:
+            sg.close()
+    for a, b in zip(got[False], got[True]):
+        assert torch.equal(a.aux_hidden_states, b.aux_hidden_states), a.key
+        assert torch.equal(a.hidden_states, b.hidden_states), a.key
+
+
 def test_capture_iter_with_prefetch_equals_capture(pair):
     sg = pair[0]
     batches = [[(f"it{b}_{i}", p) for i, p in enumerate(_prompts([30, 200, 7], seed=10 + b))] for b in range(3)]
@@ -209,5 +233,25 @@ def test_smollm2_matches_hf_fp32():
             r = hf.capture([(k, ids)])[0]
             assert _rel(c.aux_hidden_states, r.aux_hidden_states) < 1e-4
             assert _rel(c.hidden_states, r.hidden_states) < 1e-4
+    finally:
+        sg.close()
+
+
+@pytest.mark.parametrize("kind, dtype, attention", [
+    ("deepseek_v3", "float32", "intel_amx"), ("deepseek_v3", "bfloat16", "intel_amx"),
+    ("qwen3_moe", "float32", None)])
+def test_moe_targets_match_hf(tmp_path, kind, dtype, attention):
+    """The seeds' family (DeepSeek-V3: MLA + MoE, yarn rope) and Qwen3-MoE through SGLang on CPU, a
+    300-token prompt in three prefill chunks among short ones: states equal HF's within the noise floor
+    (fp32: 1e-4 relative; bf16: no further from HF fp32 than HF bf16 is). MLA on CPU runs on SGLang's
+    intel_amx attention (torch_native cannot run MLA), whose ops the stand-in kernel provides."""
+    path = save_tiny_moe(kind, tmp_path / kind)
+    hf, hf32 = HFBackend(path, AUX, dtype=dtype), HFBackend(path, AUX, dtype="float32")
+    kw = {"attention_backend": attention} if attention else {}
+    sg = make_backend("sglang", model_path=path, aux_layer_ids=AUX, dtype=dtype, device="cpu", chunked_prefill_size=128,
+                      **kw)
+    try:
+        _check_batch((sg, hf, hf32, dtype), [(f"{kind}{i}", p) for i, p in enumerate(_prompts([5, 300, 17], seed=7))])
+        assert sg.last_chunks[f"{kind}1"] >= 3
     finally:
         sg.close()

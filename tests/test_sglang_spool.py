@@ -8,13 +8,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from enum import Enum
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from eagle_data.extract.backends.sglang_hook import make_capture_hook
+from eagle_data.extract.backends.sglang_hook import hook_specs, make_capture_hook, make_layer_hook
 from eagle_data.extract.backends.sglang_spool import (SPOOL_PREFIX, Piece, Spool, StitchError, list_spool, read_error,
                                               read_piece, remove_stale_spools, stitch, write_piece)
 
@@ -159,11 +160,16 @@ def _fake_pass(mode, rids, seqs, pres, packed=False, seed=0):
     return (ids, fin, None, fb, auxarg), (ids, aux, fin)
 
 
+def _engine_aux_hook(tmp_path):
+    return make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-"})
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_hook_splits_a_pass_by_rid_and_prefix(tmp_path, packed):
-    hook = make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-"})
+    hook = _engine_aux_hook(tmp_path)
     args, (ids, aux, fin) = _fake_pass(Mode.EXTEND, ["ed1-1", "warmup", "ed1-2"], [5, 7, 123], [0, 0, 128], packed)
     hook(None, args, None)
+    hook.drain()
     files = list_spool(tmp_path)
     assert sorted(files) == ["ed1-1", "ed1-2"]  # foreign rid skipped
     p1, p2 = read_piece(files["ed1-1"][0][1]), read_piece(files["ed1-2"][0][1])
@@ -173,8 +179,9 @@ def test_hook_splits_a_pass_by_rid_and_prefix(tmp_path, packed):
 
 
 def test_hook_ignores_decode_and_refuses_mixed_and_bad_batches(tmp_path):
-    hook = make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-"})
+    hook = _engine_aux_hook(tmp_path)
     hook(None, _fake_pass(Mode.DECODE, ["ed1-1"], [1], [9])[0], None)
+    hook.drain()
     assert list_spool(tmp_path) == {}
     hook(None, _fake_pass(Mode.MIXED, ["ed1-1", "ed1-2"], [4, 1], [0, 9])[0], None)
     files = list_spool(tmp_path)
@@ -189,16 +196,104 @@ def test_hook_ignores_decode_and_refuses_mixed_and_bad_batches(tmp_path):
     assert "no aux hidden states" in read_error(list_spool(tmp_path)["ed1-4"][0][1])
 
 
+@pytest.fixture
+def layer_hooks(tmp_path):
+    specs = hook_specs(str(tmp_path), "ed1-", [1, 3, 5])
+    assert [s["target_modules"][0] for s in specs[:3]] == [  # aux id k: the input norm of layer k + 1
+        "model.layers.2.input_layernorm", "model.layers.4.input_layernorm", "model.layers.6.input_layernorm"]
+    assert specs[0]["target_modules"][1] == "*.model.layers.2.input_layernorm"  # e.g. language_model.model...
+    assert specs[3]["target_modules"] == ["logits_processor"]
+    return [make_layer_hook(s["config"]) for s in specs[:3]], make_capture_hook(specs[3]["config"])
+
+
+def _add_norm(h, r):
+    """What a fused add-RMSNorm does: residual += hidden in place, returns (normed, residual)."""
+    r.add_(h)
+    return r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6), r
+
+
+def test_layer_hooks_store_the_residual_stream_before_it_changes_in_place(tmp_path, layer_hooks):
+    """aux slot i = the residual the next layer's input add-norm returns, copied when the norm returns:
+    the following add-norms update that tensor in place without changing what was stored. A norm
+    called on the stream alone (no residual yet) stores its input."""
+    layers, logits = layer_hooks
+    args, (ids, aux, fin) = _fake_pass(Mode.EXTEND, ["ed1-1", "other"], [5, 2], [0, 0])
+    for i, hook in enumerate(layers):
+        want = aux[:, i * H:(i + 1) * H]
+        if i == 0:
+            hook(None, (want.clone(),), want * 2)  # norm(stream): its input is the stream
+            continue
+        r = torch.randn(7, H)
+        h = want - r
+        out = _add_norm(h, r)
+        hook(None, (h, r), out)
+        _add_norm(torch.ones(7, H), out[1])  # the post-attention add-norm changes the stream in place
+    logits(None, args[:4] + (None,), None)
+    logits.drain()
+    p = read_piece(list_spool(tmp_path)["ed1-1"][0][1])
+    torch.testing.assert_close(p.aux, aux[:5], rtol=0, atol=1e-6)
+    assert torch.equal(p.final, fin[:5]) and torch.equal(p.input_ids, ids[:5])
+
+
+def test_layer_hooks_refuse_a_missing_or_doubled_slot(tmp_path, layer_hooks):
+    layers, logits = layer_hooks
+    h = torch.randn(4, H)
+    for rid, slots, why in (("ed1-1", [0, 1], "did not run in this pass"),  # layer 6's norm never ran (fused)
+                            ("ed1-2", [0, 1, 2, 2], "filled twice")):  # a pattern matched two modules
+        args, _ = _fake_pass(Mode.EXTEND, [rid], [4], [0])
+        for i in slots:
+            layers[i](None, (h,), h)
+        logits(None, args[:4] + (None,), None)
+        assert why in read_error(list_spool(tmp_path)[rid][0][1]), rid
+    # every pass starts empty: a pass that is not ours still clears the slots
+    for i in range(3):
+        layers[i](None, (h,), h)
+    logits(None, _fake_pass(Mode.EXTEND, ["warmup"], [4], [0])[0][:4] + (None,), None)
+    args, _ = _fake_pass(Mode.EXTEND, ["ed1-3"], [4], [0])
+    logits(None, args[:4] + (None,), None)
+    assert "did not run in this pass" in read_error(list_spool(tmp_path)["ed1-3"][0][1])
+
+
+def test_writer_bounds_the_bytes_in_flight(tmp_path, monkeypatch):
+    """The hook waits only when the passes waiting to be written exceed max_pending_bytes."""
+    import eagle_data.extract.backends.sglang_hook as hk
+    gate, seen = threading.Event(), []
+    real = hk.write_piece
+
+    def slow_write(*a, **kw):
+        gate.wait(5)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(hk, "write_piece", slow_write)
+    nbytes = 3 * (K + 1) * H * 4  # one 3-row pass, fp32
+    hook = make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-", "max_pending_bytes": 2 * nbytes})
+
+    def run():
+        for j in range(3):
+            hook(None, _fake_pass(Mode.EXTEND, [f"ed1-{j}"], [3], [0])[0], None)
+            seen.append(j)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(0.5)
+    assert seen == [0, 1]  # the third pass waits for room
+    gate.set()
+    t.join(5)
+    hook.drain()
+    assert seen == [0, 1, 2] and sorted(list_spool(tmp_path)) == ["ed1-0", "ed1-1", "ed1-2"]
+
+
 def test_hook_only_tp_rank_0_writes(tmp_path, monkeypatch):
     import eagle_data.extract.backends.sglang_hook as hk
     monkeypatch.setattr(hk, "_tp_rank", lambda: 1)
     assert make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-"}) is None  # sglang registers nothing
+    assert make_layer_hook({"spool_dir": str(tmp_path), "slot": 0, "n_aux": 3}) is None
     monkeypatch.setattr(hk, "_tp_rank", lambda: 0)
     assert callable(make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-"}))
 
 
 def test_hook_failure_is_reported_per_request(tmp_path):
-    hook = make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-"})
+    hook = _engine_aux_hook(tmp_path)
     args, _ = _fake_pass(Mode.EXTEND, ["ed1-1"], [4], [0])
     args = (args[0], args[1], None, args[3], [torch.zeros(4, H), "not a tensor"])  # torch.cat fails
     hook(None, args, None)

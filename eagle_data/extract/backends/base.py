@@ -46,6 +46,32 @@ def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
     return ids
 
 
+#: SGLang target classes whose ``set_eagle3_layers_to_capture`` reads the drafter's aux ids as layer
+#: *inputs* (``layers_to_capture = ids``) unless the first id is 1 (then ``ids + 1``, our convention):
+#: sglang 0.5.17 - 0.5.23, ``models/deepseek_v2.py`` and ``models/glm4_moe_lite.py``; Kimi-K2.5 wraps
+#: DeepSeek-V3 as its language model.
+INPUT_ID_ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                                    "Glm4MoeLiteForCausalLM", "KimiK25ForConditionalGeneration"})
+
+
+def check_served_aux_ids(ids: Sequence[int], architectures: Sequence[str] | None) -> None:
+    """Refuse aux ids that SGLang would serve as other states than the ones extracted.
+
+    For the targets in :data:`INPUT_ID_ARCHITECTURES` SGLang captures the outputs of layers ``ids``
+    only when ``ids[0] == 1``; otherwise it feeds the drafter the layers' inputs (one layer lower
+    each), silently. The default ids start at 1.
+
+    Raises:
+        ValueError: naming the architecture, the ids and what to use instead.
+    """
+    hit = sorted(INPUT_ID_ARCHITECTURES & set(architectures or ()))
+    if hit and list(ids) and int(list(ids)[0]) != 1:
+        raise ValueError(f"aux_layer_ids {list(ids)}: SGLang serves {hit[0]} with the drafter's aux ids read as "
+                         f"layer inputs unless the first id is 1 (models/deepseek_v2.py, set_eagle3_layers_to_capture),"
+                         f" so a drafter trained on these states would get others; start the ids at 1 "
+                         f"(the default does)")
+
+
 @dataclass
 class BackendInfo:
     """Facts about the target recorded in the manifest."""

@@ -31,7 +31,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from eagle_data.format.fp8 import to_storage
 from eagle_data.format.schema import hidden_dtype, storage_dtype_of
-from eagle_data.extract.backends.base import BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
+from eagle_data.extract.backends.base import (BackendInfo, Captured, check_served_aux_ids, default_aux_layer_ids,
+                                             validate_aux_layer_ids)
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class HFBackend:
         cfg = self.model.config
         n = len(layers)
         ids = validate_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids is not None else default_aux_layer_ids(n)
+        check_served_aux_ids(ids, getattr(cfg, "architectures", None))
         self.info = BackendInfo("hf", str(model_path), int(cfg.hidden_size), n, int(cfg.vocab_size),
                                 dtype, ids, {"attn_implementation": attn_implementation,
                                              "device": str(self.device)})

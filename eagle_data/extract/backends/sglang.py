@@ -1,16 +1,16 @@
-"""SGLang capture backend (sglang 0.5.23): prefill-only capture inside the scheduler.
+"""SGLang capture backend (sglang 0.5.17 - 0.5.23): prefill-only capture inside the scheduler.
 
 How it works:
 
-1. The engine runs with aux capture on, without a draft (``enable_return_aux_hidden_states=True,
-   speculative_algorithm="EAGLE3", return_aux_hidden_state_layer_ids=aux_layer_ids``). Our ids
-   are passed unchanged: SGLang's ``set_eagle3_layers_to_capture`` captures the input of
-   layer ``k + 1`` = output of layer ``k`` = HF ``hidden_states[k + 1]``, our convention
-   (:data:`eagle_data.format.schema.LAYER_ID_CONVENTION`; proven against HF in the tests).
-2. :mod:`eagle_data.extract.backends.sglang_hook` is registered through the ``forward_hooks`` server
-   arg on ``logits_processor``; in every plain EXTEND pass it writes each of our requests'
-   rows as a safetensors chunk into a spool dir (:mod:`eagle_data.extract.backends.sglang_spool`).
-3. :meth:`SGLangBackend.capture` sends ``input_ids`` (never text) with ``max_new_tokens=0`` and
+1. The engine runs plain prefills (``max_new_tokens=0``), no draft, no speculative stack.
+   :mod:`eagle_data.extract.backends.sglang_hook` is registered through the ``forward_hooks``
+   server arg (the same in every supported version): one hook per aux layer on
+   ``model.layers.<id>`` stores the residual stream after that layer (our id ``k`` = HF
+   ``hidden_states[k + 1]``, :data:`eagle_data.format.schema.LAYER_ID_CONVENTION`; proven against
+   HF in the tests), and one hook on ``logits_processor`` takes the final post-norm state and, in
+   every plain EXTEND pass, writes each of our requests' rows as a safetensors chunk into a spool
+   dir (:mod:`eagle_data.extract.backends.sglang_spool`), off the scheduler's thread.
+2. :meth:`SGLangBackend.capture` sends ``input_ids`` (never text) with ``max_new_tokens=0`` and
    ``rid=<run prefix><n>`` for every sample, at most ``max_inflight`` requests /
    ``max_inflight_tokens`` tokens in flight (bounds the spool), and when a request
    finishes reads, stitches (by prefix offset), checks and deletes its chunks.
@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -50,18 +51,21 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from eagle_data.format.schema import hidden_dtype
-from eagle_data.extract.backends.base import BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
+from eagle_data.extract.backends.base import (BackendInfo, Captured, check_served_aux_ids, default_aux_layer_ids,
+                                             validate_aux_layer_ids)
 from eagle_data.extract.backends.sglang_engine import (CPU_KERNEL_DIR, base_engine_kwargs, model_facts,  # noqa: F401
                                                        prepare_cpu_environment, start_engine)
+from eagle_data.extract.backends.sglang_hook import hook_specs
 from eagle_data.extract.backends.sglang_spool import RowsMissing, Spool, StitchError, list_spool, read_error, read_piece, stitch
 
 log = logging.getLogger(__name__)
 
-HOOK_FACTORY = "eagle_data.extract.backends.sglang_hook:make_capture_hook"
 # Engine args the backend owns: overriding them would break the capture invariants.
 _OWNED = {"model_path", "dtype", "device", "tp_size", "skip_tokenizer_init", "disable_radix_cache",
           "enable_mixed_chunk", "enable_return_aux_hidden_states", "speculative_algorithm",
           "return_aux_hidden_state_layer_ids", "forward_hooks", "cuda_graph_backend_prefill"}
+#: the sglang releases this backend is tested with (0.5.17: H200, torch 2.11; 0.5.23: CI, CPU)
+SUPPORTED = ((0, 5, 17), (0, 5, 23))
 
 
 class SGLangBackend:
@@ -99,7 +103,8 @@ class SGLangBackend:
                  max_inflight: int = 128, max_inflight_tokens: int = 65536,
                  attention_backend: str | None = None, collect_timeout_s: float = 5.0,
                  cpu_kernel: str = "standin", log_level: str = "error",
-                 engine_kwargs: dict[str, Any] | None = None, _allow_radix_cache: bool = False):
+                 engine_kwargs: dict[str, Any] | None = None, _allow_radix_cache: bool = False,
+                 _engine_aux: bool = False):
         hidden_dtype(dtype)  # ValueError naming an unknown dtype
         dev = torch.device(device).type
         if dev not in ("cpu", "cuda"):
@@ -109,9 +114,10 @@ class SGLangBackend:
             raise ValueError(f"engine_kwargs must not set {sorted(bad)}: the backend owns them")
         self.engine = None
         model_path = str(model_path)
-        n_layers, hidden, vocab = model_facts(model_path)
+        n_layers, hidden, vocab, architectures = model_facts(model_path)
         ids = (validate_aux_layer_ids(aux_layer_ids, n_layers) if aux_layer_ids is not None
                else default_aux_layer_ids(n_layers))
+        check_served_aux_ids(ids, architectures)
         self.max_inflight, self.max_inflight_tokens = int(max_inflight), int(max_inflight_tokens)
         self.collect_timeout_s = float(collect_timeout_s)
         kw = base_engine_kwargs(model_path, dtype, dev, tp_size=tp_size, chunked_prefill_size=chunked_prefill_size,
@@ -125,14 +131,14 @@ class SGLangBackend:
         self._orphans: set[str] = set()  # rids of cancelled requests
         self._chunks: dict[str, int] = {}  # rid -> chunks stitched, until its batch is yielded
         kw.update(disable_radix_cache=not _allow_radix_cache, enable_mixed_chunk=False,
-                  enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
-                  return_aux_hidden_state_layer_ids=list(ids),
-                  forward_hooks=[{"name": "eagle_data_capture", "target_modules": ["logits_processor"],
-                                  "hook_factory": HOOK_FACTORY,
-                                  "config": {"spool_dir": str(self.spool.path), "rid_prefix": self._prefix}}])
+                  forward_hooks=hook_specs(str(self.spool.path), self._prefix, None if _engine_aux else list(ids)))
+        if _engine_aux:  # tests only (sglang >= 0.5.23): the engine's own EAGLE-3 capture, to compare routes
+            kw.update(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+                      return_aux_hidden_state_layer_ids=list(ids))
         kw.update(engine_kwargs or {})
         try:
             import sglang
+            check_version(sglang.__version__)
             t0 = time.perf_counter()
             self.engine = start_engine(kw)
             self.startup_s = time.perf_counter() - t0
@@ -145,8 +151,8 @@ class SGLangBackend:
                 "chunked_prefill_size": getattr(sa, "chunked_prefill_size", None),
                 "prefill_cuda_graph": "disabled" if dev == "cuda" else "n/a (cpu)",
                 "radix_cache": "disabled", "mixed_chunk": "disabled", "max_new_tokens": 0,
-                "capture": "forward_hook on logits_processor, safetensors spool",
-                "return_aux_hidden_state_layer_ids": list(ids),
+                "capture": ("engine aux capture + forward_hook on logits_processor" if _engine_aux else
+                            "forward_hooks on the aux decoder layers and logits_processor, safetensors spool"),
                 "cpu_sgl_kernel": ("eagle-data pure-torch stand-in" if dev == "cpu" and cpu_kernel == "standin"
                                    else "installed")})
             self._warmup(hidden)
@@ -360,6 +366,18 @@ class SGLangBackend:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def check_version(version: str) -> bool:
+    """Whether sglang ``version`` is within :data:`SUPPORTED`; outside it, a warning (engine internals
+    such as the decoder layers' outputs may differ: check a few samples with ``verify --recompute``)."""
+    got = tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+    if SUPPORTED[0] <= got <= SUPPORTED[1]:
+        return True
+    lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
+    log.warning("sglang %s is outside the range eagle-data is tested with (%s - %s): check a few samples "
+                "against the HF backend with `eagle-data verify --recompute`", version, lo, hi)
+    return False
 
 
 def _scoped_shutdown(engine) -> None:

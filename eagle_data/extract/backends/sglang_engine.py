@@ -180,9 +180,9 @@ def base_engine_kwargs(model_path: str, dtype: str, device: str, *, tp_size: int
     return kw
 
 
-def model_facts(model_path: str) -> tuple[int, int, int]:
-    """``(num_layers, hidden_size, vocab_size)`` from the model's HF config."""
+def model_facts(model_path: str) -> tuple[int, int, int, list[str]]:
+    """``(num_layers, hidden_size, vocab_size, architectures)`` from the model's HF config."""
     from transformers import AutoConfig
-    cfg = AutoConfig.from_pretrained(model_path)
-    cfg = getattr(cfg, "text_config", None) or cfg
-    return int(cfg.num_hidden_layers), int(cfg.hidden_size), int(cfg.vocab_size)
+    top = AutoConfig.from_pretrained(model_path)
+    cfg = getattr(top, "text_config", None) or top
+    return int(cfg.num_hidden_layers), int(cfg.hidden_size), int(cfg.vocab_size), list(top.architectures or [])

@@ -1,37 +1,46 @@
-"""Capture hook that runs INSIDE the SGLang scheduler process (sglang 0.5.23).
+"""Capture hooks that run INSIDE the SGLang scheduler process (sglang 0.5.17 - 0.5.23).
 
-Registered through the ``forward_hooks`` server argument (see
-``sglang/srt/model_executor/hook_manager.py``)::
+Registered through the ``forward_hooks`` server argument (``sglang/srt/model_executor/hook_manager.py``,
+the same in both versions), one spec per aux layer and one on the logits processor::
 
+    {"name": "eagle_data_aux_0", "target_modules": ["model.layers.1"],
+     "hook_factory": "eagle_data.extract.backends.sglang_hook:make_layer_hook",
+     "config": {"spool_dir": "...", "slot": 0, "n_aux": 3}}
+    ...
     {"name": "eagle_data_capture", "target_modules": ["logits_processor"],
      "hook_factory": "eagle_data.extract.backends.sglang_hook:make_capture_hook",
-     "config": {"spool_dir": "...", "rid_prefix": "..."}}
+     "config": {"spool_dir": "...", "rid_prefix": "...", "n_aux": 3}}
 
-``register_forward_hooks`` calls :func:`make_capture_hook` with ``config`` once per
-scheduler (TP rank) and registers the returned function as a forward hook on the model's
-``logits_processor``. Llama-family models call it as
-``logits_processor(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)``:
+(:func:`hook_specs` builds the list.) Every pass runs the layers in order, then the logits processor:
 
-* ``input_ids``: [N] the tokens of this forward pass, requests concatenated;
-* ``hidden_states``: [N, H] final hidden state AFTER the final norm (what ``lm_head`` eats);
-* ``aux_hidden_states``: a list of K [N, H] tensors or one packed [N, K*H] tensor, the
-  inputs of layers ``k + 1`` for ``k`` in ``return_aux_hidden_state_layer_ids`` (= outputs of
-  decoder layers ``k`` = HF ``hidden_states[k + 1]``; ``set_eagle3_layers_to_capture``).
-  With aux capture on, SGLang's own return path carries the aux states *instead of* the
-  final state; the hook gets both from its arguments.
+* **aux layer ``k``** (our id ``k`` = HF ``hidden_states[k + 1]``, the residual stream after decoder
+  layer ``k``): the hook sits on ``model.layers.<k+1>.input_layernorm``. Every supported release
+  defers the residual add of layer ``k`` into that norm (0.5.17: ``input_layernorm(hidden, residual)``
+  in the layer or its communicator; 0.5.23: the layer boundary's add-norm read), which returns
+  ``(normed, residual)`` with ``residual`` = the stream after layer ``k`` (a norm called on the
+  stream alone gets it as its input). On a GPU the fused kernel updates ``residual`` in place and
+  the next add-norm will again, so the hook clones it at once: exactly what SGLang's own EAGLE-3
+  capture stores as the input of layer ``k + 1`` (``layers_to_capture = [k + 1]``). A norm fused
+  with a TP all-reduce or a quantisation is another call, so its hook does not run: that pass is
+  refused, never stored.
+* **logits processor** ``(input_ids, hidden_states, lm_head, forward_batch, ...)``: ``hidden_states``
+  [N, H] is the final post-norm state (what ``lm_head`` eats). The hook takes the aux slots of
+  this pass ([N, K*H] after concatenation), and for every request whose rid starts with
+  ``rid_prefix`` in a plain ``ForwardMode.EXTEND`` pass hands rows
+  ``[extend_prefix_len, extend_prefix_len + extend_seq_len)`` to the :class:`_Writer`, which
+  writes one chunk file per request (:func:`eagle_data.extract.backends.sglang_spool.write_piece`).
 
-What it writes: for every request whose rid starts with ``rid_prefix`` in a plain
-``ForwardMode.EXTEND`` pass, one chunk file (:func:`eagle_data.extract.backends.sglang_spool.write_piece`)
-with that request's rows ``[extend_prefix_len, extend_prefix_len + extend_seq_len)``.
-Rows are located with ``forward_batch.rids``, ``extend_seq_lens_cpu`` and
-``extend_prefix_lens_cpu``. DECODE and IDLE passes are ignored (with ``max_new_tokens=0`` they
-do not occur). Any other extend-like mode that contains one of our requests (MIXED,
-SPLIT_PREFILL, TARGET_VERIFY, DRAFT_EXTEND, DLLM_EXTEND, ...) or an inconsistent batch
-writes an error file for each of our rids, which the backend raises as an error naming
-the sample: rows are never dropped silently.
+Nothing stalls the scheduler on a GPU: the rows are gathered into one fresh device tensor, copied
+to pinned host memory on a side stream, and a writer thread waits for that copy's event and
+writes the files; the bytes in flight are bounded (``max_pending_bytes``; the hook waits only
+when the bound is reached). DECODE and IDLE passes are ignored; any other extend-like mode holding
+one of our requests (MIXED, SPLIT_PREFILL, TARGET_VERIFY, ...), a missing or doubled aux slot or an
+inconsistent batch writes an error file for each of our rids, which the backend raises naming the
+sample: rows are never dropped silently.
 
-Tensor parallel: every TP rank holds the full (all-reduced) hidden states; only TP rank 0
-writes. Pipeline parallel and attention-DP are refused by the backend at start-up.
+Tensor parallel: every TP rank holds the full (all-reduced) hidden states; only TP rank 0 writes
+(the factories return no hook on other ranks). Pipeline parallel and attention-DP are refused by
+the backend at start-up.
 """
 
 from __future__ import annotations
@@ -39,13 +48,35 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import queue
 import threading
+from typing import Any
 
 import torch
 
 from eagle_data.extract.backends.sglang_spool import write_error, write_piece
 
 log = logging.getLogger(__name__)
+
+LAYER_HOOK = "eagle_data.extract.backends.sglang_hook:make_layer_hook"
+CAPTURE_HOOK = "eagle_data.extract.backends.sglang_hook:make_capture_hook"
+
+#: aux slots of the pass in progress, per spool dir: [slot] = the stream [N, H], or an error text
+_SLOTS: dict[str, list[Any]] = {}
+
+
+def hook_specs(spool_dir: str, rid_prefix: str, aux_layer_ids: list[int] | None,
+               max_pending_bytes: int = 1 << 30) -> list[dict[str, Any]]:
+    """The ``forward_hooks`` server arg. ``aux_layer_ids=None``: no layer hooks, the aux states come
+    from the engine's own EAGLE-3 capture (the logits processor's 5th argument; sglang >= 0.5.23)."""
+    n_aux = 0 if aux_layer_ids is None else len(aux_layer_ids)
+    specs = [{"name": f"eagle_data_aux_{i}",
+              "target_modules": [f"model.layers.{k + 1}.input_layernorm", f"*.model.layers.{k + 1}.input_layernorm"],
+              "hook_factory": LAYER_HOOK, "config": {"spool_dir": spool_dir, "slot": i, "n_aux": n_aux}}
+             for i, k in enumerate(aux_layer_ids or [])]
+    return specs + [{"name": "eagle_data_capture", "target_modules": ["logits_processor"], "hook_factory": CAPTURE_HOOK,
+                     "config": {"spool_dir": spool_dir, "rid_prefix": rid_prefix, "n_aux": n_aux,
+                                "max_pending_bytes": int(max_pending_bytes)}}]
 
 
 def _tp_rank() -> int:
@@ -56,56 +87,71 @@ def _tp_rank() -> int:
         return 0
 
 
-def _pack_aux(aux) -> torch.Tensor | None:
-    if aux is None:
+def _slots(spool: str, n_aux: int) -> list[Any]:
+    slots = _SLOTS.setdefault(spool, [None] * n_aux)
+    assert len(slots) == n_aux, (spool, len(slots), n_aux)
+    return slots
+
+
+def make_layer_hook(config: dict):
+    """Hook factory for aux slot ``config["slot"]`` on the input norm of the layer after it: stores
+    the residual stream it returns (or, called on the stream alone, its input) for the
+    logits-processor hook of the same pass. ``None`` on TP ranks other than 0."""
+    if _tp_rank() != 0:
         return None
-    if isinstance(aux, torch.Tensor):
-        return aux
-    aux = list(aux)
-    return torch.cat(aux, dim=-1) if aux else None
+    slots, slot = _slots(config["spool_dir"], int(config["n_aux"])), int(config["slot"])
+
+    def hook(module, args, output):
+        stream = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else args[0]
+        if slots[slot] is not None:
+            slots[slot] = (f"aux slot {slot} was filled twice before the logits processor ran (the hook "
+                           f"patterns matched several modules, or a pass ran without the logits processor)")
+        else:
+            slots[slot] = stream.clone()  # the next fused add-norm updates the stream in place
+        return None
+
+    return hook
 
 
 def make_capture_hook(config: dict):
-    """Hook factory (``forward_hooks[].hook_factory``).
+    """Hook factory for the logits processor.
 
     Args:
-        config: ``{"spool_dir": str, "rid_prefix": str}``; ``rid_prefix`` selects the
-            requests to capture (others, e.g. warm-up requests, are skipped).
+        config: ``{"spool_dir": str, "rid_prefix": str, "n_aux": int, "max_pending_bytes": int}``;
+            ``rid_prefix`` selects the requests to capture (others, e.g. warm-up requests, are
+            skipped); ``n_aux = 0``: aux states from the engine (5th argument).
 
     Returns:
-        ``hook(module, args, output)``, or ``None`` on TP ranks other than 0 (SGLang then
-        registers nothing on that rank).
+        ``hook(module, args, output)`` with ``hook.drain()`` (wait until every chunk is written),
+        or ``None`` on TP ranks other than 0 (SGLang then registers nothing on that rank).
     """
-    spool = config["spool_dir"]
-    prefix = config.get("rid_prefix", "")
+    spool, prefix, n_aux = config["spool_dir"], config.get("rid_prefix", ""), int(config.get("n_aux", 0))
     if _tp_rank() != 0:
         return None
-    seq = itertools.count()
-    lock = threading.Lock()
-
-    def next_seq() -> int:
-        with lock:
-            return next(seq)
+    slots = _slots(spool, n_aux) if n_aux else None
+    writer = _Writer(spool, int(config.get("max_pending_bytes", 1 << 30)))
 
     def hook(module, args, output):
+        taken = list(slots) if slots else None
+        if slots:
+            slots[:] = [None] * n_aux  # every pass starts empty, ours or not
         try:
-            return _capture(args)
+            return _capture(args, taken)
         except Exception as e:  # e.g. spool full: report it per request instead of killing the scheduler
-            rids = getattr(args[3], "rids", None) if len(args) > 3 else None
-            ours = [r for r in (rids or []) if isinstance(r, str) and r.startswith(prefix)]
+            ours = [r for r in (getattr(args[3], "rids", None) or [] if len(args) > 3 else [])
+                    if isinstance(r, str) and r.startswith(prefix)]
             try:
                 for r in ours:
-                    write_error(spool, r, next_seq(), f"capture hook failed: {e!r}")
+                    write_error(spool, r, writer.next_seq(), f"capture hook failed: {e!r}")
             except Exception:
                 raise e
             log.exception("eagle-data capture hook failed")
             return None
 
-    def _capture(args):
+    def _capture(args, taken):
         if len(args) < 4:
             return None
         input_ids, hidden, fb = args[0], args[1], args[3]
-        aux = args[4] if len(args) > 4 else None
         rids = list(getattr(fb, "rids", None) or [])
         ours = [r for r in rids if isinstance(r, str) and r.startswith(prefix)]
         if not ours:
@@ -116,15 +162,14 @@ def make_capture_hook(config: dict):
 
         def refuse(msg: str):
             for r in ours:
-                write_error(spool, r, next_seq(), msg)
+                write_error(spool, r, writer.next_seq(), msg)
 
         if mode.name != "EXTEND":
             return refuse(f"forward mode {mode.name} is not a plain prefill (EXTEND); "
                           f"mixed chunking / speculative modes are not supported")
-        aux_t = _pack_aux(aux)
-        if aux_t is None:
-            return refuse("no aux hidden states reached the logits processor "
-                          "(enable_return_aux_hidden_states is off or the model does not support it)")
+        aux_t, problem = _aux_of_pass(taken, args[4] if len(args) > 4 else None)
+        if problem:
+            return refuse(problem)
         seqs, pres = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
         n_tok = int(hidden.shape[0])
         if (seqs is None or pres is None or len(seqs) != len(rids) or len(pres) != len(rids)
@@ -133,16 +178,104 @@ def make_capture_hook(config: dict):
             return refuse(f"inconsistent batch: {len(rids)} rids, extend_seq_lens {seqs}, "
                           f"prefix_lens {pres}, {n_tok} hidden rows, {aux_t.shape[0]} aux rows, "
                           f"{input_ids.shape[0]} input ids")
-        if hidden.device.type != "cpu":  # one device->host copy per tensor for the whole pass
-            input_ids, hidden, aux_t = input_ids.cpu(), hidden.cpu(), aux_t.cpu()
-        start = 0
+        rows, start = [], 0
         for rid, n, off in zip(rids, seqs, pres):
             n, off = int(n), int(off)
             if isinstance(rid, str) and rid.startswith(prefix) and n > 0:
-                sl = slice(start, start + n)
-                write_piece(spool, rid, off, next_seq(), input_ids[sl], aux_t[sl], hidden[sl])
+                rows.append((rid, off, writer.next_seq(), start, n))
             start += n
+        writer.put(input_ids, aux_t, hidden, rows)
         return None
 
+    hook.drain = writer.drain
     log.info("eagle-data capture hook active in pid %d, spool %s", os.getpid(), spool)
     return hook
+
+
+def _aux_of_pass(taken: list | None, engine_aux) -> tuple[torch.Tensor | None, str | None]:
+    """``(aux [N, K*H], None)`` or ``(None, why not)``: from the layer hooks' slots of this pass,
+    else (no layer hooks) from the engine's own capture (a list of [N, H] or one packed tensor)."""
+    if taken is None:
+        if engine_aux is None or (isinstance(engine_aux, (list, tuple)) and not engine_aux):
+            return None, ("no aux hidden states reached the logits processor "
+                          "(enable_return_aux_hidden_states is off or the model does not support it)")
+        return (engine_aux if isinstance(engine_aux, torch.Tensor) else torch.cat(list(engine_aux), dim=-1)), None
+    for i, s in enumerate(taken):
+        if s is None:
+            return None, (f"aux slot {i}: the hook on the next layer's input_layernorm did not run in this pass "
+                          f"(no such module, a norm fused with an all-reduce or quantisation, or a CUDA graph)")
+        if isinstance(s, str):
+            return None, s
+    return torch.cat(taken, dim=-1), None
+
+
+class _Writer:
+    """Copies a pass's rows off the device and writes their chunk files in a thread.
+
+    GPU: one fresh device tensor ``[ids | aux | final]`` per pass, copied to pinned host memory on a
+    side stream; the thread waits for the copy's event, then writes. At most ``max_bytes`` of passes
+    wait at once (a single larger pass waits alone); :meth:`put` blocks only at that bound.
+    """
+
+    def __init__(self, spool: str, max_bytes: int):
+        self.spool, self.max_bytes = spool, max(1, max_bytes)
+        self.seq, self.lock = itertools.count(), threading.Lock()
+        self.busy, self.cond = 0, threading.Condition()
+        self.q: queue.Queue = queue.Queue()
+        self.stream = None
+        threading.Thread(target=self._run, name="eagle-data-spool-writer", daemon=True).start()
+
+    def next_seq(self) -> int:
+        with self.lock:
+            return next(self.seq)
+
+    def put(self, input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, rows: list) -> None:
+        """``rows``: ``(rid, offset, seq, start, n)`` for each of our requests in the pass."""
+        if not rows:
+            return
+        ka = aux.shape[1]
+        if aux.device.type == "cuda":
+            dev = torch.cuda.current_stream(aux.device)
+            self.stream = self.stream or torch.cuda.Stream(aux.device)
+            # the engine's own tensors may be reused in place later: copy rows on its stream first
+            packed = torch.cat([aux, final.to(aux.dtype)], dim=1)
+            ids = input_ids.to(torch.int64, copy=True)
+            self.stream.wait_stream(dev)
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host_ids = torch.empty(ids.shape, dtype=torch.int64, pin_memory=True)
+            with torch.cuda.stream(self.stream):
+                host.copy_(packed, non_blocking=True)
+                host_ids.copy_(ids, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            packed.record_stream(self.stream)
+            ids.record_stream(self.stream)
+        else:
+            # fresh tensors: the engine refills its own buffers (input ids) in place for the next pass
+            host, host_ids, event = torch.cat([aux, final.to(aux.dtype)], dim=1), input_ids.to(torch.int64, copy=True), None
+        size = host.numel() * host.element_size()
+        with self.cond:
+            self.cond.wait_for(lambda: self.busy == 0 or self.busy + size <= self.max_bytes)
+            self.busy += size
+        self.q.put((host, host_ids, event, ka, rows, size))
+
+    def _run(self) -> None:
+        while True:
+            host, ids, event, ka, rows, size = self.q.get()
+            try:
+                if event is not None:
+                    event.synchronize()
+                for rid, off, seq, start, n in rows:
+                    sl = slice(start, start + n)
+                    try:
+                        write_piece(self.spool, rid, off, seq, ids[sl], host[sl, :ka], host[sl, ka:])
+                    except Exception as e:  # the backend raises it naming the sample
+                        write_error(self.spool, rid, seq, f"capture hook failed to write rows: {e!r}")
+            finally:
+                with self.cond:
+                    self.busy -= size
+                    self.cond.notify_all()
+                self.q.task_done()
+
+    def drain(self) -> None:
+        self.q.join()

@@ -87,7 +87,7 @@ def stitch(key: str, input_ids: torch.Tensor, pieces: Iterable[Piece]) -> tuple[
     t = int(input_ids.shape[0])
     ps = sorted(pieces, key=lambda p: (p.offset, p.seq))
     if not ps:
-        raise StitchError(f"sample {key!r}: no hidden-state rows captured for {t} tokens")
+        raise RowsMissing(f"sample {key!r}: no hidden-state rows captured for {t} tokens")
     if ps[0].offset != 0:
         raise RowsMissing(f"sample {key!r}: rows [0, {ps[0].offset}) of {t} missing (a cached prefix was "
                           f"skipped: the radix cache must be disabled)")

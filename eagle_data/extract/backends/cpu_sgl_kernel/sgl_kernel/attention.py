@@ -87,12 +87,20 @@ def extend_attention_cpu(q_extend: torch.Tensor, k_extend: Optional[torch.Tensor
     for row, n, e, s in zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist(),
                             extend_start_loc.tolist()):
         p = n - e
-        slots = req_to_token[row, :n].long()
-        k = k_buffer[slots].float() * key_scale
-        v = v_buffer[slots].float() * value_scale
-        if k_extend is not None and v_extend is not None:
-            k[p:] = k_extend[s:s + e].float()
-            v[p:] = v_extend[s:s + e].float()
+        if k_extend is not None and k_extend.shape[1:] != k_buffer.shape[1:]:
+            # MLA's plain-attention prefill: per-head k/v beside a cache of latents, which a prefix
+            # cannot be read back from here (SGLang picks that path for a prefill without prefix)
+            if p:
+                raise NotImplementedError(f"extend_attention_cpu: k/v of shape {tuple(k_extend.shape[1:])} over a "
+                                          f"cached prefix of {p} tokens stored as {tuple(k_buffer.shape[1:])}")
+            k, v = k_extend[s:s + e].float(), v_extend[s:s + e].float()
+        else:
+            slots = req_to_token[row, :n].long()
+            k = k_buffer[slots].float() * key_scale
+            v = v_buffer[slots].float() * value_scale
+            if k_extend is not None and v_extend is not None:
+                k[p:] = k_extend[s:s + e].float()
+                v[p:] = v_extend[s:s + e].float()
         visible = torch.ones(e, n, dtype=torch.bool)
         if tree_mask is not None:
             visible[:, p:] = tree_mask.reshape(-1)[mask_off:mask_off + e * e].view(e, e)
