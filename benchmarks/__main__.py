@@ -1,4 +1,4 @@
-"""``python -m benchmarks loader|extract|stages|final_rows|codec|pipeline|train|train_step|sglang|tar_walk|writers``: benchmarks that print numbers.
+"""``python -m benchmarks loader|extract|stages|final_rows|codec|pipeline|train|train_step|sglang|sglang_parity|parity|tar_walk|writers``: benchmarks that print numbers.
 
 Run from a checkout (this folder is not installed). Each command is the benchmark function
 itself: its signature and docstring make the command line (jsonargparse); ``--help`` lists
@@ -13,6 +13,7 @@ from benchmarks.codec import bench_codec
 from benchmarks.extract import bench_extract
 from benchmarks.final_rows import bench_final_rows
 from benchmarks.loader import bench_loader
+from benchmarks.parity import bench_parity, bench_sglang_parity
 from benchmarks.pipeline import bench_pipeline
 from benchmarks.sglang import bench_sglang
 from benchmarks.stages import bench_stages
@@ -25,7 +26,7 @@ from eagle_data.cli.main import run_cli
 COMMANDS = {"loader": bench_loader, "extract": bench_extract, "train": bench_train, "sglang": bench_sglang,
             "train_step": bench_train_step, "tar_walk": bench_tar_walk,
             "pipeline": bench_pipeline, "codec": bench_codec, "stages": bench_stages, "final_rows": bench_final_rows,
-            "writers": bench_writers}
+            "writers": bench_writers, "parity": bench_parity, "sglang_parity": bench_sglang_parity}
 
 
 def main(argv: list[str] | None = None) -> None:

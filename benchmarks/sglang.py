@@ -54,30 +54,32 @@ def _engine_run(kw: dict[str, Any], prompts: list[torch.Tensor], builtin: bool) 
 
 
 def _capture_run(model_path: str, prompts, dtype, device, aux_layer_ids, common: dict, write_dir: str | None,
-                 backend_kwargs: dict) -> dict[str, Any]:
+                 backend_kwargs: dict, batch_prompts: int) -> dict[str, Any]:
+    """Capture to host (``write_dir`` None) or capture + shards, as extraction runs them: batches of
+    ``batch_prompts`` through :meth:`SGLangBackend.capture_iter` (the next batch already in the engine
+    while this one is written)."""
     from eagle_data.extract.backends.sglang import SGLangBackend
     be = SGLangBackend(model_path, aux_layer_ids, dtype=dtype, device=device, **common, **backend_kwargs)
+    sink = None
     try:
         batch = [(f"bench_{i:06d}", p) for i, p in enumerate(prompts)]
-        t0 = time.perf_counter()
-        caps = be.capture(batch)
-        t_cap = time.perf_counter() - t0
-        res: dict[str, Any] = {"seconds": t_cap, "startup_s": be.startup_s,
-                               "bytes_per_token": caps[0].aux_hidden_states[0].nbytes + caps[0].hidden_states[0].nbytes}
+        batches = [batch[i:i + batch_prompts] for i in range(0, len(batch), batch_prompts)]
         if write_dir is not None:
-            try:
-                from eagle_data.extract.sink import ShardSink
-            except ImportError as e:  # the writer is optional for this benchmark
-                res["write_skipped"] = f"eagle_data.extract.sink not importable: {e}"
-                return res
-            t1 = time.perf_counter()
+            from eagle_data.extract.sink import ShardSink
             sink = ShardSink(write_dir, max_samples=256)
-            for c, (_, ids) in zip(caps, batch):
-                sink.write(c.key, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
-                                   "aux_hidden_states": c.aux_hidden_states, "hidden_states": c.hidden_states},
-                           {"source_id": c.key, "source_row": 0, "num_turns": 1, "truncated": False})
+        t0, first = time.perf_counter(), None
+        for caps, items in zip(be.capture_iter(batches, prefetch=1), batches):
+            first = first or caps[0]
+            if sink is not None:
+                for c, (_, ids) in zip(caps, items):
+                    sink.write(c.key, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
+                                       "aux_hidden_states": c.aux_hidden_states, "hidden_states": c.hidden_states},
+                               {"source_id": c.key, "source_row": 0, "num_turns": 1, "truncated": False})
+        if sink is not None:
             sink.close()
-            res["write_seconds"] = time.perf_counter() - t1
+        res: dict[str, Any] = {"seconds": time.perf_counter() - t0, "startup_s": be.startup_s,
+                               "bytes_per_token": first.aux_hidden_states[0].nbytes + first.hidden_states[0].nbytes}
+        if sink is not None:
             res["shard_bytes"] = sink.bytes_written
         return res
     finally:
@@ -86,10 +88,12 @@ def _capture_run(model_path: str, prompts, dtype, device, aux_layer_ids, common:
 
 def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len: int = 512, *,
                  dtype: str = "float32", device: str = "cpu", chunked_prefill_size: int | None = 256,
-                 aux_layer_ids: Sequence[int] | None = None, modes: Sequence[str] = ("plain", "capture", "builtin"),
-                 write_shards: bool = True, seed: int = 0, json_out: str | None = None,
-                 backend_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """SGLang extraction tokens/s: plain prefill vs capture (+ shards) vs SGLang's return_hidden_states.
+                 aux_layer_ids: Sequence[int] | None = None,
+                 modes: Sequence[str] = ("plain", "capture", "capture+write", "builtin"), batch_prompts: int = 64,
+                 load_format: str | None = None, attention_backend: str | None = None, seed: int = 0,
+                 json_out: str | None = None, backend_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """SGLang extraction tokens/s: plain prefill (a) vs capture to host (b) vs capture + shards (c) vs
+    SGLang's return_hidden_states.
 
     Args:
         model_path: "smollm2" (embedded default) or a local HF model folder.
@@ -99,9 +103,13 @@ def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len:
         device: "cpu" or "cuda".
         chunked_prefill_size: SGLang chunked prefill size.
         aux_layer_ids: for the capture mode (default: EAGLE-3 defaults).
-        modes: subset of ``("plain", "capture", "builtin")``.
-        write_shards: also write the captured samples with :class:`eagle_data.extract.sink.ShardSink`
-            into a temp dir (deleted afterwards).
+        modes: subset of ``("plain", "capture", "capture+write", "builtin")``; ``capture+write`` also
+            writes the samples with :class:`eagle_data.extract.sink.ShardSink` into a temp dir
+            (deleted afterwards), overlapped with the next batch's capture as extraction does.
+        batch_prompts: prompts per capture batch (``capture_iter``, one batch ahead).
+        load_format: SGLang ``load_format`` (``"dummy"``: random weights from ``config.json`` alone,
+            e.g. an 8B-shaped target without 16 GB of files), for every mode.
+        attention_backend: SGLang attention backend (a GPU without FA3 needs "triton" or "flashinfer").
         seed: seed of the random prompts.
         json_out: also write the result to this JSON file.
         backend_kwargs: extra :class:`SGLangBackend` kwargs (``max_inflight``, ...).
@@ -119,8 +127,11 @@ def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len:
     prompts = _prompts(vocab, num_prompts, prompt_len, seed)
     common = dict(chunked_prefill_size=chunked_prefill_size,
                   mem_fraction_static=backend_kwargs.pop("mem_fraction_static", None),
-                  max_total_tokens=backend_kwargs.pop("max_total_tokens", None))
+                  max_total_tokens=backend_kwargs.pop("max_total_tokens", None), attention_backend=attention_backend)
     kw = base_engine_kwargs(str(model_path), dtype, torch.device(device).type, **common)
+    if load_format:
+        kw["load_format"] = load_format
+        backend_kwargs["engine_kwargs"] = {**backend_kwargs.get("engine_kwargs", {}), "load_format": load_format}
     n_tok = num_prompts * prompt_len
     results: dict[str, dict[str, Any]] = {}
     for mode in modes:
@@ -128,19 +139,16 @@ def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len:
             r = _engine_run(kw, prompts, builtin=False)
         elif mode == "builtin":
             r = _engine_run({**kw, "enable_return_hidden_states": True}, prompts, builtin=True)
-        elif mode == "capture":
+        elif mode in ("capture", "capture+write"):
             with tempfile.TemporaryDirectory(prefix="eagle-bench-") as d:
                 r = _capture_run(str(model_path), prompts, dtype, device, aux_layer_ids, common,
-                                 d if write_shards else None, backend_kwargs)
-            if "write_seconds" in r:
-                results["capture+write"] = {"seconds": r["seconds"] + r["write_seconds"],
-                                            "tokens_per_s": n_tok / (r["seconds"] + r["write_seconds"]),
-                                            "shard_bytes": r.pop("shard_bytes")}
+                                 d if mode == "capture+write" else None, backend_kwargs, batch_prompts)
         else:
             raise ValueError(f"unknown mode {mode!r}")
         r["tokens_per_s"] = n_tok / r["seconds"]
         results[mode] = r
     out = {"config": {"model_path": str(model_path), "num_prompts": num_prompts, "prompt_len": prompt_len,
+                      "batch_prompts": batch_prompts,
                       "dtype": dtype, "device": device, "chunked_prefill_size": chunked_prefill_size,
                       "engine_kwargs": {k: v for k, v in kw.items() if k != "model_path"}},
            "results": results}

@@ -87,8 +87,23 @@ def engine_generate(engine, prompts: list[list[int]], max_new_tokens: int) -> li
     return res
 
 
-def _engine_run(kw: dict[str, Any], prompts: list[list[int]], max_new_tokens: int) -> tuple[list[dict], float, float]:
-    """Start an engine, generate, shut it down: ``(results, start seconds, generate seconds)``."""
+def decode_speed(engine, prompts: list[list[int]], max_new_tokens: int, batch: int) -> dict[str, float]:
+    """Generated tokens/s at ``batch``: 1 -> the first 8 prompts one at a time; b -> the first b
+    prompts together (after one untimed warm-up request)."""
+    engine_generate(engine, prompts[:1], 8)
+    groups = [[p] for p in prompts[:8]] if batch == 1 else [prompts[:batch]]
+    t0, new = time.perf_counter(), 0
+    for g in groups:
+        new += sum(len(r["output_ids"]) for r in engine_generate(engine, g, max_new_tokens))
+    dt = time.perf_counter() - t0
+    return {"batch": batch, "prompts": sum(len(g) for g in groups), "new_tokens": new, "seconds": round(dt, 3),
+            "tokens_per_s": round(new / dt, 1)}
+
+
+def _engine_run(kw: dict[str, Any], prompts: list[list[int]], max_new_tokens: int,
+                speed_batches: Sequence[int] = ()) -> tuple[list[dict], float, float, list[dict]]:
+    """Start an engine, generate, time ``speed_batches`` (:func:`decode_speed`), shut it down:
+    ``(results, start seconds, generate seconds, speeds)``."""
     from eagle_data.extract.backends.sglang_engine import start_engine
 
     t0 = time.perf_counter()
@@ -96,12 +111,15 @@ def _engine_run(kw: dict[str, Any], prompts: list[list[int]], max_new_tokens: in
     started = time.perf_counter() - t0
     try:
         t0 = time.perf_counter()
-        return engine_generate(engine, prompts, max_new_tokens), started, time.perf_counter() - t0
+        res = engine_generate(engine, prompts, max_new_tokens)
+        took = time.perf_counter() - t0
+        return res, started, took, [decode_speed(engine, prompts, max_new_tokens, b) for b in speed_batches]
     finally:
         engine.shutdown()
 
 
-def run_engine_apart(kw: dict[str, Any], prompts: list[list[int]], max_new_tokens: int) -> tuple[list[dict], float, float]:
+def run_engine_apart(kw: dict[str, Any], prompts: list[list[int]], max_new_tokens: int,
+                     speed_batches: Sequence[int] = ()) -> tuple[list[dict], float, float, list[dict]]:
     """:func:`_engine_run` in a fresh (spawned) process. SGLang's shutdown kills every child of
     the process that started the engine, this process's multiprocessing resource tracker included;
     a later semaphore (tqdm's lock while loading the HF target) then unregisters with a new tracker,
@@ -110,7 +128,7 @@ def run_engine_apart(kw: dict[str, Any], prompts: list[list[int]], max_new_token
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-        return ex.submit(_engine_run, kw, prompts, max_new_tokens).result()
+        return ex.submit(_engine_run, kw, prompts, max_new_tokens, tuple(speed_batches)).result()
 
 
 def acceptance_summary(accepted_per_step: list[int], steps: int) -> dict[str, Any]:
@@ -145,9 +163,11 @@ def compare_runs(plain: list[dict], spec: list[dict], replays: list[list[int]], 
 
 def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, steps: int = 7,
                     max_new_tokens: int = 64, dtype: str = "float32", device: str = "cpu",
-                    engine_kw: Optional[dict[str, Any]] = None, exported: Optional[tuple] = None) -> dict[str, Any]:
+                    engine_kw: Optional[dict[str, Any]] = None, exported: Optional[tuple] = None,
+                    speed_batches: Sequence[int] = ()) -> dict[str, Any]:
     """Plain and speculative SGLang runs + the offline replay (module doc); returns
-    :func:`compare_runs`'s summary plus ``seconds`` per phase and the settings. ``exported``: the
+    :func:`compare_runs`'s summary plus ``seconds`` per phase and the settings, and ``speed`` (decode
+    tokens/s plain vs speculative per batch size of ``speed_batches``). ``exported``: the
     ``(drafter, aux_layer_ids)`` of ``drafter_dir`` when the caller has read it already."""
     from eagle_data.checks import check_positive
     from eagle_data.extract.backends.hf import HFBackend
@@ -163,10 +183,11 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
     if device == "cpu":
         extra.setdefault("attention_backend", CPU_SPEC_ATTENTION)  # plain runs the same attention as speculative
     seconds: dict[str, float] = {}
-    runs = {}
+    runs, speeds = {}, {}
     for name, kw in (("plain", base_engine_kwargs(target, dtype, device, **extra)),
                      ("speculative", spec_engine_kwargs(target, drafter_dir, dtype, device, steps=steps, **extra))):
-        runs[name], seconds[f"{name}_start"], seconds[f"{name}_generate"] = run_engine_apart(kw, prompts, max_new_tokens)
+        runs[name], seconds[f"{name}_start"], seconds[f"{name}_generate"], speeds[name] = run_engine_apart(
+            kw, prompts, max_new_tokens, speed_batches)
     t0 = time.perf_counter()
     hf = HFBackend(model=load_target(target, device), model_path=str(target), dtype="float32", aux_layer_ids=aux_ids,
                    device=device)
@@ -177,6 +198,11 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
         replays.append(replay_chains(drafter, aux, seq, len(p), steps) if s["output_ids"] else [])
     seconds["offline_replay"] = time.perf_counter() - t0
     out = compare_runs(runs["plain"], runs["speculative"], replays, steps)
+    if speed_batches:
+        out["speed"] = [{"batch": p["batch"], "plain_tokens_per_s": p["tokens_per_s"],
+                         "speculative_tokens_per_s": s["tokens_per_s"],
+                         "speedup": round(s["tokens_per_s"] / p["tokens_per_s"], 3)}
+                        for p, s in zip(speeds["plain"], speeds["speculative"])]
     out.update(seconds={k: round(v, 2) for k, v in seconds.items()}, steps=steps, max_new_tokens=max_new_tokens,
                dtype=dtype, device=device, aux_layer_ids=aux_ids, target=str(target), drafter=str(drafter_dir))
     return out

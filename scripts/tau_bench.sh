@@ -5,7 +5,7 @@
 #   regen    (with REGEN=1) SmolLM2 writes every assistant turn of the training rows itself
 #            (eagle-data regenerate, greedy, HF generate on DEVICE) -> OUT/regen; extract then
 #            reads OUT/regen instead of OUT/train.jsonl (issue 19: original vs regenerated answers);
-#   extract  both with SmolLM2 (bf16 on the GPU; the training set stored as STORAGE, default bfloat16,
+#   extract  both with SmolLM2 (EXTRACT_ARGS: more `eagle-data extract` options, e.g. "--backend sglang"; bf16 on the GPU; the training set stored as STORAGE, default bfloat16,
 #            e.g. float8_e4m3fn for issue 16; FINAL_ROWS=taught stores the final states only where
 #            they teach; GRAPHS=1: the prefill through CUDA graphs); the draft vocabulary from the training set;
 #   tune     (optional) a short run per variant, side by side, cosine over SWEEP_SECONDS: VARIANTS
@@ -80,8 +80,9 @@ if has extract; then
     src="$OUT/$part.jsonl"; [ "$part" = train ] && [ "$REGEN" = 1 ] && src="$OUT/regen"
     store=(); [ "$part" = train ] && store=(--storage_dtype "${STORAGE:-bfloat16}" --final_rows "${FINAL_ROWS:-all}")  # held-out: as served (bf16)
     [ "${GRAPHS:-0}" = 1 ] && store+=(--backend_kwargs '{"cuda_graphs": true}')
+    # shellcheck disable=SC2086  # EXTRACT_ARGS: more options, e.g. --backend sglang
     ed extract --out "$OUT/$part" --data "$src" --dataset_tag "$part" --device "$DEVICE" \
-      --dtype bfloat16 --max_length 2048 --batch_tokens 65536 --progress false "${store[@]}" | tail -n 1
+      --dtype bfloat16 --max_length 2048 --batch_tokens 65536 --progress false "${store[@]}" ${EXTRACT_ARGS:-} | tail -n 1
   done
   ed vocab "$OUT/train" --size "$VOCAB" --out "$OUT/draft_vocab_$VOCAB.safetensors"
 fi

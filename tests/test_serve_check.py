@@ -185,8 +185,11 @@ def test_sglang_speculative_decoding_equals_plain_greedy_and_the_offline_replay(
 
     drafter, seq = _trained_drafter(tmp_path)
     prompts = [seq[i, :n].tolist() for i, n in enumerate((12, 17, 23))]  # the greedy text goes on from there
-    res = run_serve_check(str(tiny_target_dir(tmp_path)), str(drafter), prompts, steps=3, max_new_tokens=32)
+    res = run_serve_check(str(tiny_target_dir(tmp_path)), str(drafter), prompts, steps=3, max_new_tokens=32,
+                          speed_batches=[1, 2])
     print(json.dumps({k: v for k, v in res.items() if k != "per_prompt"}))
+    assert [s["batch"] for s in res["speed"]] == [1, 2]
+    assert all(s["plain_tokens_per_s"] > 0 and s["speculative_tokens_per_s"] > 0 for s in res["speed"])
     assert res["num_prompts"] == 3 and res["equal_to_plain"] == 3
     eng, off = res["engine"], res["offline"]
     assert eng["verify_steps"] > 0 and eng["accepted"] >= eng["verify_steps"]  # tau >= 2: far from trivial

@@ -18,7 +18,7 @@ if importlib.util.find_spec("sglang") is None:
 
 from eagle_data.extract.backends import make_backend  # noqa: E402
 from eagle_data.extract.backends.hf import HFBackend  # noqa: E402
-from tiny import save_tiny_moe  # noqa: E402
+from tiny import save_tiny_target  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -245,7 +245,7 @@ def test_moe_targets_match_hf(tmp_path, kind, dtype, attention):
     300-token prompt in three prefill chunks among short ones: states equal HF's within the noise floor
     (fp32: 1e-4 relative; bf16: no further from HF fp32 than HF bf16 is). MLA on CPU runs on SGLang's
     intel_amx attention (torch_native cannot run MLA), whose ops the stand-in kernel provides."""
-    path = save_tiny_moe(kind, tmp_path / kind)
+    path = save_tiny_target(kind, tmp_path / kind)
     hf, hf32 = HFBackend(path, AUX, dtype=dtype), HFBackend(path, AUX, dtype="float32")
     kw = {"attention_backend": attention} if attention else {}
     sg = make_backend("sglang", model_path=path, aux_layer_ids=AUX, dtype=dtype, device="cpu", chunked_prefill_size=128,

@@ -265,7 +265,7 @@ def test_writer_bounds_the_bytes_in_flight(tmp_path, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(hk, "write_piece", slow_write)
-    nbytes = 3 * (K + 1) * H * 4  # one 3-row pass, fp32
+    nbytes = 3 * ((K + 1) * H * 4 + 8)  # one 3-row pass: fp32 rows + int64 ids
     hook = make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-", "max_pending_bytes": 2 * nbytes})
 
     def run():

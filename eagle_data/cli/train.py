@@ -147,7 +147,8 @@ def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_v
 
 def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_keys: Optional[str] = None,
                 num_prompts: int = 8, max_prompt_tokens: int = 384, max_new_tokens: int = 64, steps: int = 7,
-                dtype: str = "float32", device: str = "cpu", out: str = "out/serve-check") -> None:
+                dtype: str = "float32", device: str = "cpu", attention_backend: Optional[str] = None,
+                speed_batches: Optional[list[int]] = None, out: str = "out/serve-check") -> None:
     """Serve an exported drafter with SGLang's EAGLE-3 speculative decoding: engine tau vs offline tau.
 
     Chain drafting; the engine's tau is compared with the offline tau of the same drafter on the
@@ -172,6 +173,11 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
         steps: draft tokens per verify step K (speculative_num_steps; K + 1 verified).
         dtype: engine dtype (float32 or bfloat16).
         device: "cpu" or "cuda".
+        attention_backend: SGLang attention backend (default: SGLang's choice on GPU, e.g. "triton" or
+            "flashinfer" where FA3 is not installed; CPU: intel_amx, the one with speculative decoding).
+        speed_batches: decode tokens/s, plain vs speculative, at each of these batch sizes (e.g.
+            ``[1, 32]``; batch 1: the first 8 prompts one at a time; batch b: the first b prompts
+            together), on the engines of the check (on a GPU with SGLang's decode CUDA graphs).
         out: output folder for serve_check.json.
     """
     from pathlib import Path
@@ -184,6 +190,8 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
 
     check_positive(num_prompts=num_prompts, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                    steps=steps)
+    for b in speed_batches or []:
+        check_positive(speed_batches=b)
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     if device not in ("cpu", "cuda"):
@@ -220,11 +228,12 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
                f"max_prompt_tokens={max_prompt_tokens}")
         print(f"serve-check: {len(prompts)} prompt(s) of the {num_prompts} asked for: {why}", file=sys.stderr)
     res = run_serve_check(target_path, drafter, prompts, steps=steps, max_new_tokens=max_new_tokens,
-                          dtype=dtype, device=device, exported=exported)
+                          dtype=dtype, device=device, exported=exported, speed_batches=speed_batches or (),
+                          engine_kw={"attention_backend": attention_backend} if attention_backend else None)
     res["prompt_keys"] = used
     o = Path(out)
     o.mkdir(parents=True, exist_ok=True)
     (o / "serve_check.json").write_text(json.dumps(res, indent=1))
     print(json.dumps({k: res[k] for k in ("engine", "offline", "equal_to_plain", "within_one_chain", "num_prompts",
-                                          "seconds")}, indent=1))
+                                          "seconds", "speed") if k in res}, indent=1))
     print(o / "serve_check.json")

@@ -30,7 +30,7 @@ the same in both versions), one spec per aux layer and one on the logits process
   ``[extend_prefix_len, extend_prefix_len + extend_seq_len)`` to the :class:`_Writer`, which
   writes one chunk file per request (:func:`eagle_data.extract.backends.sglang_spool.write_piece`).
 
-Nothing stalls the scheduler on a GPU: the rows are gathered into one fresh device tensor, copied
+Nothing stalls the scheduler on a GPU: the pass's rows are copied into fresh device tensors, then
 to pinned host memory on a side stream, and a writer thread waits for that copy's event and
 writes the files; the bytes in flight are bounded (``max_pending_bytes``; the hook waits only
 when the bound is reached). DECODE and IDLE passes are ignored; any other extend-like mode holding
@@ -212,7 +212,7 @@ def _aux_of_pass(taken: list | None, engine_aux) -> tuple[torch.Tensor | None, s
 class _Writer:
     """Copies a pass's rows off the device and writes their chunk files in a thread.
 
-    GPU: one fresh device tensor ``[ids | aux | final]`` per pass, copied to pinned host memory on a
+    GPU: fresh device copies of the pass's ids, aux and final rows, copied to pinned host memory on a
     side stream; the thread waits for the copy's event, then writes. At most ``max_bytes`` of passes
     wait at once (a single larger pass waits alone); :meth:`put` blocks only at that bound.
     """
@@ -233,42 +233,36 @@ class _Writer:
         """``rows``: ``(rid, offset, seq, start, n)`` for each of our requests in the pass."""
         if not rows:
             return
-        ka = aux.shape[1]
+        # fresh tensors first (on the engine's stream): the engine refills its own buffers in place
+        fresh = [input_ids.to(torch.int64, copy=True), aux.clone(), final.clone()]
+        event = None
         if aux.device.type == "cuda":
-            dev = torch.cuda.current_stream(aux.device)
             self.stream = self.stream or torch.cuda.Stream(aux.device)
-            # the engine's own tensors may be reused in place later: copy rows on its stream first
-            packed = torch.cat([aux, final.to(aux.dtype)], dim=1)
-            ids = input_ids.to(torch.int64, copy=True)
-            self.stream.wait_stream(dev)
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host_ids = torch.empty(ids.shape, dtype=torch.int64, pin_memory=True)
+            self.stream.wait_stream(torch.cuda.current_stream(aux.device))
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in fresh]
             with torch.cuda.stream(self.stream):
-                host.copy_(packed, non_blocking=True)
-                host_ids.copy_(ids, non_blocking=True)
+                for h, t in zip(host, fresh):
+                    h.copy_(t, non_blocking=True)
+                    t.record_stream(self.stream)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            packed.record_stream(self.stream)
-            ids.record_stream(self.stream)
-        else:
-            # fresh tensors: the engine refills its own buffers (input ids) in place for the next pass
-            host, host_ids, event = torch.cat([aux, final.to(aux.dtype)], dim=1), input_ids.to(torch.int64, copy=True), None
-        size = host.numel() * host.element_size()
+            fresh = host
+        size = sum(t.numel() * t.element_size() for t in fresh)
         with self.cond:
             self.cond.wait_for(lambda: self.busy == 0 or self.busy + size <= self.max_bytes)
             self.busy += size
-        self.q.put((host, host_ids, event, ka, rows, size))
+        self.q.put((fresh, event, rows, size))
 
     def _run(self) -> None:
         while True:
-            host, ids, event, ka, rows, size = self.q.get()
+            (ids, aux, final), event, rows, size = self.q.get()
             try:
                 if event is not None:
                     event.synchronize()
                 for rid, off, seq, start, n in rows:
                     sl = slice(start, start + n)
                     try:
-                        write_piece(self.spool, rid, off, seq, ids[sl], host[sl, :ka], host[sl, ka:])
+                        write_piece(self.spool, rid, off, seq, ids[sl], aux[sl], final[sl])
                     except Exception as e:  # the backend raises it naming the sample
                         write_error(self.spool, rid, seq, f"capture hook failed to write rows: {e!r}")
             finally:
