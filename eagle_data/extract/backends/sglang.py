@@ -132,6 +132,8 @@ class SGLangBackend:
         self._chunks: dict[str, int] = {}  # rid -> chunks stitched, until its batch is yielded
         kw.update(disable_radix_cache=not _allow_radix_cache, enable_mixed_chunk=False,
                   forward_hooks=hook_specs(str(self.spool.path), self._prefix, None if _engine_aux else list(ids)))
+        if dev == "cuda":  # prefill only (max_new_tokens=0): capturing decode graphs would only slow the start
+            kw["cuda_graph_backend_decode"] = "disabled"
         if _engine_aux:  # tests only (sglang >= 0.5.23): the engine's own EAGLE-3 capture, to compare routes
             kw.update(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
                       return_aux_hidden_state_layer_ids=list(ids))
@@ -150,6 +152,7 @@ class SGLangBackend:
                 "writer_tp_rank": 0, "attention_backend": getattr(sa, "attention_backend", None),
                 "chunked_prefill_size": getattr(sa, "chunked_prefill_size", None),
                 "prefill_cuda_graph": "disabled" if dev == "cuda" else "n/a (cpu)",
+                "decode_cuda_graph": getattr(sa, "cuda_graph_backend_decode", None) if dev == "cuda" else "n/a (cpu)",
                 "radix_cache": "disabled", "mixed_chunk": "disabled", "max_new_tokens": 0,
                 "capture": ("engine aux capture + forward_hook on logits_processor" if _engine_aux else
                             "forward_hooks on the aux decoder layers and logits_processor, safetensors spool"),
