@@ -157,6 +157,28 @@ def test_set_epoch_is_in_the_state_before_the_first_batch(tmp_path):
     assert [x["keys"] for x in b] == [x["keys"] for x in ref] and b.epoch == 3
 
 
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_plain_dataloader_reads_the_epoch_set_in_the_main_process(tmp_path, persistent):
+    """A plain torch DataLoader (as Lightning or a user's own loop builds it) with persistent workers
+    keeps the copies of the dataset it forked once; set_epoch in the main process must still reach
+    them: each epoch's keys are that epoch's plan, as a fresh dataset of that epoch reads them."""
+    import torch
+
+    write_synthetic(tmp_path, [6, 6, 6], hidden_size=16)
+    ds = EagleShardDataset(tmp_path, batch_size=2, seed=3)
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
+    seen = []
+    with deadline(120):
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            seen.append(sorted(k for b in dl for k in b["keys"]))
+            ref = EagleShardDataset(tmp_path, batch_size=2, seed=3)
+            ref.set_epoch(epoch)
+            want = torch.utils.data.DataLoader(ref, batch_size=None, num_workers=2)
+            assert [b["keys"] for b in dl] == [b["keys"] for b in want], epoch
+    assert all(s == seen[0] and len(s) == 18 for s in seen)  # every sample once per epoch
+
+
 def test_caught_error_keeps_no_shard_open_without_gc(tmp_path):
     import gc
 

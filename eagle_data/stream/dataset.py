@@ -141,7 +141,9 @@ class EagleShardDataset(IterableDataset):
         self.epoch = 0
         self.num_workers = 1      # see set_topology (used by __len__; workers read get_worker_info)
         self.skip_batches = 0     # rank-level batches of ``epoch`` already consumed (resume)
-        self._epoch_cell: torch.Tensor | None = None  # shared [epoch, skip] for persistent workers
+        # shared [epoch, skip]: persistent DataLoader workers (any DataLoader, not only ours) hold their own
+        # copy of this object and read the epoch set in the main process here at every epoch's start
+        self._epoch_cell = torch.tensor([0, 0], dtype=torch.int64).share_memory_()
         self.skipped: Counter = Counter()
 
     # ---- topology and plan ------------------------------------------------------------------
@@ -180,13 +182,7 @@ class EagleShardDataset(IterableDataset):
         Also written to a shared-memory cell that persistent DataLoader workers (forked once,
         holding their own copy of this object) read at the start of every epoch."""
         self.epoch, self.skip_batches = epoch, skip_batches
-        if self._epoch_cell is not None:
-            self._epoch_cell[0], self._epoch_cell[1] = epoch, skip_batches
-
-    def share_epoch(self) -> None:
-        """Put the epoch selection in shared memory (before persistent workers are started)."""
-        if self._epoch_cell is None:
-            self._epoch_cell = torch.tensor([self.epoch, self.skip_batches], dtype=torch.int64).share_memory_()
+        self._epoch_cell[0], self._epoch_cell[1] = epoch, skip_batches
 
     def _sizes(self, world: int, workers: int) -> tuple[list[int], list[list[int]] | None]:
         """``(samples per slot, batch sizes per slot)`` in slot order (rank-major); the batch sizes
@@ -342,7 +338,7 @@ class EagleShardDataset(IterableDataset):
             yield {WORKER_ERROR: e}
 
     def _batches(self) -> Iterator[dict[str, Any]]:
-        if self._epoch_cell is not None and get_worker_info() is not None:  # persistent worker
+        if get_worker_info() is not None:  # a worker (persistent ones keep an old copy of this object)
             self.epoch, self.skip_batches = int(self._epoch_cell[0]), int(self._epoch_cell[1])
         rank, world = self.rank_world()
         wi = get_worker_info()

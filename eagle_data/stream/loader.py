@@ -85,8 +85,6 @@ class EagleDataLoader(DataLoader):
                          timeout=timeout, multiprocessing_context=multiprocessing_context,
                          worker_init_fn=_WorkerInit(tune_malloc, worker_init_fn),
                          persistent_workers=num_workers > 0)
-        if num_workers > 0:
-            dataset.share_epoch()
         self.tune_malloc = tune_malloc
         if prefetch_batches < 0:
             raise ValueError(f"prefetch_batches must be >= 0, got {prefetch_batches}")
