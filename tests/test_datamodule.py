@@ -101,6 +101,7 @@ def test_configs_parse(path, tmp_path, capsys):
     write_synthetic(tmp_path, [3])
     want = [f"syn_{g:09d}" for g in range(3)]
     args = yaml.safe_load(path.read_text())
+    assert EagleDataModule(**{**args, "train": str(tmp_path)}).pin_memory is torch.cuda.is_available()  # no CPU warning
     dm = EagleDataModule(**{**args, "train": str(tmp_path), "pin_memory": False})
     assert sorted(k for b in dm.train_dataloader() for k in b["keys"]) == want
 

@@ -61,8 +61,10 @@ def test_bf16_capture_close_to_fp32():
 def test_layer_id_defaults_and_validation():
     assert default_aux_layer_ids(30) == [1, 14, 26]
     assert default_aux_layer_ids(61) == [1, 29, 57]
-    with pytest.raises(ValueError, match="duplicates"):
-        default_aux_layer_ids(4)
+    assert default_aux_layer_ids(7) == [1, 2, 3]  # the shallowest model with three distinct ids
+    for shallow in (4, 6):
+        with pytest.raises(ValueError, match="duplicates"):
+            default_aux_layer_ids(shallow)
     for bad, msg in (([1, 1, 2], "duplicates"), ([3, 2, 1], "sorted"), ([0, 1, 7], "out of range"),
                      ([1, 2], "exactly 3"), ([-1, 2, 3], "out of range")):
         with pytest.raises(ValueError, match=msg):

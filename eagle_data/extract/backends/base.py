@@ -18,7 +18,7 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     """``[1, L//2 - 1, L - 4]`` (low, middle, high), as in EAGLE-3 / SGLang / SpecForge.
 
     Raises:
-        ValueError: the model is too shallow for three distinct ids (L < 6).
+        ValueError: the model is too shallow for three distinct ids (L < 7: L = 6 gives [1, 2, 2]).
     """
     ids = [1, num_layers // 2 - 1, num_layers - 4]
     validate_aux_layer_ids(ids, num_layers)
