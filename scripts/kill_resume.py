@@ -37,7 +37,7 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # tiny model + offline tokenizer helpers
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # tiny model (benchmarks.tiny_targets) + offline tokenizer helpers
 
 import torch  # noqa: E402
 from eagle_data.extract.config import ExtractConfig
