@@ -16,7 +16,14 @@ post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight``
 
 ``format="speculators"`` (what vLLM serves, and the ``speculators`` package's
 ``SpeculatorModel.from_pretrained`` loads): the same tensors with ``midlayer.`` renamed
-``layers.0.`` and the config of :func:`speculators_hf_config`.
+``layers.0.``, plus ``embed_tokens.weight`` (the target's embedding, ``[V, H]``, in ``dtype``),
+and the config of :func:`speculators_hf_config`. The embedding is shipped because
+``SpeculatorModel.from_pretrained`` (speculators 0.9.0) takes the verifier's embedding only
+where the parameter is still NaN, and transformers has already filled the missing parameter
+(with uninitialised memory), so without it the loaded drafter embeds with garbage, silently.
+Its cost is the file size: ``V x H`` more (Llama-3-8B: 128256 x 4096 in bf16, about 1 GiB).
+vLLM loads it too; a copy equal to the target's is dropped for the target's
+(``has_own_embed_tokens`` + ``torch.equal`` in its EAGLE proposer).
 """
 
 from __future__ import annotations
@@ -140,8 +147,11 @@ def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[i
                          f"--overwrite true")
     out.mkdir(parents=True, exist_ok=True)
     rename = (lambda k: k.replace("midlayer.", "layers.0.", 1)) if format == "speculators" else (lambda k: k)
+    tensors = dict(drafter.export_state_dict())
+    if format == "speculators":  # speculators' from_pretrained would leave it unfilled (module doc)
+        tensors["embed_tokens.weight"] = drafter.embed_tokens
     sd = {rename(k): (v.to(dt) if v.is_floating_point() else v).detach().cpu().contiguous()
-          for k, v in drafter.export_state_dict().items()}
+          for k, v in tensors.items()}
     (out / "model.safetensors").write_bytes(save(sd, metadata={"format": "pt"}))  # save_file: always 0600
     cfg = draft_hf_config(drafter, target_config, aux_layer_ids, dtype) if format == "sglang" else \
         speculators_hf_config(drafter, target_config, aux_layer_ids, dtype, verifier, speculative_tokens)

@@ -1,7 +1,9 @@
 """vLLM export (``eagle-data export --format speculators``) proven with the ``speculators`` package's
 own loader (0.9.0, installed by scripts/setup.sh with --no-deps: its torch/transformers pins
-would replace ours; it runs with ours): every tensor lands in its parameter, and its
-training-time forward (eager attention, K=3 steps) drafts exactly our tokens. vLLM itself does
+would replace ours; it runs with ours): through its plain ``SpeculatorModel.from_pretrained(DIR)``
+every tensor lands in its parameter, ``embed_tokens`` included (= the target's; it would stay
+garbage if the export left it out), and its training-time forward (eager attention, K=3 steps)
+drafts exactly our tokens, with nothing copied in by hand. vLLM itself does
 not install here: its weight names are checked against the renames of vLLM's
 ``Eagle3LlamaForCausalLM.load_weights`` / ``LlamaModel.load_weights`` (llama_eagle3.py, read at
 vllm-project/vllm@00bd1493), replayed below."""
@@ -72,9 +74,11 @@ def test_weight_names_reach_every_vllm_parameter(tmp_path):
     want = {"model.fc.weight", "model.norm.weight", "lm_head.weight", "draft_id_to_target_id",
             layer + "self_attn.qkv_proj.weight", layer + "self_attn.o_proj.weight",
             layer + "mlp.gate_up_proj.weight", layer + "mlp.down_proj.weight", layer + "input_layernorm.weight",
-            layer + "hidden_norm.weight", layer + "post_attention_layernorm.weight"}
-    assert _vllm_names(sd) == want  # model.embed_tokens: vLLM shares the target's when absent
-    assert all(k.startswith(("fc.", "layers.0.", "norm.", "lm_head.")) or k in ("d2t", "t2d") for k in sd)
+            layer + "hidden_norm.weight", layer + "post_attention_layernorm.weight", "model.embed_tokens.weight"}
+    # model.embed_tokens: shipped for speculators' loader; vLLM's proposer drops it for the target's when equal
+    assert _vllm_names(sd) == want
+    assert all(k.startswith(("fc.", "layers.0.", "norm.", "lm_head.")) or k in ("d2t", "t2d", "embed_tokens.weight")
+               for k in sd)
     assert sd["layers.0.self_attn.q_proj.weight"].shape == (64, 2 * 64)  # [embeds | hidden] input
 
 
@@ -83,19 +87,28 @@ def test_speculators_loader_takes_every_tensor_and_drafts_our_tokens(tmp_path):
     from speculators import SpeculatorModel
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
+    from eagle_train.model import load_target_tensors
+
     d, out = _export(tmp_path)
-    cfg = Eagle3SpeculatorConfig.from_pretrained(str(out))
-    cfg.transformer_layer_config._attn_implementation = "eager"  # its flex path fails on CPU
-    m = SpeculatorModel.from_pretrained(str(out), config=cfg).float().eval()
-    assert type(m).__name__ == "Eagle3DraftModel"
+    target_embed = load_target_tensors(tiny_target_dir(tmp_path), ["model.embed_tokens.weight"])
+    target_embed = target_embed["model.embed_tokens.weight"].float()
     ours = {k.replace("midlayer.", "layers.0."): v for k, v in d.export_state_dict().items()}
-    theirs = {**dict(m.named_parameters()), **dict(m.named_buffers())}
+    ours["embed_tokens.weight"] = target_embed
+    # the call a speculators user makes, nothing patched: every tensor in its place, and the
+    # embedding the target's (speculators fills it from the verifier only where it is NaN, and
+    # transformers has already filled it, so an export without it loads garbage, silently)
+    plain = SpeculatorModel.from_pretrained(str(out))
+    assert type(plain).__name__ == "Eagle3DraftModel"
+    assert torch.equal(plain.embed_tokens.weight.float(), target_embed)
+    theirs = {**dict(plain.named_parameters()), **dict(plain.named_buffers())}
     for k, v in ours.items():
         assert torch.equal(theirs[k], v.to(theirs[k].dtype)), k
-    assert m.config.eagle_aux_hidden_state_layer_ids == [k + 1 for k in TINY_AUX]
-    # speculators 0.9.0 does not reliably fill embed_tokens from the verifier offline (some runs
-    # leave it uninitialised); vLLM uses the target's embedding, which is what we train with
-    m.embed_tokens.weight.data.copy_(d.embed_tokens)
+    assert plain.config.eagle_aux_hidden_state_layer_ids == [k + 1 for k in TINY_AUX]
+    # the same call with eager attention (its default flex path fails on CPU), for its forward
+    cfg = Eagle3SpeculatorConfig.from_pretrained(str(out))
+    cfg.transformer_layer_config._attn_implementation = "eager"
+    m = SpeculatorModel.from_pretrained(str(out), config=cfg).float().eval()
+    assert torch.equal(m.embed_tokens.weight, target_embed)
     torch.manual_seed(0)
     t = 40
     ids, aux = torch.randint(0, 256, (1, t)), torch.randn(1, t, 3 * 64)
