@@ -153,3 +153,35 @@ def test_cli_options_are_never_abbreviations(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         cli.main(["extract", "--out", str(tmp_path / "o"), "--write_queue", "16"])
     assert e.value.code == 2 and "unrecognized arguments: --write_queue 16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["extract", "regenerate"])
+def test_option_mappings_keep_quoted_strings(command):
+    """The command line read '{"cuda_graphs": "yes"}' as true and '"8"' as 8 (YAML on every value)."""
+    parser = capture_parser(lambda: cli.main([command, "--help"]))
+    ns = getattr(parser.parse_args([command, "--backend_kwargs", '{"cuda_graphs": "yes", "n": "8", "k": 8, "on": true}',
+                                    "--template_vars", '{"enable_thinking": "no"}']), command)
+    assert ns.backend_kwargs == {"cuda_graphs": "yes", "n": "8", "k": 8, "on": True}
+    assert ns.template_vars == {"enable_thinking": "no"}
+
+
+def test_backend_options_of_another_type_are_refused(tmp_path):
+    from eagle_data.checks import check_option_types
+    from eagle_data.extract.backends import make_backend
+
+    with pytest.raises(ValueError, match="max_inflight must be int.*'8'"):
+        make_backend("sglang", model_path=str(tmp_path), max_inflight="8")
+    with pytest.raises(ValueError, match="cuda_graphs must be bool.*'yes'.*unquoted"):
+        make_backend("hf", model_path=str(tmp_path), cuda_graphs="yes")
+    hints = {"a": "bool", "b": "Optional[int]", "c": "float | None", "d": "list[int]"}
+    check_option_types("x", {"a": False, "b": None, "c": 2, "d": "anything"}, hints)
+    for bad in ({"a": 1}, {"b": True}, {"b": 2.0}, {"c": "0.5"}, {"a": None}):
+        with pytest.raises(ValueError, match=f"x: option {next(iter(bad))} must be"):
+            check_option_types("x", bad, hints)
+
+
+def test_sglang_engine_options_of_another_type_are_refused():
+    from eagle_data.extract.backends.sglang_engine import start_engine
+
+    with pytest.raises(ValueError, match="sglang.Engine: option disable_cuda_graph must be bool.*'no'"):
+        start_engine({"model_path": "unused", "disable_cuda_graph": "no"})

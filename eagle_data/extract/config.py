@@ -8,11 +8,15 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from eagle_data.checks import check_device
 from eagle_data.format.final_rows import FINAL_ROWS
 from eagle_data.format.schema import HIDDEN_DTYPES, STORAGE_DTYPES
+
+#: a value in ``template_vars`` / ``backend_kwargs``, kept as written: ``str`` first, else the
+#: command line reads ``{"cuda_graphs": "yes"}`` as ``true`` (and ``"8"`` as 8)
+OptionValue = Union[str, bool, int, float, None, list, dict]
 
 #: rows of the embedded ShareGPT demo taken when ``num_samples`` is not given
 DEMO_ROWS = 64
@@ -50,7 +54,7 @@ class ExtractConfig:
     path to a Jinja file (default: the tokenizer's own)"""
     template_date: str = "2026-01-01"
     """date (YYYY-MM-DD) given to templates that print today's date, for reproducible ids"""
-    template_vars: dict[str, Any] = field(default_factory=dict)
+    template_vars: dict[str, OptionValue] = field(default_factory=dict)
     """extra template variables, e.g. {"enable_thinking": false}"""
     backend: Literal["hf", "sglang"] = "hf"
     """"hf" (transformers reference) or "sglang" (production engine)"""
@@ -99,7 +103,7 @@ class ExtractConfig:
     """"skip" (count + log, default) or "raise\""""
     trust_remote_code: bool = False
     """allow model code from the model folder (off by default)"""
-    backend_kwargs: dict[str, Any] = field(default_factory=dict)
+    backend_kwargs: dict[str, OptionValue] = field(default_factory=dict)
     """extra backend options (e.g. SGLang's chunked_prefill_size, tp_size)"""
     progress: bool = True
     """show a progress bar"""

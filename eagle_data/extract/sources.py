@@ -210,7 +210,8 @@ def _iter_parquet_file(path: str) -> Iterator[Any]:
     schema and stops mid-run when another file has one more field.
 
     Raises:
-        ValueError: the file is not readable parquet (naming it).
+        ValueError: the file is not readable parquet, or one of its row groups is damaged (naming
+            the file, the row group and the file rows it holds).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -219,9 +220,21 @@ def _iter_parquet_file(path: str) -> Iterator[Any]:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"data: {path} is not a readable parquet file: {e}") from None
-    for batch in pf.iter_batches(batch_size=256):
-        for rec in batch.to_pylist(maps_as_pydicts="strict"):  # a map column as a dict, not (key, value) pairs
-            yield drop_nulls(rec)
+    first = 0
+    for g in range(pf.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        batches = pf.iter_batches(batch_size=256, row_groups=[g])
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as e:
+                raise ValueError(f"data: {path}: row group {g} (rows {first}..{first + n - 1} of the file, 0-based) "
+                                 f"cannot be read, the file is damaged: {e}") from None
+            if batch is None:
+                break
+            for rec in batch.to_pylist(maps_as_pydicts="strict"):  # a map column as a dict, not (key, value) pairs
+                yield drop_nulls(rec)
+        first += n
 
 
 def iter_records(data: str, split: str = "train", rank: int = 0, world_size: int = 1,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from eagle_data.extract.config import DEFAULT_DATA, DEFAULT_MODEL, _is_int, check_run_fields, check_run_paths
+from eagle_data.extract.config import DEFAULT_DATA, DEFAULT_MODEL, OptionValue, _is_int, check_run_fields, check_run_paths
 
 #: settings that must be equal for a rerun to resume into the same output (``num_samples`` is
 #: not one: a larger N extends a finished run)
@@ -55,7 +55,7 @@ class RegenerateConfig:
     """a shipped chat template by name (`eagle-data templates`) or a Jinja file (default: the tokenizer's)"""
     template_date: str = "2026-01-01"
     """date (YYYY-MM-DD) given to templates that print today's date"""
-    template_vars: dict[str, Any] = field(default_factory=dict)
+    template_vars: dict[str, OptionValue] = field(default_factory=dict)
     """extra template variables, e.g. {"enable_thinking": false}"""
     stop_tokens: list[str] = field(default_factory=list)
     """extra stop tokens (each must be one token), besides the template's end-of-turn token and the
@@ -83,7 +83,7 @@ class RegenerateConfig:
     """number of ranks (default: $WORLD_SIZE or 1)"""
     trust_remote_code: bool = False
     """allow model code from the model folder (off by default)"""
-    backend_kwargs: dict[str, Any] = field(default_factory=dict)
+    backend_kwargs: dict[str, OptionValue] = field(default_factory=dict)
     """extra engine options (SGLang: e.g. mem_fraction_static, tp_size)"""
     progress: bool = True
     """show a progress bar"""

@@ -3,14 +3,16 @@
 Each ``NAME.jinja`` is a byte-exact copy of a model family's template (sources, commits and
 licenses: ``SOURCES.md`` beside it); every one is covered by the loss-mask property test.
 :data:`ALIASES` maps the family names other tools use (SpecForge's ``--chat-template llama3``,
-``qwen``, ``deepseek-v3``, ...) to a file; names compare case-blind and without ``-``, ``_``,
-``.`` or spaces (``llama-3`` = ``llama3``, ``Qwen2.5`` = ``qwen2_5``). A bare name (no path
-separator, no ``.jinja``) means a shipped template even if a file of that name is in the
-current folder; give ``./NAME`` for the file.
+``qwen``, ``deepseek-v3``, ...) to a file. Only exact names count: a file stem or alias as
+written, or with ``-`` for ``_`` (``deepseek-v3``, ``gpt-oss``); a near miss (``qwen-3``,
+``Llama3``) is an error that suggests the name, never another family's template. A bare name
+(no path separator, no ``.jinja``) means a shipped template even if a file of that name is in
+the current folder; give ``./NAME`` for the file.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 from pathlib import Path
 
@@ -34,8 +36,10 @@ def names() -> list[str]:
     return sorted(p.stem for p in DIR.glob("*.jinja"))
 
 
-def _norm(name: str) -> str:
-    return "".join(c for c in name.lower() if c not in "-_. ")
+def _exact_names() -> dict[str, str]:
+    """Every accepted spelling -> file stem: stems and aliases, also with ``-`` for ``_``."""
+    out = {n: n for n in names()} | dict(ALIASES)
+    return out | {k.replace("_", "-"): v for k, v in out.items()}
 
 
 def resolve(name_or_path: str) -> Path:
@@ -47,8 +51,7 @@ def resolve(name_or_path: str) -> Path:
     looks_like_path = any(c in name_or_path for c in "/\\")
     if not looks_like_path:  # "qwen3" or "qwen3.jinja" (a shipped file name)
         bare = name_or_path[:-len(".jinja")] if name_or_path.endswith(".jinja") else name_or_path
-        by_norm = {_norm(n): n for n in names()} | {_norm(a): s for a, s in ALIASES.items()}
-        stem = by_norm.get(_norm(bare))
+        stem = _exact_names().get(bare)
         if stem is not None and (DIR / f"{stem}.jinja").is_file():
             if Path(name_or_path).is_file():
                 log.warning("chat_template %r: using the shipped template %s; a file of that name is in this "
@@ -57,7 +60,9 @@ def resolve(name_or_path: str) -> Path:
     p = Path(name_or_path).expanduser()
     if p.is_file():
         return p
+    near = difflib.get_close_matches(name_or_path.lower(), list(_exact_names()), n=1, cutoff=0.6)
     raise ValueError(f"chat_template {name_or_path!r} is " + ("not a file" if looks_like_path else
                      "neither a file nor a shipped template name") +
+                     (f"; did you mean {near[0]!r}?" if near and not looks_like_path else "") +
                      f"; names (eagle-data templates): {', '.join(names())}; also: "
                      f"{', '.join(sorted(a for a in ALIASES if a not in names()))}")

@@ -6,6 +6,7 @@ Heavy imports (transformers, sglang) live only inside their backend module.
 import inspect
 import sys
 
+from eagle_data.checks import check_option_types
 from eagle_data.extract.backends.base import Backend, BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
 
 #: options the extraction sets itself (not ``backend_kwargs``)
@@ -43,6 +44,7 @@ def make_backend(name: str, **kwargs) -> Backend:
     if unknown:
         takes = sorted(k for k in params if not k.startswith("_") and k not in _SET_BY_RUN)
         raise ValueError(f"backend_kwargs: the {name} backend takes no option(s) {unknown}; it takes {takes}")
+    check_option_types(f"backend_kwargs of the {name} backend", kwargs, {k: p.annotation for k, p in params.items()})
     return cls(**kwargs)
 
 

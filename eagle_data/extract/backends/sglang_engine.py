@@ -5,6 +5,7 @@ No sglang import here: :func:`prepare_cpu_environment` must run before sglang is
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -93,12 +94,18 @@ def start_engine(kw: dict[str, Any]):
     torch). The backend the engine resolved is checked after start.
 
     Raises:
+        ValueError: an option whose type sglang declares bool/int/float/str given another type
+            (``"yes"`` for a bool would silently be true).
         RuntimeError: the engine resolved another attention backend than the one asked for.
     """
     import contextlib
 
     import sglang
+    from sglang.srt.server_args import ServerArgs
 
+    from eagle_data.checks import check_option_types
+
+    check_option_types("sglang.Engine", kw, {k: p.annotation for k, p in inspect.signature(ServerArgs).parameters.items()})
     root = logging.getLogger()
     level, handlers = root.level, list(root.handlers)
     amx = kw.get("device") == "cpu" and kw.get("attention_backend") == CPU_SPEC_ATTENTION
@@ -117,7 +124,7 @@ def start_engine(kw: dict[str, Any]):
     if want is not None and got != want:
         engine.shutdown()
         raise RuntimeError(f"sglang resolved attention_backend={got!r}, not the {want!r} asked for (sglang "
-                           f"{sglang.__version__}; eagle-data pins 0.5.23)")
+                           f"{sglang.__version__})")
     return engine
 
 
