@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import re
 
 
 def check_positive(**args: int | None) -> None:
@@ -18,20 +19,24 @@ def check_positive(**args: int | None) -> None:
 
 def check_device(value: str, field: str = "device", usable: bool = True) -> str:
     """``value`` if it names a torch device and (``usable``) torch can run on it here; a config
-    may name a GPU the machine writing it lacks, so parsing one checks the name only.
+    may name a GPU the machine writing it lacks, so parsing one checks the form only (``TYPE`` or
+    ``TYPE:INDEX``, without loading torch: a mistyped command answers at once).
 
     Raises:
         ValueError: not a torch device name, or (``usable``) "cuda" without a visible GPU or a
             CUDA index that does not exist; names ``field``.
     """
+    bad = f"{field} must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}"
+    if not isinstance(value, str) or not re.fullmatch(r"[a-z][a-z0-9_]*(:[0-9]+)?", value):
+        raise ValueError(bad)
+    if not usable:
+        return value
     import torch
 
     try:
         dev = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"{field} must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}") from None
-    if not usable:
-        return value
+        raise ValueError(bad) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{field} {value!r}: no CUDA GPU is visible to torch on this machine")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():

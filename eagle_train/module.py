@@ -250,8 +250,8 @@ class EagleDrafterModule(pl.LightningModule):
         if self._step_skipped:
             self.skipped_steps += 1
             if self.skipped_steps == 1:
-                log.warning("a training step taught nothing (its batch was held out, or no sample had a supervised "
-                            "token left after data.max_length): no update (counted in skipped_steps)")
+                log.info("note: a training step had nothing to teach (its batch was held out, or no sample kept a "
+                         "supervised token within data.max_length); no update, as intended (counted in skipped_steps)")
             return
         optimizer.step(closure=lambda: result)
 

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev,sglang
-exec .venv/bin/python -m pytest -q "$@"
+# one line per test file with its progress, the 15 slowest tests at the end
+exec .venv/bin/python -m pytest --durations=15 "$@"

@@ -152,7 +152,7 @@ def test_unreadable_lines_and_json_array_files(tmp_path):
 @pytest.mark.parametrize("kw,message", [
     ({"out": ""}, "out must be a non-empty string"),
     ({"dataset_tag": ""}, "dataset_tag must be non-empty"),
-    ({"device": "foo"}, "device must be a torch device"),
+    ({"device": "cuda:x"}, "device must be a torch device"),  # the form; a type torch lacks: at check_paths
     ({"world_size": 0}, "world_size must be an integer >= 1"),
     ({"rank": 2, "world_size": 2}, r"rank 2 must be in \[0, world_size=2\)"),
     ({"template_date": "yesterday"}, "template_date must be a date YYYY-MM-DD"),
@@ -366,9 +366,7 @@ def test_a_run_refused_after_it_started_leaves_no_folder_behind(tiny, tmp_path):
             run_extract(cfg)
         assert out.exists() == existed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
-    from eagle_data.format.layout import LOCK_NAME
-
-    assert [p.name for p in (tmp_path / "old").iterdir()] == [LOCK_NAME]  # its own run's lock file
+    assert list((tmp_path / "old").iterdir()) == []  # its own run's lock file removed too (issue 39)
 
 
 def test_an_out_with_dotdot_is_checked_written_and_reported_as_the_folder_it_names(tiny, tmp_path):
@@ -409,7 +407,7 @@ def test_the_cleanup_of_a_refused_run_keeps_a_folder_another_rank_has_locked(tmp
     import sys
 
     from eagle_data.extract.manifest import lock_rank
-    from eagle_data.extract.run import _remove_if_only_lock
+    from eagle_data.extract.run import _remove_unrecorded
     from eagle_data.format.layout import LOCK_NAME
 
     out = tmp_path / "new"
@@ -420,11 +418,11 @@ def test_the_cleanup_of_a_refused_run_keeps_a_folder_another_rank_has_locked(tmp
         "print('locked', flush=True); time.sleep(60)"), str(out / LOCK_NAME)], stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "locked"
-        _remove_if_only_lock(out, mine, [])
+        _remove_unrecorded(out, 0, mine, [out])
         assert (out / LOCK_NAME).exists()
     finally:
         other.kill()
         other.wait()
-    _remove_if_only_lock(out, mine, [])
+    _remove_unrecorded(out, 0, mine, [out])
     assert not out.exists()
     os.close(mine)

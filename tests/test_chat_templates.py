@@ -7,7 +7,7 @@ import torch
 
 from eagle_data.extract.chat import ChatRenderer, tokenize
 from eagle_data.extract.conversations import Conversation
-from eagle_data.extract.fault import ErrorPolicy
+from eagle_data.extract.fault import ErrorPolicy, RowError
 from eagle_data.extract.mask import SpecialTokenInText
 
 from templates import TEMPLATES_DIR, family_tokenizer, template_files
@@ -335,15 +335,15 @@ def test_turn_boundaries_from_breaking_passes(stem, msgs, kw, runs):
 
 
 @pytest.mark.parametrize("msgs,match", [
-    ([], "no assistant turn"), ([U], "no assistant turn"), ("text", "must be a list"),
-    ([U, {"role": "assistant", "content": None}], "turn 1 field 'content' is NoneType"),
-    ([U, {"role": "assistant"}], "turn 1 field 'content' is NoneType"),
-    ([U, {"role": "assistant", "content": [{"type": "text"}]}], "turn 1 field 'content' part 0 field 'text'"),
-    ([U, {"role": "alien", "content": "a"}], "turn 1 field 'role' = 'alien'"),
+    ([], "no_assistant_turn"), ([U], "no_assistant_turn"), ("text", "must be a list"),
+    ([U, {"role": "assistant", "content": None}], "turn 1 (0-based) field 'content' is NoneType"),
+    ([U, {"role": "assistant"}], "turn 1 (0-based) field 'content' is NoneType"),
+    ([U, {"role": "assistant", "content": [{"type": "text"}]}], "turn 1 (0-based) field 'content' part 0 field 'text'"),
+    ([U, {"role": "alien", "content": "a"}], "turn 1 (0-based) field 'role' = 'alien'"),
 ])
 def test_unusable_messages_are_a_clear_value_error(msgs, match):
     r = ChatRenderer(family_tokenizer(next(p for p in TEMPLATES if p.stem == "qwen3")))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=re.escape(match)):
         r.encode(msgs)
 
 
@@ -358,3 +358,25 @@ def test_raw_openai_messages_are_normalised_by_the_renderer():
     assert masked_runs(r.tokenizer, ids, mask) == [
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "x"}}\n</tool_call><|im_end|>',
         "<think>\nthe tool said so\n</think>\n\nSunny.<|im_end|>"]
+
+
+def test_template_stage_skips_name_the_records_own_turn():
+    """A skip of the template stage named the message in the list handed to the template, which
+    leaves out dropped turns and may start with a top-level system field: not the user's numbering."""
+    from eagle_data.extract.conversations import normalize_record
+
+    r = ChatRenderer(family_tokenizer(next(p for p in TEMPLATES if p.stem == "qwen2_5_instruct")))
+    a, q, bad = {"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}, "see <|im_end|> here"
+    for record, where in (
+            ({"messages": [a, {"role": "user", "content": bad}, a]},  # the leading answer is dropped
+             "message 0 (user) field 'content' contains '<|im_end|>' (message 0 of the conversation handed to the "
+             "template is the record's turn 1, 0-based)"),
+            ({"system": "S", "messages": [a, q, a, q, {"role": "assistant", "content": bad}]},
+             "message 4 (assistant) field 'content' contains '<|im_end|>' (message 4 of the conversation handed to "
+             "the template is the record's turn 4, 0-based)"),
+            ({"system": bad, "messages": [q, a]}, "message 0 (system) field 'content' contains '<|im_end|>' (message "
+                                                  "0 is the record's top-level 'system' field)")):
+        conv = normalize_record(3, record)
+        with pytest.raises(RowError) as e:
+            list(tokenize([conv], r, "t", 100, ErrorPolicy(mode="raise")))
+        assert e.value.skip.reason == "special_token_in_text" and e.value.skip.detail == where

@@ -152,7 +152,7 @@ def test_cli_options_are_never_abbreviations(capsys, tmp_path):
     options must be spelled out."""
     with pytest.raises(SystemExit) as e:
         cli.main(["extract", "--out", str(tmp_path / "o"), "--write_queue", "16"])
-    assert e.value.code == 2 and "unrecognized arguments: --write_queue 16" in capsys.readouterr().err
+    assert e.value.code == 2 and "unknown option --write_queue; did you mean --write_queue_gib?" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["extract", "regenerate"])
@@ -185,3 +185,36 @@ def test_sglang_engine_options_of_another_type_are_refused():
 
     with pytest.raises(ValueError, match="sglang.Engine: option disable_cuda_graph must be bool.*'no'"):
         start_engine({"model_path": "unused", "disable_cuda_graph": "no"})
+
+
+def test_the_test_command_shows_per_file_progress_and_the_slowest_tests():
+    """It printed only dots (-q) for ~14 minutes."""
+    import shlex
+
+    root = Path(__file__).resolve().parents[1]
+    line = next(x for x in (root / "scripts/test.sh").read_text().splitlines() if "pytest" in x and "exec" in x)
+    args = shlex.split(line)
+    assert "-q" not in args and "--quiet" not in args and any(a.startswith("--durations=") for a in args)
+    assert "bash scripts/test.sh" in (root / ".ci/run").read_text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["extract", "--dat", "x.jsonl"], "eagle-data extract: unknown option --dat; did you mean --data?"),
+    (["train", "--trainr.max_steps", "3"], "eagle-data train: unknown option --trainr; did you mean --trainer?"),
+    (["extract", "--data", "missing.jsonl"], "data: missing.jsonl does not exist"),
+    (["extract", "--batch_tokens", "0"], "batch_tokens must be >= 1, got 0"),
+    (["regenerate", "--data", "missing.jsonl", "--out", "o"], "data: missing.jsonl does not exist"),
+    (["extract", "--backend_kwargs", '{"cuda_graphs": "yes"}', "--out", "o", "--data", "missing.jsonl"],
+     "does not exist"),
+])
+def test_mistakes_are_answered_in_one_line_before_torch_loads(tmp_path, args, message):
+    """Every bad-argument error took 7-23 s (torch and transformers imported first); a typo
+    printed 30 lines of usage and no suggestion."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom eagle_data.cli.main import main\ntry:\n    main(sys.argv[1:])\n"
+            "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "exit 2 False False", (r.stdout, r.stderr)
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr

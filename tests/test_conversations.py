@@ -113,8 +113,8 @@ def test_blank_reply_cuts_the_conversation_before_its_question_and_is_noted():
     pol = ErrorPolicy()
     (c,) = normalize([(4, rec)], pol)
     assert [m["content"] for m in c.messages] == ["q1", "a1"]
-    assert c.notes == [("cut_at_blank_reply", "turn 3 (assistant) is blank: the conversation is cut before turn 2, "
-                                              "4 of 6 turns dropped")]
+    assert c.notes == [("cut_at_blank_reply", "assistant turn 3 (0-based) is blank: the conversation is cut before "
+                                              "turn 2, the user turn it answers (4 turn(s) dropped)")]
     assert pol.counter.notes == {"cut_at_blank_reply": 1} and pol.counter.as_dict() == {}
 
 
@@ -135,7 +135,7 @@ def test_legacy_function_call_field_and_tool_calls_on_a_user_turn():
     assert c.messages[1]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
     bad = normalize_record(1, {"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"function": {"name": "f", "arguments": {}}}]}, {"role": "assistant", "content": "y"}]})
-    assert bad.reason == "bad_tool_call" and "turn 0 is a user message" in bad.detail
+    assert bad.reason == "bad_tool_call" and "turn 0 (0-based) is a user message" in bad.detail
 
 
 def test_a_record_with_both_conversations_and_messages_is_skipped_not_guessed():
@@ -274,3 +274,75 @@ def test_integer_call_ids_are_kept_and_arguments_beside_function_are_a_named_ski
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}, "arguments": {"a": 1}}]}]})
     assert isinstance(out, Skip) and out.reason == "bad_tool_call" and "beside 'function'" in out.detail
+
+
+SYS = {"role": "system", "content": "be brief"}
+
+
+def _u(text):
+    return {"role": "user", "content": text}
+
+
+def _a(text, **kw):
+    return {"role": "assistant", "content": text, **kw}
+
+
+@pytest.mark.parametrize("other", ["thinking", "reasoning"])
+def test_conflicting_reasoning_fields_are_a_named_skip(other):
+    """Issue 39 item 3: of 'reasoning_content' and 'thinking' (or 'reasoning') with different text
+    the first non-blank one was used unsaid; now the sample is skipped naming the turn."""
+    rec = {"id": "r7", "messages": [SYS, _u("q"), _a("a", reasoning_content="because A", **{other: "because B"})]}
+    pol = ErrorPolicy()
+    assert list(normalize([(5, rec)], pol)) == []
+    assert pol.counter.as_dict() == {"ambiguous_turn": 1}
+    out = normalize_record(5, rec)
+    assert (out.row, out.source_id, out.reason) == (5, "r7", "ambiguous_turn")
+    assert out.detail == (f"turn 2 (0-based) fields 'reasoning_content' = 'because A' and '{other}' = 'because B' "
+                          f"disagree; keep one")
+    for same in ({"reasoning_content": "because A", other: "because A"},  # equal: fine
+                 {"reasoning_content": "", other: "because A"}, {"reasoning_content": "because A", other: " "}):
+        c = normalize_record(5, {"messages": [_u("q"), _a("a", **same)]})
+        assert c.messages[1]["reasoning_content"] == "because A", same
+
+
+@pytest.mark.parametrize("flag", [{"weight": 0}, {"train": False}])
+def test_a_blank_untrained_reply_is_context_not_a_cut(flag):
+    """Issue 39 item 5: a blank assistant turn marked weight 0 / train false (no target) cut the
+    conversation like a blank trained reply; it is kept as context and the later turns stay."""
+    rec = {"messages": [SYS, _u("q1"), _a("a1"), _u("q2"), _a(" ", **flag), _u("q3"), _a("a3")]}
+    c = normalize_record(0, rec)
+    assert [m["content"] for m in c.messages] == ["be brief", "q1", "a1", "q2", " ", "q3", "a3"]
+    assert c.messages[4] == {"role": "assistant", "content": " ", "train": False} and c.notes == []
+    assert c.turn_index == [0, 1, 2, 3, 4, 5, 6]
+    first = normalize_record(0, {"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "", **flag},
+                                                   {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"}]})
+    assert [m["content"] for m in first.messages] == ["q1", "", "q2", "a2"] and first.notes == []
+    # a blank trained reply after it still cuts, before the user turn it answers
+    cut = normalize_record(0, {"messages": rec["messages"] + [_u("q4"), _a("")]})
+    assert len(cut.messages) == 7 and [r for r, _ in cut.notes] == ["cut_at_blank_reply"]
+
+
+@pytest.mark.parametrize("rec,reason,detail", [
+    # the example of issue 39: messages 4 and 3 (0-based), not 3 and 2 (the system message was not counted)
+    ({"messages": [SYS, _u("U1"), _a("A1"), _u("U2"), _a("")]}, "cut_at_blank_reply",
+     "assistant turn 4 (0-based) is blank: the conversation is cut before turn 3, the user turn it answers "
+     "(2 turn(s) dropped)"),
+    ({"messages": [SYS, _u("U1"), _u("U2"), _a("A")]}, "broken_alternation",
+     "turn 2 (0-based) is user after user, expected assistant"),
+    ({"messages": [SYS, _u("U1"), _a("")]}, "empty_assistant", "assistant turn 2 (0-based), the first answer, is blank"),
+    # dropped leading turns are counted too
+    ({"conversations": [{"from": "gpt", "value": "cont."}, {"from": "human", "value": "q"},
+                        {"from": "human", "value": "q again"}, {"from": "gpt", "value": "a"}]}, "broken_alternation",
+     "turn 2 (0-based) is user after user, expected assistant"),
+    ({"messages": [SYS, _a("cont."), _a("more"), _u("U1"), _a("A1"), _u("U2"), _a("\n"), _u("U3"), _a("A3")]},
+     "cut_at_blank_reply", "assistant turn 6 (0-based) is blank: the conversation is cut before turn 5, the user "
+                           "turn it answers (4 turn(s) dropped)"),
+    ({"messages": [SYS, _u("U1"), _a("A1"), SYS]}, "misplaced_system",
+     "turn 3 (0-based) is a system message after other turns"),
+])
+def test_skips_and_notes_name_turns_as_the_record_numbers_them(rec, reason, detail):
+    """Issue 39 item 9: the index named is the turn's place in the record's own list, the system
+    message and dropped leading turns counted."""
+    out = normalize_record(0, rec)
+    got = (out.reason, out.detail) if isinstance(out, Skip) else next((r, d) for r, d in out.notes if r == reason)
+    assert got == (reason, detail)

@@ -57,7 +57,7 @@ def test_extract_end_to_end(tmp_path, model_dir, data_file):
     log = [json.loads(x) for x in (out / "skips-00000.jsonl").read_text().splitlines()]
     assert sorted((x["row"], x["id"], x["reason"]) for x in log) == [
         (10, "b1", "no_assistant_turn"), (11, "b2", "unknown_role"), (12, "b3", "empty_assistant")]
-    assert "turn 0 field 'from' = 'alien'" in next(x["detail"] for x in log if x["id"] == "b2")
+    assert "turn 0 (0-based) field 'from' = 'alien'" in next(x["detail"] for x in log if x["id"] == "b2")
     assert [s["num_samples"] for s in m["shards"]] == [4, 4, 2]
     assert read_manifest(out)["num_samples"] == 10
     assert m["backend_extra"]["padding_mask"] is False and m["backend_extra"]["cuda_graphs"] is False  # the probe's call
@@ -255,9 +255,11 @@ def test_bom_and_empty_dataset(tmp_path, model_dir):
     assert m["num_samples"] == 1 and m["skip_counts"] == {}
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps(BAD[0]) + "\n")
-    m = run_extract(cfg(tmp_path / "e", model_dir, empty))
-    assert m["num_samples"] == 0 and m["skip_counts"] == {"no_assistant_turn": 1}
-    assert len(eagle_data.load_index(tmp_path / "e")) == 0
+    with pytest.raises(ValueError, match=r"produced no samples: every source row was skipped \(by reason: "
+                                         r"\{'no_assistant_turn': 1\}"):  # no dataset is written (issue 39)
+        run_extract(cfg(tmp_path / "e", model_dir, empty))
+    with pytest.raises(ValueError, match="produced no samples"):
+        eagle_data.load_index(tmp_path / "e")
 
 
 USER_FORMATS = [
@@ -491,13 +493,16 @@ def test_chat_template_by_name_is_the_shipped_file(tmp_path, model_dir, data_fil
     from eagle_data.templates import ALIASES, names, resolve
 
     assert len(names()) == 31 and all(resolve(a).stem == s for a, s in ALIASES.items())
-    assert resolve("Qwen2.5").stem == "qwen2_5_instruct" and resolve("llama-3").stem == "llama3_1_instruct"
+    assert resolve("deepseek-v3").stem == "deepseek_v3" and resolve("gpt-oss").stem == "gpt_oss"  # SpecForge's
     assert resolve("qwen3.jinja") == resolve("qwen3")
-    from eagle_data.templates import _norm
-
-    norm = {_norm(n): n for n in names()}
-    assert len(norm) == len(names())  # no two shipped names collide
-    assert all(norm.get(_norm(a), s) == s for a, s in ALIASES.items())  # no alias shadows another name
+    for near, meant in (("qwen-3", "qwen3"), ("Llama3", "llama3"), ("Qwen2.5", "qwen2_5")):  # never a guess
+        with pytest.raises(ValueError, match=f"{near!r} is neither a file nor a shipped template name; "
+                                             f"did you mean {meant!r}"):
+            resolve(near)
+    assert all(ALIASES.get(n, n) == n for n in names())  # no alias shadows a shipped name
+    spellings = [(k, v) for k, v in [(n, n) for n in names()] + list(ALIASES.items())]
+    spellings += [(k.replace("_", "-"), v) for k, v in spellings]
+    assert all(len({v for k2, v in spellings if k2 == k}) == 1 for k, _ in spellings)  # one stem per spelling
     (tmp_path / "qwen3").write_text("{{ not the shipped one }}")
     import os
 
@@ -510,15 +515,23 @@ def test_chat_template_by_name_is_the_shipped_file(tmp_path, model_dir, data_fil
         assert resolve("./qwen3").read_text().startswith("{{ not")
     finally:
         os.chdir(cwd)
-    by_name = run_extract(cfg(tmp_path / "a", model_dir, data_file, chat_template="qwen3"))
-    by_path = run_extract(cfg(tmp_path / "b", model_dir, data_file, chat_template=str(TEMPLATES_DIR / "qwen3.jinja")))
-    default = run_extract(cfg(tmp_path / "c", model_dir, data_file))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="eagle_data.extract.chat"):
+        by_name = run_extract(cfg(tmp_path / "a", model_dir, data_file, chat_template="qwen3"))
+        assert "chat_template 'qwen3' (" in caplog.text and "is NOT the model's own chat template" in caplog.text
+        by_path = run_extract(cfg(tmp_path / "b", model_dir, data_file, chat_template=str(TEMPLATES_DIR / "qwen3.jinja")))
+        caplog.clear()
+        default = run_extract(cfg(tmp_path / "c", model_dir, data_file))
+        own = run_extract(cfg(tmp_path / "own", model_dir, data_file, chat_template="smollm2"))  # the model's own text
+        assert "NOT the model's own" not in caplog.text
     sha = hashlib.sha256((TEMPLATES_DIR / "qwen3.jinja").read_bytes()).hexdigest()
     assert by_name["config"]["template"]["template_sha256"] == sha == by_path["config"]["template"]["template_sha256"]
     cols = lambda d: sorted(zip(load_index(d)["key"], load_index(d)["num_tokens"], load_index(d)["loss_token_ids"]))
     assert cols(tmp_path / "a") == cols(tmp_path / "b") != cols(tmp_path / "c")
     assert default["config"]["template"]["template_sha256"] != sha
-    with pytest.raises(ValueError, match=r"'qwen9' is neither a file nor a shipped template name; names .*qwen3"):
+    assert own["config"]["template"]["template_sha256"] == default["config"]["template"]["template_sha256"]
+    with pytest.raises(ValueError, match=r"'qwen9' is neither a file nor a shipped template name; did you mean 'qwen'\?; "
+                                         r"names .*qwen3"):
         run_extract(cfg(tmp_path / "d", model_dir, data_file, chat_template="qwen9"))
     with pytest.raises(ValueError, match=r"'nope/x.jinja' is not a file"):
         run_extract(cfg(tmp_path / "d", model_dir, data_file, chat_template="nope/x.jinja"))
@@ -659,3 +672,39 @@ def test_data_file_with_a_long_name_extracts(tmp_path, model_dir):
     with pytest.raises(ValueError, match="is 79 bytes .* at most 78 bytes"):
         run_extract(cfg(tmp_path / "ds2", model_dir, long, dataset_tag="t" * 79))
     assert not (tmp_path / "ds2").exists()
+
+
+def test_a_damaged_parquet_row_group_is_named(tmp_path, model_dir):
+    """pyarrow's own error (an OSError naming neither the file nor the rows) reached the user."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "chats.parquet"
+    rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i} " * 5},
+                                              {"from": "gpt", "value": f"a{i} " * 5}]} for i in range(30)]
+    pq.write_table(pa.Table.from_pylist(rows), p, row_group_size=10, compression="none")
+    off = pq.ParquetFile(p).metadata.row_group(1).column(0).data_page_offset
+    raw = bytearray(p.read_bytes())
+    raw[off:off + 16] = b"\xff" * 16  # the second row group's first page header
+    p.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=rf"data: {p}: row group 1 \(rows 10..19 of the file, 0-based\) cannot be "
+                                         r"read, the file is damaged"):
+        run_extract(cfg(tmp_path / "out", model_dir, p))
+
+
+def test_bf16_on_a_cpu_without_native_bf16_computes_in_fp32(tmp_path, model_dir, data_file, monkeypatch, caplog):
+    """An AVX2-only CPU emulates bf16 (4.8x slower than fp32): compute fp32, store what was asked, say so."""
+    from eagle_data.extract.backends import base
+
+    assert base.cpu_has_native_bf16("processor\t: 0\nflags\t\t: fpu sse avx2 fma\n") is False
+    assert base.cpu_has_native_bf16("flags\t\t: fpu avx2 avx512f avx512_bf16\n") is True
+    assert base.cpu_has_native_bf16("Features\t: fp asimd bf16 i8mm\n") is True  # Arm
+    for native, want in ((False, "float32"), (True, "bfloat16")):
+        monkeypatch.setattr(base, "cpu_has_native_bf16", lambda native=native: native)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            m = run_extract(cfg(tmp_path / want, model_dir, data_file, dtype="bfloat16"))
+        assert m["compute_dtype"] == want and m["dtype"] == "bfloat16" == m["final_dtype"]
+        assert ("no native bf16" in caplog.text) == (not native)
+    assert base.compute_dtype("bfloat16", "cuda", native_bf16=False) == "bfloat16"
+    assert base.compute_dtype("float16", "cpu", native_bf16=False) == "float16"

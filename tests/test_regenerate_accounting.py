@@ -463,7 +463,7 @@ def test_extract_warns_on_another_template_or_a_shorter_max_length(tiny, tmp_pat
     _run(tiny, out)
     with caplog.at_level("WARNING"):
         run_extract(ExtractConfig(out=str(tmp_path / "ds"), model=str(model), data=str(out), dtype="float32",
-                                  aux_layer_ids=[1, 3, 5], max_length=MAX_LENGTH - 1, chat_template="qwen2.5",
+                                  aux_layer_ids=[1, 3, 5], max_length=MAX_LENGTH - 1, chat_template="qwen2_5",
                                   progress=False))
     text = caplog.text
     assert "another chat template" in text and "truncates at 399" in text and "another model" not in text

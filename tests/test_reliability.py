@@ -210,3 +210,106 @@ def test_sigterm_real_cli_process_discards_shard_cleanly(tmp_path, kr, tiny):
     assert kr.leftovers(out) == [] and not (out / "manifest.json").exists()
     m = run_extract(kr.config(out, model, data, shard_max_samples=2))  # resumes
     assert m["num_samples"] == 40 and verify_dataset(out).ok
+
+
+def test_no_sample_leaves_no_dataset_and_every_reader_says_why(tmp_path, kr, tiny, capsys):
+    """Issue 39: an extraction whose every row is skipped writes no manifest, index or card (an
+    older one's are removed by the merge); the extraction, the merge and every reader say it
+    produced no samples; the same command after the source is fixed resumes into a dataset."""
+    import eagle_data
+    from eagle_data.extract.manifest import NoSamples
+    from eagle_data.format.records import read_manifest
+    from eagle_data.stream.dataset import EagleShardDataset
+
+    model, _ = tiny
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"id": "q", "conversations": [{"from": "human", "value": "only a question"}]}) + "\n")
+    out = tmp_path / "ds"
+    says = (r"ds: the extraction produced no samples: every source row was skipped \(by reason: "
+            r"\{'no_assistant_turn': 1\}; each row with its reason is in skips-\*.jsonl\). It is no dataset")
+    with pytest.raises(NoSamples, match=says):
+        run_extract(kr.config(out, model, data, shard_max_samples=3))
+    assert sorted(p.name for p in out.iterdir()) == [".eagle-data.lock", "index", "progress-00000.json",
+                                                     "skips-00000.jsonl"]
+    for name in ("manifest.json", "index.parquet", "README.md"):  # as an earlier version wrote them
+        (out / name).write_text("{}")
+    with pytest.raises(NoSamples, match=says):
+        merge(out)
+    assert not any((out / n).exists() for n in ("manifest.json", "index.parquet", "README.md"))
+    for open_it in (lambda: EagleShardDataset(str(out), batch_size=1), lambda: eagle_data.load_index(out),
+                    lambda: read_manifest(out)):
+        with pytest.raises(ValueError, match=says):
+            open_it()
+    (prob,) = verify_dataset(out).problems
+    assert prob[:2] == ("manifest", "manifest.json") and "produced no samples" in prob[2]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["extract", "--out", str(out), "--model", str(model), "--data", str(data), "--num_samples", "null",
+                  "--dtype", "float32", "--aux_layer_ids", "[1, 3, 5]", "--progress", "false"])
+    assert e.value.code == 2 and "produced no samples" in " ".join(capsys.readouterr().err.split())
+    with open(data, "a") as f:  # the source fixed: a row with an answer
+        f.write(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hi"},
+                                                         {"from": "gpt", "value": "hello"}]}) + "\n")
+    m = run_extract(kr.config(out, model, data, shard_max_samples=3))
+    assert m["num_samples"] == 1 and m["skip_counts"] == {"no_assistant_turn": 1} and verify_dataset(out).ok
+
+
+@pytest.mark.parametrize("existing", [False, True])
+@pytest.mark.parametrize("when", ["before_progress", "after_progress"])
+def test_a_failed_run_leaves_no_folder_that_looks_like_output(tmp_path, monkeypatch, kr, tiny, existing, when):
+    """A run that fails before its rank recorded anything leaves no lock-only (or progress-of-nothing)
+    ``--out``: a folder it created is removed, an existing one is left empty; the corrected command
+    then runs."""
+    import eagle_data.extract.run as R
+
+    model, good = tiny
+    out = tmp_path / "new" / "ds"
+    if existing:
+        out.mkdir(parents=True)
+    data = tmp_path / "first_bad.jsonl"
+    data.write_text(json.dumps({"id": "q", "conversations": [{"from": "human", "value": "only a question"}]}) + "\n"
+                    + good.read_text())
+    cfg = kr.config(out, model, data, shard_max_samples=3)
+    if when == "before_progress":  # e.g. a backend option refused once the model is loaded
+        real = R._run_facts
+
+        def refused(*a, **kw):
+            raise ValueError("refused by the backend")
+
+        monkeypatch.setattr(R, "_run_facts", refused)
+        with pytest.raises(ValueError, match="refused by the backend"):
+            run_extract(cfg)
+        monkeypatch.setattr(R, "_run_facts", real)
+    else:  # the progress file is written, then the first row fails the run
+        cfg.on_bad_sample = "raise"
+        with pytest.raises(ValueError, match="no_assistant_turn"):
+            run_extract(cfg)
+        cfg.on_bad_sample = "skip"
+    if existing:
+        assert list(out.iterdir()) == []
+    else:
+        assert not (tmp_path / "new").exists()
+    m = run_extract(cfg)
+    assert m["num_samples"] == 24 and m["skip_counts"] == {"no_assistant_turn": 3} and verify_dataset(out).ok
+
+
+def test_a_lock_file_removed_before_it_is_locked_is_opened_again(tmp_path, monkeypatch):
+    """A failed run removes the lock file nobody holds; a run that opened it just before locks the
+    file that is there now, not the removed one (two runs of one rank would both hold a lock)."""
+    import fcntl
+
+    from eagle_data.extract.manifest import lock_rank
+
+    real, calls = fcntl.lockf, []
+
+    def racing(fd, *a):
+        if not calls:
+            (tmp_path / ".eagle-data.lock").unlink()  # removed between our open and our lock
+        calls.append(fd)
+        return real(fd, *a)
+
+    monkeypatch.setattr(fcntl, "lockf", racing)
+    fd = lock_rank(tmp_path, 0)
+    try:
+        assert len(calls) == 2 and os.path.samestat(os.fstat(fd), os.stat(tmp_path / ".eagle-data.lock"))
+    finally:
+        os.close(fd)

@@ -188,6 +188,12 @@ def test_sglang_speculative_decoding_equals_plain_greedy_and_the_offline_replay(
     res = run_serve_check(str(tiny_target_dir(tmp_path)), str(drafter), prompts, steps=3, max_new_tokens=32,
                           speed_batches=[1, 2])
     print(json.dumps({k: v for k, v in res.items() if k != "per_prompt"}))
+    from eagle_data.cli.train import serve_check_summary
+
+    summary = serve_check_summary(res)  # what the command prints (the main job ended with raw JSON)
+    assert f"engine tau {res['engine']['tau']:.3f}, offline replay of the same drafts {res['offline']['tau']:.3f}" \
+        in summary and "speculative output equal to plain greedy: 3/3" in summary
+    assert summary.count("\ndecode at batch ") == 2 and "speculative" in summary.splitlines()[-1]
     assert [s["batch"] for s in res["speed"]] == [1, 2]
     assert all(s["plain_tokens_per_s"] > 0 and s["speculative_tokens_per_s"] > 0 for s in res["speed"])
     assert res["num_prompts"] == 3 and res["equal_to_plain"] == 3

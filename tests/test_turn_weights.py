@@ -73,7 +73,7 @@ def test_an_untrained_turn_is_context_only(stem, data):
                                         ({"weight": True}, "field 'weight' = True"), ({"train": "no"}, "field 'train' = 'no'"),
                                         ({"weight": 0, "train": True}, "fields 'weight' = 0 and 'train' = True disagree")])
 def test_an_unsupported_flag_value_is_refused_naming_the_turn(turn, says):
-    with pytest.raises(BadRecord, match=f"turn 3 {says}") as e:
+    with pytest.raises(BadRecord, match=f"turn 3 \\(0-based\\) {says}") as e:
         normalize_message(3, {"role": "assistant", "content": "a", **turn})
     assert e.value.reason == "bad_turn"
 
@@ -100,3 +100,52 @@ def test_a_record_whose_every_answer_is_untrained_is_skipped_saying_so():
     assert list(tokenize(convs, renderer(TEMPLATES[0].stem), "t", 64, policy)) == []
     (skip,) = [s for s in seen if s.reason == "no_loss_tokens"]
     assert "every assistant turn is marked not to train" in skip.detail
+
+
+@pytest.mark.parametrize("stem", [p.stem for p in TEMPLATES])
+def test_a_blank_untrained_reply_is_context_on_every_template(stem):
+    """Issue 39 item 5: a blank ``"weight": 0`` reply in the middle cut the conversation before
+    its question (the later, trained turn was lost). It is context: rendered as the template
+    renders an empty turn, never supervised, and the later turns are kept and masked as when the
+    untrained reply had text."""
+    from eagle_data.extract.conversations import normalize_record
+
+    r = renderer(stem)
+    blank = [{"role": "user", "content": "Hello world"}, {"role": "assistant", "content": "", "weight": 0},
+             {"role": "user", "content": "Café"}, {"role": "assistant", "content": "The answer is 42."}]
+    conv = normalize_record(0, {"messages": blank})
+    assert [m["content"] for m in conv.messages] == ["Hello world", "", "Café", "The answer is 42."] and conv.notes == []
+    filled = [blank[0], {**blank[1], "content": "Sure."}, *blank[2:]]
+    want = r.encode(filled)
+    out = r.encode(blank)
+    text = r.tokenizer.decode(out.input_ids)
+    assert "Hello world" in text and "Café" in text and "Sure." not in text
+    got_runs = _runs(out.loss_mask)
+    assert len(got_runs) == 1 == len(_runs(want.loss_mask))
+    (s, e), ((ws, we),) = got_runs[0], _runs(want.loss_mask)
+    assert out.input_ids[s:e].tolist() == want.input_ids[ws:we].tolist()  # the same supervised tokens
+    assert out.notes == want.notes
+
+
+@pytest.mark.parametrize("stem", [p.stem for p in TEMPLATES])
+def test_encode_of_raw_messages_cuts_at_a_blank_reply_as_the_pipeline_does(stem):
+    """Issue 39 item 8: ``ChatRenderer.encode`` on raw messages did not cut at a blank reply (it
+    rendered every turn and failed on the blank one) while ``normalize_record`` cuts the record
+    before the question it answers. encode now normalises as the pipeline does and says so."""
+    from eagle_data.extract.chat import tokenize
+    from eagle_data.extract.conversations import normalize_record
+    from eagle_data.extract.fault import ErrorPolicy
+
+    r = renderer(stem)
+    raw = [{"role": "user", "content": "Hello world"}, {"role": "assistant", "content": "Sure."},
+           {"role": "user", "content": "Café"}, {"role": "assistant", "content": " \n"},
+           {"role": "user", "content": "x = 1"}, {"role": "assistant", "content": "The answer is 42."}]
+    conv = normalize_record(0, {"messages": raw})
+    assert len(conv.messages) == 2 and [n for n, _ in conv.notes] == ["cut_at_blank_reply"]
+    (stored,) = tokenize([conv], r, "t", 100_000, ErrorPolicy())
+    out = r.encode(raw)
+    assert torch.equal(out.input_ids, stored.input_ids) and torch.equal(out.loss_mask, stored.loss_mask)
+    assert out.notes == ["cut_at_blank_reply"] + r.encode_normalized(conv.messages).notes
+    with pytest.raises(BadRecord, match=r"\(empty_assistant\): assistant turn 1 \(0-based\)") as e:
+        r.encode([raw[0], raw[3]])
+    assert e.value.reason == "empty_assistant"

@@ -179,13 +179,20 @@ def test_a_token_id_outside_the_vocabulary_is_a_problem_of_its_sample(ds, monkey
 
 
 def test_dataset_without_samples_fails(tmp_path, capsys):
-    """An extraction that skipped every row leaves a manifest and an index of 0 samples: not OK."""
+    """A manifest and an index of 0 samples (as an extraction that skipped every row wrote before
+    issue 39; now it writes none): not OK."""
+    import pyarrow.parquet as pq
+
+    from eagle_data.format.schema import INDEX_SCHEMA
     from eagle_data.tools.synthetic import write_synthetic
 
-    write_synthetic(tmp_path, [])
-    m = _manifest(tmp_path)
-    m["skip_counts"], m["num_skipped"] = {"no_messages": 3}, 3
+    write_synthetic(tmp_path / "one", [1])
+    m = _manifest(tmp_path / "one")
+    m.update(shards=[], num_samples=0, num_tokens=0, total_bytes=0, skip_counts={"no_messages": 3}, num_skipped=3)
+    tmp_path = tmp_path / "zero"
+    tmp_path.mkdir()
     (tmp_path / "manifest.json").write_text(json.dumps(m))
+    pq.write_table(INDEX_SCHEMA.empty_table(), tmp_path / "index.parquet")
     rep = verify_dataset(tmp_path)
     assert rep.num_samples == 0 and rep.problems == [
         ("samples", "manifest.json", "no samples: the dataset is empty (skipped rows by reason: {'no_messages': 3})")]

@@ -14,21 +14,18 @@ from eagle_data.regen.config import RegenerateConfig
 
 def extract(cfg: ExtractConfig) -> None:
     """Run ``eagle-data extract`` (the options are :class:`ExtractConfig`'s fields) and report."""
+    from eagle_data.extract.config import check_paths
+
+    check_paths(cfg)  # before the imports of torch and transformers: a mistake answers at once
     from eagle_data.extract.run import run_extract
 
-    out, data = cfg.out, cfg.data
-    res = run_extract(cfg)
+    out = cfg.out
+    res = run_extract(cfg)  # no sample at all: NoSamples, a ValueError (exit 2)
     con = Console(stderr=True)
     st = res["run_stats"]
     con.print(f"[bold]extracted[/] {st['new_samples']} samples, {st['new_tokens']} tokens in {st['seconds']} s "
               f"({st['tokens_per_s']} tok/s); rows skipped in this run (rows an earlier run skipped are decided "
               f"again): {st['skip_counts'] or 'none'}")
-    if res.get("num_samples") == 0:
-        why = (f"every source row was skipped ({res.get('skip_counts')})" if res.get("skip_counts")
-               else f"the source {data!r} has no rows")
-        con.print(f"[bold red]error:[/] no sample was extracted; {why}. Check --data, the record layout "
-                  "and --chat_template.")
-        sys.exit(2)
     if "schema_version" in res:
         bpt = res["total_bytes"] / max(res["num_tokens"], 1)
         raw = 4 * res["hidden_size"] * 2
@@ -92,6 +89,9 @@ def templates(show: Optional[str] = None) -> None:
 
 def regenerate(cfg: RegenerateConfig) -> None:
     """Run ``eagle-data regenerate`` (the options are :class:`RegenerateConfig`'s fields) and report."""
+    from eagle_data.regen.config import check_paths
+
+    check_paths(cfg)  # before the imports of torch and transformers: a mistake answers at once
     from eagle_data.regen.run import run_regenerate
 
     res = run_regenerate(cfg)

@@ -39,11 +39,15 @@ def run_cli(commands: dict[str, Any], argv: list[str] | None, prog: str,
     """
     from jsonargparse import CLI, set_parsing_settings
 
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if (typo := unknown_option(commands, argv, prog)) is not None:
+        print(f"error: {typo}", file=sys.stderr)
+        sys.exit(2)
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         # no abbreviated options: a removed flag (e.g. --write_queue) must not silently mean a longer one
-        res = CLI(commands, args=argv if argv is not None else sys.argv[1:], prog=prog, allow_abbrev=False)
+        res = CLI(commands, args=argv, prog=prog, allow_abbrev=False)
         if type(res) in (runners or {}):
             runners[type(res)](res)
     except KeyboardInterrupt:  # Ctrl-C / ExtractionInterrupted: state is consistent, rerun resumes
@@ -53,6 +57,30 @@ def run_cli(commands: dict[str, Any], argv: list[str] | None, prog: str,
         _fail(e, 2)
     except OSError as e:  # the file system or the machine (full disk, missing file): no traceback either
         _fail(e, 1)
+
+
+def unknown_option(commands: dict[str, Any], argv: list[str], prog: str) -> str | None:
+    """One line naming the first ``--option`` that ``argv``'s command does not take, with the
+    closest it does (jsonargparse would print the whole usage, no suggestion); ``None`` if all
+    are known. ``--model.lr`` counts as ``--model``."""
+    import dataclasses
+    import difflib
+    import inspect
+
+    if not argv or argv[0] not in commands:
+        return None
+    target = commands[argv[0]]
+    names = ({f.name for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target)
+             else set(inspect.signature(target).parameters)) | {"config", "help", "print_config"}
+    for arg in argv[1:]:
+        if arg == "--":
+            break
+        name = arg[2:].split("=", 1)[0].split(".", 1)[0] if arg.startswith("--") else None
+        if name and name not in names:
+            near = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
+            return (f"{prog} {argv[0]}: unknown option --{name}" + (f"; did you mean --{near[0]}?" if near else "")
+                    + f" ({prog} {argv[0]} --help lists them)")
+    return None
 
 
 def _fail(e: BaseException, code: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 
@@ -139,10 +140,9 @@ def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_v
     """
     from eagle_train.pipeline import demo as _demo
 
-    s = _demo(path, out, minutes=minutes, draft_vocab_size=draft_vocab_size, eval_samples=eval_samples,
-              target_model=target_model)
-    print(json.dumps({k: s[k] for k in ("tau_trained", "tau_untrained", "train_steps", "plot", "export")
-                      if k in s}, indent=1))
+    _demo(path, out, minutes=minutes, draft_vocab_size=draft_vocab_size, eval_samples=eval_samples,
+          target_model=target_model)  # prints its summary
+    print(f"every figure: {Path(out) / 'demo_summary.json'}")
 
 
 def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_keys: Optional[str] = None,
@@ -180,7 +180,6 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
             together), on the engines of the check (on a GPU with SGLang's decode CUDA graphs).
         out: output folder for serve_check.json.
     """
-    from pathlib import Path
 
     from eagle_data.checks import check_positive
     from eagle_data.format.records import read_manifest
@@ -234,6 +233,17 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
     o = Path(out)
     o.mkdir(parents=True, exist_ok=True)
     (o / "serve_check.json").write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: res[k] for k in ("engine", "offline", "equal_to_plain", "within_one_chain", "num_prompts",
-                                          "seconds", "speed") if k in res}, indent=1))
+    print(serve_check_summary(res))
     print(o / "serve_check.json")
+
+
+def serve_check_summary(res: dict[str, Any]) -> str:
+    """A few lines of :func:`~eagle_train.serve_check.run_serve_check`'s result (the file has all)."""
+    n = res["num_prompts"]
+    lines = [f"serve-check ({res['dtype']}, {n} prompts, {res['steps']} draft steps): engine tau "
+             f"{res['engine']['tau']:.3f}, offline replay of the same drafts {res['offline']['tau']:.3f}; "
+             f"within one chain of the replay: {res['within_one_chain']}/{n}; speculative output equal to plain "
+             f"greedy: {res['equal_to_plain']}/{n}"]
+    lines += [f"decode at batch {p['batch']}: plain {p['plain_tokens_per_s']:.0f} tok/s, speculative "
+              f"{p['speculative_tokens_per_s']:.0f} tok/s ({p['speedup']:.2f}x)" for p in res.get("speed", ())]
+    return "\n".join(lines)

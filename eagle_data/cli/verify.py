@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
+from typing import Any, Optional
 
 from rich.console import Console
 from rich.table import Table
-
-from eagle_data.tools.verify import CATEGORIES, EXPECTED_TOKEN_REL, VerifyReport, verify_dataset
 
 _WHAT = {
     "manifest": "manifest readable, schema + conventions, totals",
@@ -25,8 +23,12 @@ _WHAT = {
 RECOMPUTE_WIDTH = 150
 
 
-def print_report(rep: VerifyReport, max_problems: int = 30, console: Console | None = None) -> None:
-    """Summary table (one row per check), the first ``max_problems`` problems, recompute errors."""
+def print_report(rep: Any, max_problems: int = 30, console: Console | None = None) -> None:
+    """Summary table (one row per check), the first ``max_problems`` problems, recompute errors
+    of a :class:`~eagle_data.tools.verify.VerifyReport` (that module loads torch: imported where
+    used, so a mistyped command answers at once)."""
+    from eagle_data.tools.verify import CATEGORIES, EXPECTED_TOKEN_REL
+
     con = console or Console()
     counts = Counter(c for c, _, _ in rep.problems)
     t = Table(title=f"eagle-data verify {rep.path}: {rep.num_shards} shard(s), {rep.num_samples} sample(s), "
@@ -94,6 +96,8 @@ def verify(path: str, recompute: int = 0, seed: int = 0, device: str = "cpu", rt
     """
     if max_problems < 0:
         raise ValueError(f"max_problems must be >= 0, got {max_problems}")
+    from eagle_data.tools.verify import verify_dataset
+
     rep = verify_dataset(path, recompute=recompute, seed=seed, device=device, rtol=rtol)
     print_report(rep, max_problems)
     if not rep.ok:

@@ -39,8 +39,8 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from eagle_data.extract.conversations import Conversation, normalize_message, normalize_tools
-from eagle_data.extract.fault import ErrorPolicy, Skip
+from eagle_data.extract.conversations import Conversation, normalize_record
+from eagle_data.extract.fault import BadRecord, ErrorPolicy, Skip
 from eagle_data.extract.mask import (PLACEHOLDER, MaskError, NotRendered, SpecialTokenInText, align, assistant_spans,
                                      placeholder_messages)
 from eagle_data.extract.template_probe import TemplateProbe
@@ -78,7 +78,8 @@ class Encoded:
     Attributes:
         input_ids: [T] int64, ONE tokenisation of the render.
         loss_mask: [T] uint8.
-        notes: kept-but-changed reasons (e.g. ``final_reasoning_not_rendered``).
+        notes: kept-but-changed reasons (e.g. ``final_reasoning_not_rendered``; from
+            :meth:`ChatRenderer.encode` also the normalisation's, e.g. ``cut_at_blank_reply``).
     """
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
@@ -148,7 +149,13 @@ class ChatRenderer(TemplateProbe):
         if not template_path:
             return cls(tokenizer, None, **kw)
         path = resolve(str(template_path))
-        return cls(tokenizer, path.read_text(encoding="utf-8"), name=str(template_path), **kw)
+        text = path.read_text(encoding="utf-8")
+        own = getattr(tokenizer, "chat_template", None)
+        if isinstance(own, str) and own.strip() and own.strip() != text.strip():
+            log.warning("chat_template %r (%s) is NOT the model's own chat template (the tokenizer has another): "
+                        "the data is rendered as the model never saw it unless it was trained on this one; leave "
+                        "--chat_template out to use the model's", str(template_path), path)
+        return cls(tokenizer, text, name=str(template_path), **kw)
 
     @property
     def template_sha256(self) -> str:
@@ -192,7 +199,7 @@ class ChatRenderer(TemplateProbe):
                 if not self.reasoning_rendered and m.get("tool_calls") and not self.call_content_rendered:
                     raise NotRendered(f"message {i} (assistant reasoning) is not rendered: the template reads no "
                                       "reasoning field and does not render a tool-call turn's text with its calls "
-                                      "(where the reasoning would go inline)")
+                                      "(where the reasoning would go inline)", i)
                 m = ({**m, "thinking": r} if self.reasoning_rendered else
                      {k: v for k, v in {**m, "content": f"<think>\n{r}\n</think>\n\n{m['content'] or ''}"}.items()
                       if k != "reasoning_content"})
@@ -256,28 +263,36 @@ class ChatRenderer(TemplateProbe):
         for i, m in enumerate(messages):
             for key, value in m.items():
                 if key != "role" and (hit := self._special_re.search(str(value))):
-                    raise SpecialTokenInText(f"message {i} ({m['role']}) field '{key}' contains {hit.group()!r}")
+                    raise SpecialTokenInText(f"message {i} ({m['role']}) field '{key}' contains {hit.group()!r}", i)
         if tools and (hit := self._special_re.search(json.dumps(tools, ensure_ascii=False))):
             raise SpecialTokenInText(f"field 'tools' contains {hit.group()!r}")
 
     def encode(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Encoded:
         """Render, tokenise once and build the loss mask (see :class:`Encoded`).
 
-        ``messages`` may be raw OpenAI messages: each goes through
-        :func:`~eagle_data.extract.conversations.normalize_message` (list-of-parts content, ``content:
-        None`` on a tool-call turn, reasoning aliases, JSON-string tool arguments); ``tools``: the
-        record's tool schemas (:func:`~eagle_data.extract.conversations.normalize_tools`).
+        ``messages`` may be raw OpenAI messages: they are normalised exactly as the pipeline
+        normalises a record's (:func:`~eagle_data.extract.conversations.normalize_record` of
+        ``{"messages": messages, "tools": tools}``: list-of-parts content, ``content: None`` on a
+        tool-call turn, reasoning aliases, JSON-string tool arguments, and the same changes: leading
+        assistant turns and trailing user/tool turns dropped, the conversation cut before a blank
+        trained reply), so encoding raw messages gives what extraction stores. Each such change's
+        reason (``cut_at_blank_reply``, ``leading_turns_dropped``, ``trailing_turns_dropped``)
+        comes first in the result's ``notes``.
 
         Raises:
-            ValueError: a message cannot be used (names it and the field), or no assistant turn.
+            ValueError: the messages cannot be used (a :class:`~eagle_data.extract.fault.BadRecord`
+                whose ``reason`` is the pipeline's skip reason; the message names the reason, the
+                turn and the field), e.g. no assistant turn.
             MaskError: see :meth:`assistant_spans`.
         """
         if not isinstance(messages, list):
             raise ValueError(f"messages must be a list, got {type(messages).__name__}")
-        messages = [normalize_message(i, m) for i, m in enumerate(messages)]
-        if not any(m["role"] == "assistant" for m in messages):
-            raise ValueError("messages have no assistant turn: nothing to supervise")
-        return self.encode_normalized(messages, normalize_tools(tools))
+        conv = normalize_record(0, {"messages": messages, "tools": tools})
+        if isinstance(conv, Skip):
+            raise BadRecord(conv.reason, f"messages cannot be used ({conv.reason}): {conv.detail}")
+        enc = self.encode_normalized(conv.messages, conv.tools)
+        enc.notes[:0] = [reason for reason, _ in conv.notes]
+        return enc
 
     def encode_normalized(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Encoded:
         """:meth:`encode` of messages already normalised (the pipeline's conversations)."""
@@ -365,13 +380,23 @@ def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag:
     while group := list(islice(it, ENCODE_GROUP)):
         for c, enc in zip(group, renderer.encode_batch([c.messages for c in group], [c.tools for c in group])):
             if isinstance(enc, MaskError):
-                policy.handle(Skip(c.row, c.source_id, enc.reason, str(enc)))
+                policy.handle(Skip(c.row, c.source_id, enc.reason, str(enc) + _in_record(c, enc.message)))
                 continue
             if isinstance(enc, Exception):  # jinja2 TemplateError / raise_exception from the template
                 policy.handle(Skip(c.row, c.source_id, "template_error", f"{type(enc).__name__}: {enc}"))
                 continue
             if (s := _sample(c, enc, dataset_tag, max_length, policy)) is not None:
                 yield s
+
+
+def _in_record(c: Conversation, message: int | None) -> str:
+    """Where the message a skip names is in the user's record: the template's messages leave out
+    dropped turns and may start with a top-level ``system`` field."""
+    if message is None or message >= len(c.turn_index):
+        return ""
+    turn = c.turn_index[message]
+    return (" (message 0 is the record's top-level 'system' field)" if turn is None else
+            f" (message {message} of the conversation handed to the template is the record's turn {turn}, 0-based)")
 
 
 def _sample(c: Conversation, enc: Encoded, dataset_tag: str, max_length: int, policy: ErrorPolicy

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from eagle_data.checks import check_device
-from eagle_data.format.final_rows import FINAL_ROWS
-from eagle_data.format.schema import HIDDEN_DTYPES, STORAGE_DTYPES
+from eagle_data.format.names import FINAL_ROWS, HIDDEN_DTYPE_NAMES, STORAGE_DTYPE_NAMES
 
 #: a value in ``template_vars`` / ``backend_kwargs``, kept as written: ``str`` first, else the
 #: command line reads ``{"cuda_graphs": "yes"}`` as ``true`` (and ``"8"`` as 8)
@@ -124,8 +123,8 @@ class ExtractConfig:
                 raise ValueError(f"{name} must be {'a finite number > 0' if lo == 0 else f'>= {lo}'}, got {v!r}")
         if self.num_samples is not None and (not _is_int(self.num_samples) or self.num_samples < 1):
             raise ValueError(f"num_samples must be >= 1 (or null for all rows), got {self.num_samples!r}")
-        for name, allowed in (("dtype", HIDDEN_DTYPES), ("storage_dtype", STORAGE_DTYPES),
-                              ("final_storage_dtype", STORAGE_DTYPES),
+        for name, allowed in (("dtype", HIDDEN_DTYPE_NAMES), ("storage_dtype", STORAGE_DTYPE_NAMES),
+                              ("final_storage_dtype", STORAGE_DTYPE_NAMES),
                               ("backend", ("hf", "sglang")), ("on_bad_sample", ("skip", "raise")),
                               ("front", ("auto", "process", "thread")),
                               ("final_rows", FINAL_ROWS)):
@@ -203,7 +202,6 @@ def check_run_paths(cfg: Any) -> None:
     if kw.get("data_files") and cfg.split != "train":
         raise ValueError(f"split {cfg.split!r}: local files (and the embedded demo) have one split, 'train'; "
                          "split selects a split of a datasets hub name")
-    check_device(cfg.device)
     if (cfg.model != DEFAULT_MODEL and cfg.model.startswith(("/", ".", "~"))
             and not Path(cfg.model).expanduser().is_dir()):
         raise ValueError(f"model {cfg.model!r} is not a model folder (a local HF folder with config.json)")
@@ -214,6 +212,7 @@ def check_run_paths(cfg: Any) -> None:
 
         if not resolve_template(cfg.chat_template).read_text(encoding="utf-8").strip():
             raise ValueError(f"chat_template {cfg.chat_template!r} is empty")
+    check_device(cfg.device)  # last: it loads torch
 
 
 def check_paths(cfg: ExtractConfig) -> None:

@@ -25,7 +25,8 @@ Message fields (OpenAI style, as HF chat templates take them):
   joined with ``"\\n"`` (as vLLM does for text-only models); any other part type is skipped
   (``non_text_content``). ``None`` is allowed on an assistant turn with tool calls.
 * ``reasoning_content`` (aliases ``reasoning``, ``thinking``) on an assistant turn: a string,
-  handed to the template (see :mod:`eagle_data.extract.chat`).
+  handed to the template (see :mod:`eagle_data.extract.chat`). A blank one beside another is
+  ignored; two non-blank ones with different text are skipped (``ambiguous_turn``).
 * ``tool_calls`` on an assistant turn: ``[{"type": "function", "function": {"name": str,
   "arguments": dict | JSON string}}]`` (a JSON-string ``arguments`` is parsed, as vLLM does;
   OpenAI's legacy ``function_call`` field is one such call; on any other role: skipped; the list
@@ -37,8 +38,8 @@ Message fields (OpenAI style, as HF chat templates take them):
   ``tool_call_id`` and ``name`` are kept.
 * ``weight`` (0 or 1, axolotl's ShareGPT) or ``train`` (bool) on an assistant turn: ``0`` /
   ``false`` keeps the turn in the conversation (context) but out of the loss mask (an internal
-  ``"train": False`` that the template never sees). Only assistant turns are ever supervised, so
-  these fields on other roles change nothing.
+  ``"train": False`` that the template never sees), a blank one too (it cuts nothing, see below).
+  Only assistant turns are ever supervised, so these fields on other roles change nothing.
 
 A top-level ``"tools"`` (OpenAI tool schemas: a list of objects, or that list as JSON text) is
 handed to the template as its ``tools`` variable (template text: never supervised); a template
@@ -49,12 +50,18 @@ Rules: optional leading system message, then turns starting with user (leading a
 turns are dropped, as FastChat/SpecForge do for ShareGPT continuations: note
 ``leading_turns_dropped``); a user turn is followed by an assistant turn; tool results follow
 an assistant turn or another tool result; trailing user/tool turns are dropped (note
-``trailing_turns_dropped``). An assistant turn with no content, reasoning or tool
+``trailing_turns_dropped``). A trained assistant turn with no content, reasoning or tool
 call (blank) **cuts the conversation before the user turn it answers** (the note
 ``cut_at_blank_reply``; later turns would refer to an exchange that is gone); if nothing is
-left the record is skipped (``empty_assistant``). A record that is not a JSON object is skipped
+left the record is skipped (``empty_assistant``). A blank turn marked not to train (``weight``
+0 / ``train`` false) is no target, so it cuts nothing and stays as context (the template renders
+its empty turn; the mask leaves it out). A record that is not a JSON object is skipped
 (``not_an_object``); text that cannot be encoded as UTF-8 (lone surrogates) is skipped
 (``invalid_unicode``), since shards, metadata and the index store UTF-8.
+
+Skip and note details name a turn by its index in the record's own turn list (``"messages"`` or
+``"conversations"``), counted from 0 with every turn the record has (its system message and turns
+dropped here included): ``turn 4 (0-based)`` is ``record["messages"][4]``.
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ ROLE_MAP = {
     "tool": "tool", "observation": "tool", "function": "tool",
     "system": "system", "developer": "system",  # OpenAI's newer name for the system role
 }
-#: message fields holding the assistant's reasoning, first found wins
+#: message fields holding the assistant's reasoning (the non-blank ones must agree)
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 
@@ -209,19 +216,19 @@ def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "conten
     """One turn (OpenAI fields by default) -> ``{"role", "content": str, ...}`` as described in
     the module docstring. Raises :class:`BadRecord` (a ValueError) naming the turn and field."""
     if not isinstance(turn, dict):
-        raise BadRecord("bad_turn", f"turn {i} is {type(turn).__name__}, not an object")
+        raise BadRecord("bad_turn", f"turn {i} (0-based) is {type(turn).__name__}, not an object")
     try:
         rkey, ckey = turn_keys(turn, rkey, ckey)
     except BadRecord as e:
-        raise BadRecord(e.reason, f"turn {i} {e}") from None
+        raise BadRecord(e.reason, f"turn {i} (0-based) {e}") from None
     raw_role = turn.get(rkey)
     role = ROLE_MAP.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
     if role is None:
-        raise BadRecord("unknown_role", f"turn {i} field '{rkey}' = {raw_role!r}")
+        raise BadRecord("unknown_role", f"turn {i} (0-based) field '{rkey}' = {raw_role!r}")
     msg: dict[str, Any] = {"role": role}
     calls_at = "tool_calls"
     if raw_role.strip().lower() == "function_call":  # ShareGPT tool call: the value is the call's (calls') JSON
-        calls, calls_at, content = _text(turn.get(ckey), f"turn {i} field '{ckey}'"), ckey, ""
+        calls, calls_at, content = _text(turn.get(ckey), f"turn {i} (0-based) field '{ckey}'"), ckey, ""
     else:
         calls = turn.get("tool_calls")
         if calls == [] or (isinstance(calls, str) and not calls.strip()):  # [] as vLLM's responses carry: none
@@ -229,25 +236,36 @@ def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "conten
         if calls is None and turn.get("function_call") is not None:  # OpenAI's legacy single call
             calls, calls_at = [turn["function_call"]], "function_call"
         if calls is not None and role != "assistant":
-            raise BadRecord("bad_tool_call", f"turn {i} is a {role} message with tool calls")
-        content = _text(turn.get(ckey), f"turn {i} field '{ckey}'", allow_none=calls is not None)
+            raise BadRecord("bad_tool_call", f"turn {i} (0-based) is a {role} message with tool calls")
+        content = _text(turn.get(ckey), f"turn {i} (0-based) field '{ckey}'", allow_none=calls is not None)
     msg["content"] = content or ""
     if role == "assistant":
         if not _trained(turn, i):
             msg["train"] = False
-        for k in REASONING_KEYS:  # the first that is not blank ("" next to the real one is common)
-            if turn.get(k) is not None and (reasoning := _text(turn[k], f"turn {i} field '{k}'")).strip():
-                msg["reasoning_content"] = reasoning
-                break
+        if (reasoning := _reasoning(turn, i)) is not None:
+            msg["reasoning_content"] = reasoning
         if calls is not None:
-            msg["tool_calls"] = _tool_calls(calls, f"turn {i} field '{calls_at}'")
+            msg["tool_calls"] = _tool_calls(calls, f"turn {i} (0-based) field '{calls_at}'")
     if role == "tool":
         for k in ("tool_call_id", "name"):
             if isinstance(turn.get(k), int) and not isinstance(turn[k], bool):  # an integer id: templates render it
                 msg[k] = str(turn[k])
             elif isinstance(turn.get(k), str):
-                msg[k] = _text(turn[k], f"turn {i} field '{k}'")
+                msg[k] = _text(turn[k], f"turn {i} (0-based) field '{k}'")
     return msg
+
+
+def _reasoning(turn: dict[str, Any], i: int) -> str | None:
+    """An assistant turn's reasoning: the text of its non-blank :data:`REASONING_KEYS` fields
+    ("" next to the real one is common), None if none. Raises :class:`BadRecord`
+    (``ambiguous_turn``) when two of them hold different text: neither is picked unsaid."""
+    given = [(k, _text(turn[k], f"turn {i} (0-based) field '{k}'")) for k in REASONING_KEYS if turn.get(k) is not None]
+    given = [(k, v) for k, v in given if v.strip()]
+    for k, other in given[1:]:
+        if other != given[0][1]:
+            raise BadRecord("ambiguous_turn", f"turn {i} (0-based) fields '{given[0][0]}' = {given[0][1]!r:.60} and '{k}' = "
+                                              f"{other!r:.60} disagree; keep one")
+    return given[0][1] if given else None
 
 
 def _trained(turn: dict[str, Any], i: int) -> bool:
@@ -255,11 +273,11 @@ def _trained(turn: dict[str, Any], i: int) -> bool:
     ShareGPT) or ``"train": false``. Raises :class:`BadRecord` (``bad_turn``) for another value."""
     w, t = turn.get("weight"), turn.get("train")
     if w is not None and (isinstance(w, bool) or w not in (0, 1)):
-        raise BadRecord("bad_turn", f"turn {i} field 'weight' = {w!r}: 0 (not trained on) or 1 are supported")
+        raise BadRecord("bad_turn", f"turn {i} (0-based) field 'weight' = {w!r}: 0 (not trained on) or 1 are supported")
     if t is not None and not isinstance(t, bool):
-        raise BadRecord("bad_turn", f"turn {i} field 'train' = {t!r}: true or false")
+        raise BadRecord("bad_turn", f"turn {i} (0-based) field 'train' = {t!r}: true or false")
     if w is not None and t is not None and (w != 0) != t:
-        raise BadRecord("bad_turn", f"turn {i} fields 'weight' = {w!r} and 'train' = {t!r} disagree")
+        raise BadRecord("bad_turn", f"turn {i} (0-based) fields 'weight' = {w!r} and 'train' = {t!r} disagree")
     return w != 0 and t is not False
 
 
@@ -281,19 +299,23 @@ def normalize_tools(tools: Any, where: str = "field 'tools'") -> list[dict[str, 
     return tools
 
 
-def _is_blank(m: dict[str, Any]) -> bool:
-    return not m["content"].strip() and "reasoning_content" not in m and not m.get("tool_calls")
+def _cuts(m: dict[str, Any]) -> bool:
+    """A trained assistant turn with no content, reasoning or tool call (a blank target); an
+    untrained one is context and cuts nothing."""
+    return (m["role"] == "assistant" and m.get("train", True) and not m["content"].strip()
+            and "reasoning_content" not in m and not m.get("tool_calls"))
 
 
-def _order(chat: list[dict[str, Any]]) -> None:
-    """Raise ``broken_alternation`` unless: user -> assistant, assistant -> user|tool, tool -> tool|assistant."""
+def _order(chat: list[dict[str, Any]], at: list[int]) -> None:
+    """Raise ``broken_alternation`` unless: user -> assistant, assistant -> user|tool, tool -> tool|assistant.
+    ``at``: each message's index in the record's turn list (what the detail names)."""
     allowed = {"user": ("assistant",), "assistant": ("user", "tool"), "tool": ("tool", "assistant")}
     if chat and chat[0]["role"] != "user":
-        raise BadRecord("broken_alternation", f"message 0 is {chat[0]['role']}, expected user")
+        raise BadRecord("broken_alternation", f"turn {at[0]} (0-based) is {chat[0]['role']}, expected user")
     for i in range(1, len(chat)):
         prev, cur = chat[i - 1]["role"], chat[i]["role"]
         if cur not in allowed[prev]:
-            raise BadRecord("broken_alternation", f"message {i} is {cur} after {prev}, expected "
+            raise BadRecord("broken_alternation", f"turn {at[i]} (0-based) is {cur} after {prev}, expected "
                                                   f"{' or '.join(allowed[prev])}")
 
 
@@ -321,7 +343,7 @@ def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
             if system or chat:
                 where = "after other turns" if chat else ("but the record's 'system' field already gives one"
                                                           if system_at == [None] else "after another system message")
-                raise BadRecord("misplaced_system", f"turn {i} is a system message {where}")
+                raise BadRecord("misplaced_system", f"turn {i} (0-based) is a system message {where}")
             if m["content"].strip():
                 system.append(m)
                 system_at.append(i)
@@ -334,16 +356,17 @@ def _conversation(row: int, sid: str, record: dict[str, Any]) -> Conversation:
     chat, at = chat[lead:], at[lead:]
     if not any(m["role"] == "assistant" for m in chat):
         raise BadRecord("no_assistant_turn", f"{len(chat)} non-system turn(s), none from the assistant")
-    _order(chat)
+    _order(chat, at)
     notes = [("leading_turns_dropped", f"{lead} turn(s) before the first user turn dropped (no prompt in this record)")
              ] if lead else []
-    blank = next((i for i, m in enumerate(chat) if m["role"] == "assistant" and _is_blank(m)), None)
+    blank = next((i for i, m in enumerate(chat) if _cuts(m)), None)
     if blank is not None:
         cut = max(i for i in range(blank) if chat[i]["role"] == "user")
         if not any(m["role"] == "assistant" for m in chat[:cut]):
-            raise BadRecord("empty_assistant", f"turn {blank + lead} (the first answer) is blank")
-        notes.append(("cut_at_blank_reply", f"turn {blank + lead} (assistant) is blank: the conversation is cut "
-                                            f"before turn {cut + lead}, {len(chat) - cut} of {len(chat)} turns dropped"))
+            raise BadRecord("empty_assistant", f"assistant turn {at[blank]} (0-based), the first answer, is blank")
+        notes.append(("cut_at_blank_reply", f"assistant turn {at[blank]} (0-based) is blank: the conversation is cut "
+                                            f"before turn {at[cut]}, the user turn it answers ({len(chat) - cut} turn(s) "
+                                            f"dropped)"))
         chat = chat[:cut]
     trail = len(chat) - 1 - max(i for i, m in enumerate(chat) if m["role"] == "assistant")
     if trail:  # a trailing user/tool turn has no supervised answer

@@ -6,7 +6,10 @@
   cut before a blank reply) with theirs, and ``finished``.
 * ``manifest.json`` (written by :func:`merge` once every rank has finished): schema
   version, config, model facts, all shards, skip and note counts by reason, totals, package
-  versions; plus ``index.parquet`` consolidated from ``index/*.parquet``.
+  versions; plus ``index.parquet`` consolidated from ``index/*.parquet``. The merge refuses
+  ranks that read different sources (:class:`RanksDisagree`: a rank rerun after the source
+  changed beside ranks that were not), and writes nothing for an extraction of no sample
+  (:class:`NoSamples`).
 
 Crash safety: a rank's progress file is the only truth about what it has published. A
 shard or index part on disk that the progress file does not list (the process died between
@@ -35,7 +38,7 @@ import pyarrow.parquet as pq
 from eagle_data.format.layout import (CARD_NAME, INDEX_DIR, INDEX_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_GLOB,
                                       PROGRESS_NAME, index_part, progress_path, rank_shard_prefix, shard_of_index_part)
 from eagle_data.format.card import dataset_card
-from eagle_data.format.records import Manifest, RankProgress, note_reasons
+from eagle_data.format.records import Manifest, RankProgress, no_samples_message, note_reasons
 from eagle_data.format.schema import FINAL_STATE_NORM, INDEX_SCHEMA, LAYER_ID_CONVENTION, SCHEMA_VERSION
 from eagle_data.extract.sink import atomic_write_bytes, atomic_write_json, write_parquet_atomic
 
@@ -150,24 +153,34 @@ def open_out(out: str, rank: int, doing: str = "extracted") -> tuple[Path, int |
 def lock_rank(out_dir: Path, rank: int, doing: str = "extracted") -> int | None:
     """Take an exclusive lock on byte ``rank`` of ``OUT/.eagle-data.lock`` (released by the OS
     when the process exits, also on SIGKILL). Returns the fd to keep open (``None`` where the
-    file system has no locks).
+    file system has no locks). A lock file removed between its opening and the lock (a failed run
+    removes the lock file that nobody holds, :func:`eagle_data.extract.run.run_extract`) is
+    opened again: the lock is always on the file the path names.
 
     Raises:
         ValueError: another live process is running this rank on this output directory.
     """
     import fcntl
 
-    fd = os.open(Path(out_dir) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EACCES, errno.EAGAIN):
-            raise ValueError(f"{out_dir}: rank {rank} is being {doing} by another process right now; "
-                             "wait for it or stop it before resuming") from e
-        log.warning("%s: file locks unsupported (%s); not guarding against concurrent runs", out_dir, e)
-        return None
-    return fd
+    path = Path(out_dir) / LOCK_NAME
+    while True:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)  # (removed with it when it held only the lock)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                raise ValueError(f"{out_dir}: rank {rank} is being {doing} by another process right now; "
+                                 "wait for it or stop it before resuming") from e
+            log.warning("%s: file locks unsupported (%s); not guarding against concurrent runs", out_dir, e)
+            return None
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # locked a file that was removed meanwhile: again
 
 
 def repair_rank(out_dir: Path, rank: int, state: dict[str, Any]) -> list[str]:
@@ -271,6 +284,15 @@ def _describe_diff(key: str, old: Any, new: Any) -> str:
     return f"  {key}: existing {old!r} != this run {new!r}"
 
 
+class RanksDisagree(ValueError):
+    """The ranks of one output directory read different sources (or different parts of it): merged,
+    the rows now of a rank that was not rerun would be missing or stale."""
+
+
+class NoSamples(ValueError):
+    """Every rank finished and none published a sample: there is no dataset to write."""
+
+
 def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
     """Combine all ranks' progress files and index parts into ``manifest.json`` + ``index.parquet``.
 
@@ -278,6 +300,9 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
     the same content). Shards are listed in (rank, shard) order; ``index.parquet`` rows follow.
 
     Raises:
+        RanksDisagree: the ranks read different sources (:func:`check_same_source`).
+        NoSamples: no rank published a sample (a manifest, index and card an earlier merge wrote are
+            removed: the folder does not look like a dataset).
         ValueError: no progress files, ranks missing/unfinished, mixed configs, duplicate keys
             or shard names, a listed index part missing.
     """
@@ -298,6 +323,7 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
     if unfinished and not allow_unfinished:
         raise ValueError(f"{out}: rank(s) {unfinished} have not finished; rerun them (same command) to resume")
     progs.sort(key=lambda p: p["rank"])
+    check_same_source(out, progs)
     shards = [s for p in progs for s in sorted(p["shards"], key=lambda s: s["name"])]
     names = [s["name"] for s in shards]
     if len(names) != len(set(names)):
@@ -310,6 +336,10 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
     for p in progs:
         skips.update(p["skipped"].values())
         notes.update(r for v in p.get("notes", {}).values() for r in note_reasons(v))
+    if not shards:
+        for name in (MANIFEST_NAME, INDEX_NAME, CARD_NAME):  # of an older version, which wrote them
+            (out / name).unlink(missing_ok=True)
+        raise NoSamples(no_samples_message(out, dict(skips)))
     damaged = [f"{s['name']} ({'missing' if not (out / s['name']).is_file() else 'size differs from the record'})"
                for s in shards if not (out / s["name"]).is_file() or (out / s["name"]).stat().st_size != s["bytes"]]
     if damaged:
@@ -342,6 +372,68 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
         "packages": package_versions(),
         "complete": not unfinished,
     }
+    if "source" in progs[0]:
+        manifest["source"] = {k: v for k, v in progs[0]["source"].items() if k != "read_at"}
     atomic_write_json(out / MANIFEST_NAME, manifest)
     atomic_write_bytes(out / CARD_NAME, dataset_card(manifest).encode("utf-8"))
     return manifest
+
+
+def check_same_source(out: Path, progs: list[RankProgress]) -> None:
+    """Refuse to merge ranks that read different sources: each rank records the source its last
+    run read (``source``: the fingerprint of its files); of finished ranks, each must hold a
+    decision (a sample or a skip) for every row of its share up to the last row any rank read:
+    rank ``r`` of ``w`` owns rows ``row % w == r``, and a rank that read a source with fewer rows,
+    or fewer ``--num_samples``, misses rows the others' extent gives it. Checked when any rank
+    recorded its source (extractions of this version; not synthetic datasets).
+
+    Raises:
+        RanksDisagree: names the ranks, what differs, and to rerun them.
+    """
+    if not any("source" in p for p in progs):
+        return
+    world = progs[0]["world_size"]
+    problems, stale = [], set()
+    rows = {p["rank"]: {_key_row(k) for s in p["shards"] for k in s["keys"]} | {int(r) for r in p["skipped"]}
+            for p in progs if p.get("finished")}
+    end = 1 + max((max(r) for r in rows.values() if r), default=-1)  # rows read by the rank that read furthest
+    furthest = sorted(r for r, got in rows.items() if got and max(got) == end - 1)
+    for rank, got in sorted(rows.items()):
+        lost = sorted(set(range(rank, end, world)) - got)
+        if lost:
+            stale.add(rank)
+            upto = f"up to row {max(got)}" if got else "no row"
+            problems.append(f"  rank {rank} holds {len(got)} source row(s) ({upto}); rank(s) {furthest} read up to "
+                            f"row {end - 1}, so {len(lost)} row(s) of rank {rank} would be missing: "
+                            f"{', '.join(map(str, lost[:5]))}{' ...' if len(lost) > 5 else ''}")
+    groups: dict[tuple, list[int]] = {}  # (fingerprint, files, bytes) -> ranks; all None: not recorded
+    for p in progs:
+        src = p.get("source") or {}
+        groups.setdefault((src.get("fingerprint"), src.get("files"), src.get("bytes")), []).append(p["rank"])
+    if len(groups) > 1:
+        read_at = {p["rank"]: (p.get("source") or {}).get("read_at") or "" for p in progs}
+
+        def what(key: tuple, ranks: list[int]) -> str:
+            fp, n, size = key
+            when = ", ".join(sorted({read_at[r] or "?" for r in ranks}))
+            return (f"rank(s) {ranks} read " + (f"{n} file(s), {size} bytes, sha256 {fp[:16]} (at {when})" if fp
+                    else "a source not recorded (a hub dataset, or a run of an older eagle-data version)"))
+
+        problems.append("  the source files differ: " + "; ".join(what(k, rs) for k, rs in groups.items()))
+        if not stale:  # no row missing: the ranks that read before the latest read are stale
+            latest = max(groups.values(), key=lambda rs: max(read_at[r] for r in rs))
+            stale = {r for rs in groups.values() if rs is not latest for r in rs}
+    nums = {p["rank"]: p["config"].get("num_samples") for p in progs}
+    if problems and len(set(nums.values())) > 1:
+        problems.append(f"  --num_samples differs: {', '.join(f'rank {r}: {n}' for r, n in sorted(nums.items()))}")
+    if problems:
+        raise RanksDisagree(f"{out}: the ranks did not read the same source; refusing to merge (the rows of rank(s) "
+                            f"{sorted(stale)} would be missing or stale):\n" + "\n".join(problems) + "\n"
+                            f"The source (or --num_samples) changed between the ranks' runs. Rerun rank(s) "
+                            f"{sorted(stale)} with the same source and command as the others (a rerun resumes), "
+                            "then merge (the last rank to finish merges by itself).")
+
+
+def _key_row(key: str) -> int:
+    """The source row of a sample key (``TAG_ROW``, :func:`eagle_data.format.schema.sample_key`)."""
+    return int(key.rpartition("_")[2])

@@ -25,8 +25,14 @@ _THINK_TAGS = re.compile(r"(<think>|</think>)")
 
 
 class MaskError(ValueError):
-    """The loss mask of a conversation cannot be derived exactly; ``reason`` names the skip."""
+    """The loss mask of a conversation cannot be derived exactly; ``reason`` names the skip,
+    ``message`` the index of the message at fault in the list handed to the template (``None``:
+    not one message)."""
     reason = "mask_unaligned"
+
+    def __init__(self, text: str, message: int | None = None):
+        super().__init__(text)
+        self.message = message
 
 
 class NotRendered(MaskError):
@@ -67,7 +73,7 @@ def _call_holes(call: dict[str, Any], pieces: list[Piece], i: int, anchor: str) 
     if anchor == "id":
         if not isinstance(call.get("id"), str) or not call["id"].strip():
             raise ToolCallsNotRendered(f"message {i} (assistant) has a tool call without an 'id': this template "
-                                       f"writes a call's id, not its name, so the call would be rendered nameless")
+                                       f"writes a call's id, not its name, so the call would be rendered nameless", i)
         return {**call, "id": _hole(call["id"], pieces, i, "tool_call")}
     return {**call, "function": {**call["function"], "name": _hole(call["function"]["name"], pieces, i, "tool_call")}}
 
@@ -132,7 +138,7 @@ def align(text: str, ptext: str, pieces: list[Piece], messages: list[dict[str, A
                 break
         else:
             raise MaskError(f"message {p.msg} ({messages[p.msg]['role']} {p.kind}) is not rendered verbatim "
-                            f"at character {pos}: the template rewrote it or rendered it differently")
+                            f"at character {pos}: the template rewrote it or rendered it differently", p.msg)
         out.append((pos, pos + len(cand), j))
         pos += len(cand) + len(lit)
     if pos != len(text):
@@ -232,7 +238,9 @@ def assistant_spans(text: str, messages: list[dict[str, Any]], pieces: list[Piec
     piece and the turn's first), else at its first piece (its index then goes to ``unsure``:
     DeepSeek-V3/R1 write a second call after a tool result with no header, and the prompt they
     render for it is not a prefix of the render). A turn followed by a tool result is
-    ended like a tool-call turn (GLM writes ``<|observation|>`` there).
+    ended like a tool-call turn (GLM writes ``<|observation|>`` there). A turn with no text
+    marked not to train (``"train": False``: a blank reply kept as context) has the empty span
+    ``(0, 0)``.
 
     Raises:
         NotRendered / ToolCallsNotRendered: a content or tool-call piece is not rendered
@@ -242,7 +250,7 @@ def assistant_spans(text: str, messages: list[dict[str, Any]], pieces: list[Piec
     for j, p in enumerate(pieces):
         if p.kind != "reasoning" and j not in rendered:
             kind = ToolCallsNotRendered if p.kind == "tool_call" else NotRendered
-            raise kind(f"message {p.msg} ({messages[p.msg]['role']} {p.kind}) is not rendered by the template")
+            raise kind(f"message {p.msg} ({messages[p.msg]['role']} {p.kind}) is not rendered by the template", p.msg)
     seen: dict[int, list[tuple[int, int, int]]] = {}
     for s, e, j in where:
         seen.setdefault(pieces[j].msg, []).append((s, e, j))
@@ -251,8 +259,12 @@ def assistant_spans(text: str, messages: list[dict[str, Any]], pieces: list[Piec
         if m["role"] != "assistant":
             continue
         mine = _own_turn(seen.get(i, []), where, pieces, i)
+        if not mine and m.get("train", True) is False and not any(p.msg == i for p in pieces):
+            spans.append((0, 0))  # a blank turn kept as context: nothing of it is supervised
+            continue
         if not mine:
-            raise NotRendered(f"message {i} (assistant) is not rendered by the template")
+            raise NotRendered(f"message {i} (assistant) is not rendered by the template"
+                              + ("" if any(p.msg == i for p in pieces) else ": it has no text"), i)
         first, last = mine[0][0], mine[-1][1]
         before = max((e for s, e, _ in where if e <= first), default=0)
         nxt = min((s for s, e, _ in where if s >= last), default=len(text))

@@ -10,12 +10,16 @@ run. On open it makes the directory agree with the progress file (resume), then
 * :meth:`RankState.fresh_records` yields the source rows not extracted yet, fingerprinted for
   their shard's ``source_digest`` (a front in another process reads :func:`fresh_rows` itself and
   reports the fingerprints through :meth:`RankState.fingerprint`).
+
+Each run records the source it reads (``source``, :func:`source_record`): the merge refuses ranks
+whose sources differ (a rank rerun after the source changed beside ranks that were not).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,7 +28,8 @@ from eagle_data.extract.fault import Skip
 from eagle_data.extract.manifest import check_resume, config_hash, load_progress, repair_rank
 from eagle_data.format.records import note_reasons
 from eagle_data.extract.sink import atomic_write_bytes, atomic_write_json
-from eagle_data.extract.sources import check_unchanged, combine, iter_records, record_fingerprint
+from eagle_data.extract.sources import check_unchanged, combine, iter_records, record_fingerprint, resolve
+from eagle_data.format.fingerprint import files_fingerprint
 from eagle_data.format.layout import (CARD_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_GLOB, is_own_name,
                                       parse_progress_name, parse_shard_name, progress_path, rank_shard_prefix,
                                       skip_log_name)
@@ -60,6 +65,7 @@ class RankState:
         self.state["finished"] = False
         self.done = {k for s in self.state["shards"] for k in s["keys"]}
         self._check_source()
+        self.state["source"] = source_record(cfg.data)  # what this run reads: the merge compares the ranks'
         self._prune()
         atomic_write_json(self.path, self.state)
         # str(row) -> reason (skipped) or [reasons] (notes)
@@ -153,6 +159,21 @@ def fresh_rows(cfg: ExtractConfig, tag: str, done: set[str]) -> Iterator[tuple[i
     for r, rec in iter_records(cfg.data, cfg.split, cfg.rank, cfg.world_size, rows_to_read(cfg)):
         if (key := sample_key(tag, r)) not in done:
             yield r, rec, key, record_fingerprint(r, rec)
+
+
+def source_record(data: str) -> dict[str, Any]:
+    """The identity of the source ``data`` as a rank's progress records it (:class:`~eagle_data.format.
+    records.SourceRecord`): the fingerprint of its local files (a hub dataset's: None), and when it was read.
+
+    Raises:
+        ValueError: ``data`` is no source (as :func:`~eagle_data.extract.sources.resolve` says).
+        OSError: a file cannot be read.
+    """
+    builder, kw, _ = resolve(data)
+    files = kw.get("data_files")
+    rec: dict[str, Any] = (files_fingerprint([files] if isinstance(files, str) else files)
+                           if files and builder in ("json", "parquet") else {"fingerprint": None})
+    return {**rec, "read_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds")}
 
 
 def refuse_foreign(out: Path) -> None:

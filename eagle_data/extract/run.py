@@ -18,7 +18,11 @@ Reliability contract (see also :mod:`eagle_data.extract.sink` and :mod:`eagle_da
   SIGTERM whose previous handler was the default kills the process as usual; otherwise
   :class:`ExtractionInterrupted` is raised;
 * a full disk (``ENOSPC``/``EDQUOT``) stops the run with an ``OSError`` saying so; published
-  shards stay valid and rerunning the command resumes.
+  shards stay valid and rerunning the command resumes;
+* a run that fails before its rank published or skipped anything leaves nothing of it behind
+  (its progress file, skip log, and the lock file and folders when nothing else is left: no
+  ``--out`` that holds only a lock); one that produced no sample at all writes no manifest or
+  index (:class:`~eagle_data.extract.manifest.NoSamples`, raised).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage
                                        rows_to_read, storage_dtype)
 from eagle_data.extract.front_process import FrontProcess
 from eagle_data.extract.fault import ErrorPolicy
-from eagle_data.extract.manifest import load_progress, merge, open_out, out_path
+from eagle_data.extract.manifest import RanksDisagree, load_progress, merge, open_out, out_path
 from eagle_data.format.fingerprint import weights_fingerprint
 from eagle_data.extract.rank_state import RankState, refuse_foreign
 from eagle_data.extract.signals import ExtractionInterrupted, Signals, interruptible_iter
@@ -51,14 +55,16 @@ from eagle_data.extract.sink import ShardSink
 from eagle_data.extract.sources import resolve
 from eagle_data.extract.stages import capture, front, to_samples
 from eagle_data.format.schema import sample_key, storage_dtype_of
-from eagle_data.format.layout import LOCK_NAME
+from eagle_data.format.layout import INDEX_DIR, LOCK_NAME, progress_path, rank_shard_prefix, skip_log_name
 
 log = logging.getLogger(__name__)
 
 
 def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=None) -> dict[str, Any]:
     """Run (or resume) an extraction. Returns the manifest if this run completed the dataset,
-    else ``{"progress": <this rank's progress record>, "run_stats": ...}``.
+    else ``{"progress": <this rank's progress record>, "run_stats": ...}``, with ``"merge_error"``
+    when every rank has finished but the merge refused ranks that read another source than this
+    one (:class:`~eagle_data.extract.manifest.RanksDisagree`, logged: rerun them, the last merges).
 
     ``backend``/``tokenizer`` may be given pre-built (tests); otherwise they are made from
     ``cfg.model`` (``"smollm2"`` = the embedded default, or a local HF folder). The backend
@@ -66,7 +72,9 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
 
     Raises:
         ValueError: bad settings; an existing output written with another configuration;
-            the rank is already being extracted by another live process.
+            the rank is already being extracted by another live process;
+            :class:`~eagle_data.extract.manifest.NoSamples`: every rank finished and none extracted a
+            sample (every row skipped, or no rows): no manifest or index is written.
         OSError: the file system failed; for a full disk the message says so and that
             rerunning resumes.
         ExtractionInterrupted: SIGINT (or a SIGTERM with a non-default previous handler);
@@ -80,8 +88,8 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
     try:
         return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer)
     except BaseException:
-        if created and lock is not None:  # refused before writing anything: no folder left behind
-            _remove_if_only_lock(out, lock, created[:-1])
+        if lock is not None:  # failed before this rank recorded anything: nothing of it left behind
+            _remove_unrecorded(out, cfg.rank, lock, created)
         raise
     finally:
         if lock is not None:
@@ -94,22 +102,33 @@ def _missing_folders(path: Path) -> list[Path]:
     return [d for d in reversed([p, *p.parents]) if not d.exists()]
 
 
-def _remove_if_only_lock(out: Path, lock: int, above: list[Path]) -> None:
-    """Remove ``out`` when it holds nothing but the lock file and no other process holds a lock in
-    it (a run that failed before its first file, e.g. a backend option refused once it had started;
-    another rank starting in the same new folder keeps it), then the folders of ``above`` (those
-    the run created above it, highest first) that are left empty."""
+def _remove_unrecorded(out: Path, rank: int, lock: int, created: list[Path]) -> None:
+    """After a failed run: when rank ``rank``'s progress records nothing (no shard, no skip, not
+    finished: a resume would start over) and no file of its shard series is on disk, remove its
+    progress file and skip log; then, when ``out`` holds nothing but the lock file (and an empty
+    ``index/``) and no other process holds a lock in it, remove those, ``out`` itself if this run
+    created it, and the folders of ``created`` (those it created, highest first) left empty. A
+    failed run leaves no ``--out`` that holds only a lock file, or a progress file of nothing."""
     import fcntl
 
+    pre = rank_shard_prefix(rank)
     try:
-        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the whole file: fails while another process holds a byte
-        if [c.name for c in out.iterdir()] != [LOCK_NAME]:
+        prog = load_progress(out, rank)
+        if (prog is not None and (prog["shards"] or prog["skipped"] or prog.get("finished"))) or \
+                any(out.glob(f"{pre}*")) or any((out / INDEX_DIR).glob(f"{pre}*")):
             return
+        for f in (progress_path(out, rank), out / skip_log_name(rank)):
+            f.unlink(missing_ok=True)
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the whole file: fails while another process holds a byte
+        left = sorted(c.name for c in out.iterdir())
+        if left not in ([LOCK_NAME], sorted([LOCK_NAME, INDEX_DIR])):
+            return
+        if INDEX_DIR in left:
+            (out / INDEX_DIR).rmdir()  # not empty (another rank's part appeared): kept
         (out / LOCK_NAME).unlink()
-        out.rmdir()
-    except OSError:
+    except (OSError, ValueError):  # a progress file damaged by hand, a lock held, a folder not empty: kept
         return
-    for d in reversed(above):
+    for d in reversed(created):
         try:
             d.rmdir()  # not empty (something else was put there) or a name like "x/..": kept
         except OSError:
@@ -158,13 +177,15 @@ def _start_front(cfg: ExtractConfig, renderer: ChatRenderer, tag: str) -> FrontP
 def _run_with(cfg: ExtractConfig, out: Path, backend: Backend | None, renderer: ChatRenderer, model_path: str,
               tag: str, front_proc: FrontProcess | None) -> dict[str, Any]:
     from eagle_data.extract.backends import make_backend
+    from eagle_data.extract.backends.base import compute_dtype
 
     if backend is None:
         extra = {"trust_remote_code": True} if cfg.trust_remote_code and cfg.backend == "hf" else {}
         if cfg.backend == "hf":  # cast / quantise on the device: less to copy to the host
             extra.update(out_dtype=storage_dtype(cfg), final_out_dtype=final_storage_dtype(cfg))
         backend = make_backend(cfg.backend, model_path=model_path, aux_layer_ids=cfg.aux_layer_ids,
-                               dtype=cfg.dtype, device=cfg.device, **{**extra, **cfg.backend_kwargs})
+                               dtype=compute_dtype(cfg.dtype, cfg.device), device=cfg.device,
+                               **{**extra, **cfg.backend_kwargs})
     sigs = Signals()
     try:
         run_cfg, facts = _run_facts(cfg, backend, renderer, model_path, tag)
@@ -175,7 +196,11 @@ def _run_with(cfg: ExtractConfig, out: Path, backend: Backend | None, renderer: 
     result: dict[str, Any] = {"progress": state.state, "run_stats": stats}
     # The last rank to finish writes the merged manifest (idempotent if several race).
     if all((p := load_progress(out, r)) is not None and p.get("finished") for r in range(cfg.world_size)):
-        result = {**merge(out), "run_stats": stats}
+        try:
+            result = {**merge(out), "run_stats": stats}
+        except RanksDisagree as e:  # this rank is done; the others must rerun (they merge when they finish)
+            log.error("rank %d finished, but the dataset is not merged: %s", cfg.rank, e)
+            result["merge_error"] = str(e)
     if sigs.sig is not None:  # arrived after the last shard: the run is complete, now obey it
         log.error("signal %d received after rank %d completed; stopping", sigs.sig, cfg.rank)
         sigs.redeliver(sigs.sig)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from eagle_data.extract.fault import Skip
-from eagle_data.format.schema import MAX_TAG_BYTES
+from eagle_data.format.names import MAX_TAG_BYTES
 
 log = logging.getLogger(__name__)
 

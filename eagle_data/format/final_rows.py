@@ -22,9 +22,8 @@ from typing import Any
 import torch
 
 from eagle_data.format.fp8 import scale_name
+from eagle_data.format.names import FINAL_ROWS  # noqa: F401 (re-exported: its readers import it here)
 
-#: the layouts of ``hidden_states``: every row, or only the taught rows
-FINAL_ROWS = ("all", "taught")
 FIELD = "hidden_states"
 
 

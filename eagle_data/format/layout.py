@@ -28,6 +28,7 @@ SHARD_GLOB = "[0-9][0-9][0-9][0-9][0-9]-[0-9][0-9][0-9][0-9][0-9][0-9].tar"
 PROGRESS_NAME = "progress-{rank:05d}.json"
 PROGRESS_GLOB = "progress-*.json"
 SKIP_LOG_NAME = "skips-{rank:05d}.jsonl"
+SKIP_LOG_GLOB = "skips-*.jsonl"
 _SHARD_RE = re.compile(r"(\d{5})-(\d{6})\.tar")
 _PROGRESS_RE = re.compile(r"progress-(\d{5})\.json")
 

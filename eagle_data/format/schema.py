@@ -50,6 +50,8 @@ import pyarrow as pa
 import torch
 from safetensors.torch import load as st_load
 
+from eagle_data.format.names import HIDDEN_DTYPE_NAMES, MAX_TAG_BYTES, STORAGE_DTYPE_NAMES, TENSOR_EXT
+
 from eagle_data.format import final_rows
 from eagle_data.format.fp8 import scale_name
 
@@ -59,13 +61,12 @@ READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 LAYER_ID_CONVENTION = "output_of_decoder_layer_k=hf_hidden_states[k+1]"
 FINAL_STATE_NORM = "post"  # hidden_states are taken after the model's final norm
 
-TENSOR_EXT = "safetensors"
 META_EXT = "json"
 TENSOR_FIELDS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
 INT_DTYPES = {"input_ids": torch.int64, "loss_mask": torch.uint8}
-HIDDEN_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+HIDDEN_DTYPES = {n: getattr(torch, n) for n in HIDDEN_DTYPE_NAMES}
 #: hidden-state dtypes a shard may store (the compute dtypes + fp8 with scales)
-STORAGE_DTYPES = {**HIDDEN_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
+STORAGE_DTYPES = {n: getattr(torch, n) for n in STORAGE_DTYPE_NAMES}
 #: layer groups of each hidden field (the width of its scale tensor when stored as fp8)
 HIDDEN_FIELDS = ("aux_hidden_states", "hidden_states")
 
@@ -125,11 +126,6 @@ def storage_dtype_of(name: str, field: str = "storage_dtype") -> torch.dtype:
 def batch_dtype(stored: torch.dtype) -> torch.dtype:
     """The dtype readers hand out for a stored dtype: fp8 is dequantised to bfloat16."""
     return torch.bfloat16 if stored == torch.float8_e4m3fn else stored
-
-
-#: a shard member's name (``KEY.safetensors``) fits a USTAR header's name field: so does a key of
-#: a tag of at most this many UTF-8 bytes and a row below 10^9 (``TAG_ROW``, 9 digits)
-MAX_TAG_BYTES = 100 - len(f"_{0:09d}.{TENSOR_EXT}")
 
 
 def sample_key(dataset_tag: str, row: int) -> str:

@@ -36,6 +36,7 @@ from typing import Any, Iterator
 
 from tqdm.auto import tqdm
 
+from eagle_data.extract.backends.base import compute_dtype
 from eagle_data.extract.chat import ChatRenderer
 from eagle_data.extract.config import model_dir, rows_to_read
 from eagle_data.extract.conversations import normalize_record
@@ -282,7 +283,8 @@ def run_regenerate(cfg: RegenerateConfig, generator: Generator | None = None, to
 
 def _engine(cfg: RegenerateConfig, model_path: str, tokenizer, stops: frozenset[int]) -> Generator:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
-    return make_generator(cfg.backend, model_path, stops, pad, dtype=cfg.dtype, device=cfg.device,
+    return make_generator(cfg.backend, model_path, stops, pad, dtype=compute_dtype(cfg.dtype, cfg.device),
+                          device=cfg.device,
                           batch_size=cfg.batch_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           trust_remote_code=cfg.trust_remote_code, backend_kwargs=dict(cfg.backend_kwargs))
 

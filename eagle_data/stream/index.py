@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from eagle_data.format.layout import INDEX_DIR, INDEX_NAME, MANIFEST_NAME, index_part
-from eagle_data.format.records import read_manifest
+from eagle_data.format.records import read_manifest, unmerged_reason
 
 
 def index_files(path: str | Path) -> list[str]:
@@ -23,7 +23,7 @@ def index_files(path: str | Path) -> list[str]:
         return [str(p / INDEX_NAME)]
     parts = sorted((p / INDEX_DIR).glob("*.parquet"))
     if not parts:
-        raise ValueError(f"{p}: no {INDEX_NAME} or {INDEX_DIR}/*.parquet")
+        raise ValueError(unmerged_reason(p) or f"{p}: no {INDEX_NAME} or {INDEX_DIR}/*.parquet")
     if (p / MANIFEST_NAME).is_file():  # the parts must be the manifest's shards, every one
         shards = [s["name"] for s in read_manifest(p).get("shards", [])]
         missing = [str(index_part(p, s).relative_to(p)) for s in shards if not index_part(p, s).is_file()]

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import braceexpand
 
 from eagle_data.format.layout import MANIFEST_NAME
+from eagle_data.format.records import unmerged_reason
 from eagle_data.format.schema import check_manifest_compat
 
 #: manifest facts that must agree between all sources (and with the caller's expectations)
@@ -84,6 +85,8 @@ def read_json(url: str) -> dict[str, Any]:
         if "://" not in url and parent and not os.path.isdir(parent):
             raise ValueError(f"{parent}: no such dataset directory (extract one with `eagle-data extract`, "
                              "e.g. the README's main job, or make one with eagle_data.tools.synthetic)") from e
+        if "://" not in url and parent and (why := unmerged_reason(parent)):  # an extraction of no sample...
+            raise ValueError(why) from e
         raise ValueError(f"{url}: not found; a dataset needs its {MANIFEST_NAME} "
                          "(run `eagle-data merge DIR` first)") from e
     except json.JSONDecodeError as e:
