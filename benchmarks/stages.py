@@ -81,6 +81,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     from eagle_data.extract.config import ExtractConfig, check_paths, final_storage_dtype, model_dir
     from eagle_data.extract.config import storage_dtype as stored
     from eagle_data.extract.run import load_tokenizer, run_extract
+    from eagle_data.extract.manifest import NoSamples
     from benchmarks.extract import disk_write_rate
     from benchmarks.scratch import check_outputs, scratch
 
@@ -124,7 +125,10 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
             else:  # the kernels' first launches (and the pinned pool) are no part of the pipeline's rate
                 _warm_up(cfg, be, tok)
             _settle()
-            stats = run_extract(cfg, backend=be, tokenizer=tok)["run_stats"]
+            try:
+                stats = run_extract(cfg, backend=be, tokenizer=tok)["run_stats"]
+            except NoSamples as e:
+                raise ValueError(f"{e}: nothing to measure") from None
             if be._graphs is not None:  # buckets captured in (b) and (c), batches past max_graphs
                 res.update(graphs=len(be._graphs.graphs), graph_eager_batches=be._graphs.eager_batches)
         finally:

@@ -13,6 +13,7 @@ import webdataset as wds
 import eagle_data
 from eagle_data.extract.config import ExtractConfig
 from eagle_data.extract.run import run_extract
+from eagle_data.format.layout import progress_path
 from eagle_data.format.records import read_manifest
 from eagle_data.format.schema import SCHEMA_VERSION, check_manifest_compat, decode_tensors
 from eagle_data.extract.sink import ShardSink
@@ -708,3 +709,37 @@ def test_bf16_on_a_cpu_without_native_bf16_computes_in_fp32(tmp_path, model_dir,
         assert ("no native bf16" in caplog.text) == (not native)
     assert base.compute_dtype("bfloat16", "cuda", native_bf16=False) == "bfloat16"
     assert base.compute_dtype("float16", "cpu", native_bf16=False) == "float16"
+
+
+def test_a_rerun_with_nothing_to_do_answers_without_loading_the_model(tmp_path, model_dir, monkeypatch):
+    """A finished rerun loaded the model before reading its progress (51 s; minutes for a large
+    target). Only a provably identical rerun is short: a skipped row, a changed source or setting
+    takes the full path (which resumes or refuses as before)."""
+    import eagle_data.extract.backends as backends
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(GOOD[i % 2]) + "\n" for i in range(6)))
+    out = tmp_path / "ds"
+    first = run_extract(cfg(out, model_dir, data))
+    real, loads = backends.make_backend, []
+    monkeypatch.setattr(backends, "make_backend", lambda *a, **k: loads.append(1) or real(*a, **k))
+    again = run_extract(cfg(out, model_dir, data))
+    assert loads == [] and again["run_stats"]["new_samples"] == 0
+    assert {k: again[k] for k in ("num_samples", "num_tokens", "shards")} == \
+        {k: first[k] for k in ("num_samples", "num_tokens", "shards")}
+    with pytest.raises(ValueError, match="different run configuration"):  # the full path names what differs
+        run_extract(cfg(out, model_dir, data, max_length=64))
+    assert loads == [1]
+    data.write_text(data.read_text() + json.dumps(GOOD[0]) + "\n")  # one more row: work to do
+    grown = run_extract(cfg(out, model_dir, data))
+    assert loads == [1, 1] and grown["run_stats"]["new_samples"] == 1 and grown["num_samples"] == 7
+    data.write_text(data.read_text() + json.dumps(BAD[0]) + "\n")
+    run_extract(cfg(out, model_dir, data))
+    again = run_extract(cfg(out, model_dir, data))  # a row skipped for its text is skipped again: short
+    assert loads == [1, 1, 1] and again["num_samples"] == 7
+    prog = progress_path(out, 0)
+    rec = json.loads(prog.read_text())
+    rec["skipped"] = {r: "non_finite_hidden_states" for r in rec["skipped"]}  # the numbers decided it
+    prog.write_text(json.dumps(rec))
+    run_extract(cfg(out, model_dir, data))  # decided again: the full path
+    assert loads == [1, 1, 1, 1]

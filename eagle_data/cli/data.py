@@ -23,9 +23,13 @@ def extract(cfg: ExtractConfig) -> None:
     res = run_extract(cfg)  # no sample at all: NoSamples, a ValueError (exit 2)
     con = Console(stderr=True)
     st = res["run_stats"]
-    con.print(f"[bold]extracted[/] {st['new_samples']} samples, {st['new_tokens']} tokens in {st['seconds']} s "
-              f"({st['tokens_per_s']} tok/s); rows skipped in this run (rows an earlier run skipped are decided "
-              f"again): {st['skip_counts'] or 'none'}")
+    if st.get("nothing_to_do"):
+        con.print("[bold]nothing to do[/]: already extracted from this source with these settings "
+                  "(the model was not loaded)")
+    else:
+        con.print(f"[bold]extracted[/] {st['new_samples']} samples, {st['new_tokens']} tokens in {st['seconds']} s "
+                  f"({st['tokens_per_s']} tok/s); rows skipped in this run (rows an earlier run skipped are "
+                  f"decided again): {st['skip_counts'] or 'none'}")
     if "schema_version" in res:
         bpt = res["total_bytes"] / max(res["num_tokens"], 1)
         raw = 4 * res["hidden_size"] * 2

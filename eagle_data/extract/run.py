@@ -28,12 +28,11 @@ Reliability contract (see also :mod:`eagle_data.extract.sink` and :mod:`eagle_da
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import pickle
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -48,8 +47,8 @@ from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage
 from eagle_data.extract.front_process import FrontProcess
 from eagle_data.extract.fault import ErrorPolicy
 from eagle_data.extract.manifest import RanksDisagree, load_progress, merge, open_out, out_path
-from eagle_data.format.fingerprint import weights_fingerprint
 from eagle_data.extract.rank_state import RankState, refuse_foreign
+from eagle_data.extract.rerun import finished_result, run_config
 from eagle_data.extract.signals import ExtractionInterrupted, Signals, interruptible_iter
 from eagle_data.extract.sink import ShardSink
 from eagle_data.extract.sources import resolve
@@ -153,6 +152,8 @@ def _run(cfg: ExtractConfig, out: Path, backend: Backend | None, tokenizer) -> d
                                       variables=cfg.template_vars)
     tag = cfg.dataset_tag or resolve(cfg.data)[2]
     sample_key(tag, 0)  # validates the tag (ValueError) before any work
+    if backend is None and (done := finished_result(cfg, out, renderer, model_path, tag)) is not None:
+        return done  # a rerun with nothing to do: the model is not loaded
     # started now, its start-up (imports, tokenizer) overlaps the model's loading
     front_proc = _start_front(cfg, renderer, tag)
     try:
@@ -213,15 +214,8 @@ def _run_facts(cfg: ExtractConfig, backend: Backend, renderer: ChatRenderer, mod
     """The run configuration recorded in the progress file (what a resume must match) and the
     model facts of the manifest."""
     info = backend.info
-    tok_json = Path(model_path) / "tokenizer.json"
     fin = final_storage_dtype(cfg)
-    run_cfg: dict[str, Any] = {**asdict(cfg), "model_path": model_path, "dataset_tag": tag, "storage_dtype": storage_dtype(cfg),
-               "final_storage_dtype": fin,
-               "aux_layer_ids": list(info.aux_layer_ids),
-               "weights_fingerprint": weights_fingerprint(model_path),
-               "tokenizer_sha256": hashlib.sha256(tok_json.read_bytes()).hexdigest() if tok_json.exists() else None,
-               "template": renderer.describe()}
-    run_cfg.pop("progress")
+    run_cfg = run_config(cfg, info.aux_layer_ids, renderer, model_path, tag)
     _check_regenerator(cfg.data, run_cfg)
     facts = {"model_path": model_path, "backend": info.name, "hidden_size": info.hidden_size,
              "num_layers": info.num_layers, "vocab_size": info.vocab_size,
