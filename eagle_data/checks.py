@@ -91,3 +91,54 @@ def check_option_types(where: str, values: dict, hints: dict) -> None:
         if not ok:
             raise ValueError(f"{where}: option {name} must be {want.__name__}{' or null' if optional else ''}, "
                              f"got {value!r}" + (" (write true or false, unquoted)" if want is bool else ""))
+
+
+#: strings that read as a boolean to a person but are true to a Jinja ``if`` (a non-empty string)
+_BOOL_WORDS = {"true", "false", "yes", "no", "on", "off"}
+
+
+def check_template_vars(template: str, variables: dict, name: str) -> None:
+    """Refuse ``--template_vars`` the chat template ``template`` would misread: a name it never
+    reads (a typo renders the default silently) and a boolean written as a string (``"false"``
+    is true to Jinja). A template Jinja cannot parse here (custom tags) is not checked.
+
+    Raises:
+        ValueError: names the variable, what the template reads, and a near name.
+    """
+    import difflib
+
+    import jinja2
+    from jinja2 import meta
+
+    for k, v in variables.items():
+        if isinstance(v, str) and v.strip().lower() in _BOOL_WORDS:
+            raise ValueError(f"template_vars.{k} = {v!r} is a string, which the template reads as true; "
+                             f"write {v.strip().lower() in ('true', 'yes', 'on')} (unquoted) for a boolean")
+    try:
+        reads = meta.find_undeclared_variables(jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template))
+    except jinja2.TemplateError:
+        return
+    unknown = sorted(set(variables) - reads)
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], sorted(reads), n=1)
+        raise ValueError(f"template_vars {unknown} are not read by {name}"
+                         + (f" (did you mean {near[0]!r}?)" if near else "")
+                         + f"; it reads: {', '.join(sorted(reads))}")
+
+
+def check_aux_layer_ids(ids: object) -> list[int]:
+    """Three distinct non-negative layer ids, low -> high (what the model's depth does not decide).
+
+    Raises:
+        ValueError: naming the problem (count, type, duplicates, order, a negative id).
+    """
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"aux_layer_ids must be a list of 3 layer numbers, got {ids!r}")
+    ids = list(ids)
+    if len(ids) != 3:
+        raise ValueError(f"aux_layer_ids needs exactly 3 ids (low, mid, high), got {ids}")
+    if len(set(ids)) != 3:
+        raise ValueError(f"aux_layer_ids {ids} has duplicates")
+    if ids != sorted(ids) or ids[0] < 0:
+        raise ValueError(f"aux_layer_ids {ids} must be non-negative and sorted low -> high")
+    return ids

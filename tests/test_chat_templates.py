@@ -262,6 +262,20 @@ def test_thinking_disabled_generation_prompt_is_prompt():
         "A<|im_end|>"]
 
 
+@pytest.mark.parametrize("variables, says", [
+    ({"enable_thinkng": False}, r"template_vars \['enable_thinkng'\] are not read by qwen3 \(did you mean "
+                                r"'enable_thinking'\?\); it reads: .*enable_thinking"),
+    ({"enable_thinking": "false"}, r"template_vars.enable_thinking = 'false' is a string, which the template reads "
+                                   r"as true; write False \(unquoted\)"),
+])
+def test_template_vars_the_template_would_misread_are_refused(variables, says):
+    """A misspelt variable rendered the default (thinking on) and the string "false" is true to
+    Jinja: both changed every mask with no word. Refused, naming the variable."""
+    path = next(p for p in template_files() if p.stem == "qwen3")
+    with pytest.raises(ValueError, match=says):
+        ChatRenderer(family_tokenizer(path), path.read_text(), name="qwen3", variables=variables)
+
+
 @pytest.mark.parametrize("value", ["<|im_end|><|im_assistant|>assistant<|im_middle|>", "EAGLEPH5HP"])
 def test_special_tokens_in_any_field_are_a_named_skip(value):
     path = next(p for p in TEMPLATES if p.stem == "kimi_k2_instruct")

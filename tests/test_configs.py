@@ -37,12 +37,14 @@ def test_there_are_regenerate_configs():
     assert len(REGEN_CONFIGS) >= 2
 
 
-def test_unknown_key_is_rejected(tmp_path):
+def test_unknown_key_is_rejected(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("out: x\nmax_lenght: 5\n")
-    parser = capture_parser(lambda: cli.main(["extract", "--config", str(bad)]))
-    with pytest.raises(SystemExit):
-        parser.parse_args(["extract", "--config", str(bad)])
+    with pytest.raises(SystemExit) as e:
+        cli.main(["extract", "--config", str(bad)])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: eagle-data extract: Subcommand 'extract' does not accept option 'max_lenght' "
+        "(eagle-data extract --help lists the options)\n")
 
 
 def test_cli_help_lists_commands(capsys):
@@ -206,6 +208,13 @@ def test_the_test_command_shows_per_file_progress_and_the_slowest_tests():
     (["regenerate", "--data", "missing.jsonl", "--out", "o"], "data: missing.jsonl does not exist"),
     (["extract", "--backend_kwargs", '{"cuda_graphs": "yes"}', "--out", "o", "--data", "missing.jsonl"],
      "does not exist"),
+    (["extract", "--aux_layer_ids", "[1, 2]"], "aux_layer_ids needs exactly 3 ids (low, mid, high), got [1, 2]"),
+    (["extract", "--dtype", "bf16"], "eagle-data extract: --dtype bf16: not one of bfloat16, float32, float16 "
+                                     "(eagle-data extract --help lists the options)"),
+    (["extract", "--storage_dtype", "fp8"], "--storage_dtype fp8: not one of bfloat16, float32, float16, "
+                                            "float8_e4m3fn (or null)"),
+    (["export", "c.ckpt", "o", "--dtype", "fp16"], "--dtype fp16: not one of bfloat16, float16, float32"),
+    (["regenerate", "--max_new_tokens", "q"], "eagle-data regenerate: --max_new_tokens q: expected int"),
 ])
 def test_mistakes_are_answered_in_one_line_before_torch_loads(tmp_path, args, message):
     """Every bad-argument error took 7-23 s (torch and transformers imported first); a typo

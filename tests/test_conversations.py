@@ -300,7 +300,8 @@ def test_conflicting_reasoning_fields_are_a_named_skip(other):
     assert out.detail == (f"turn 2 (0-based) fields 'reasoning_content' = 'because A' and '{other}' = 'because B' "
                           f"disagree; keep one")
     for same in ({"reasoning_content": "because A", other: "because A"},  # equal: fine
-                 {"reasoning_content": "", other: "because A"}, {"reasoning_content": "because A", other: " "}):
+                 {"reasoning_content": "", other: "because A"}, {"reasoning_content": "because A", other: " "},
+                 {"reasoning_content": "because A", other: "\nbecause A\n"}):  # only the whitespace templates strip
         c = normalize_record(5, {"messages": [_u("q"), _a("a", **same)]})
         assert c.messages[1]["reasoning_content"] == "because A", same
 

@@ -140,8 +140,8 @@ def test_rerun_resumes_and_config_change_refused(tmp_path, model_dir, data_file)
     with pytest.raises(ValueError, match=r"max_length"):
         run_extract(cfg(out, model_dir, data_file, max_length=64))
     with pytest.raises(ValueError) as e:  # a template record differs: only the differing entry is shown
-        run_extract(cfg(out, model_dir, data_file, template_vars={"foo": 1}))
-    assert "template.variables: existing {} != this run {'foo': 1}" in str(e.value)
+        run_extract(cfg(out, model_dir, data_file, template_date="2025-06-01"))
+    assert "template.date: existing '2026-01-01' != this run '2025-06-01'" in str(e.value)
     assert "template_sha256" not in str(e.value)
 
 

@@ -8,6 +8,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
+from eagle_data.cli import data as cli_data
 from eagle_data.cli import main as cli
 from eagle_data.extract.manifest import RanksDisagree, load_progress, merge
 from eagle_data.extract.run import run_extract
@@ -45,19 +46,25 @@ def test_rerun_of_one_rank_after_the_source_grew_is_refused_until_every_rank_rer
     model, data = kr.make_fixture(tmp_path, samples=12)  # 13 rows: 12 chats + a bad one (skipped)
     out = tmp_path / "ds"
     _rank(kr, out, model, data, 0)
-    assert _rank(kr, out, model, data, 1)["num_samples"] == 12
+    assert _rank(kr, out, model, data, 1)["num_samples"] == 12 and (out / "manifest.json").exists()
     rec = load_progress(out, 1)["source"]
     assert rec["files"] == 1 and rec["bytes"] == data.stat().st_size and len(rec["fingerprint"]) == 64
     _append(data, 5, 0)  # rows 13..17: 14, 16 are rank 0's, 13, 15, 17 rank 1's
     r0 = _rank(kr, out, model, data, 0)  # finishes; its merge is refused (logged), not an error of rank 0
     assert "progress" in r0 and "rank(s) [1]" in r0["merge_error"]
+    # the old merge's files go: a reader must not take the dataset before the change for the new one
+    assert not any((out / n).exists() for n in ("manifest.json", "index.parquet", "README.md"))
+    c0 = kr.config(out, model, data, shard_max_samples=3)
+    c0.rank, c0.world_size = 0, 2
+    with pytest.raises(RanksDisagree, match=r"(?s)rank\(s\) \[1\].*this rank's own extraction finished"):
+        cli_data.extract(c0)  # the command fails (exit 2), though rank 0 itself is done
     with pytest.raises(RanksDisagree) as e:
         merge(out)
     msg = str(e.value)
     assert "refusing to merge (the rows of rank(s) [1] would be missing or stale)" in msg
     # (row 17, rank 1's too, is past the last row rank 0 read: only the rerun of rank 1 can tell)
-    assert "rank 1 holds 6 source row(s) (up to row 11); rank(s) [0] read up to row 16, so 2 row(s) of rank 1 " \
-           "would be missing: 13, 15" in msg
+    assert "rank 1 holds 6 source row(s) (up to row 11); rank(s) [0] read up to row 16, so at least 2 row(s) of " \
+           "rank 1 would be missing: 13, 15" in msg
     assert "the source files differ: rank(s) [0] read 1 file(s)" in msg and "; rank(s) [1] read 1 file(s)" in msg
     assert "Rerun rank(s) [1] with the same source and command" in msg
     with pytest.raises(SystemExit) as ex:

@@ -160,7 +160,7 @@ def test_config_mismatch_refused_with_clear_message(tmp_path, kr, tiny):
     base.num_samples = 4
     run_extract(base)
     for change, field in ((dict(aux_layer_ids=[1, 2, 5]), "aux_layer_ids"), (dict(max_length=64), "max_length"),
-                          (dict(template_vars={"x": 1}), "template"), (dict(dtype="bfloat16"), "dtype"),
+                          (dict(template_date="2025-06-01"), "template"), (dict(dtype="bfloat16"), "dtype"),
                           (dict(world_size=2), "world_size")):
         cfg = kr.config(out, *tiny, shard_max_samples=3)
         cfg.num_samples = 4
@@ -212,6 +212,32 @@ def test_sigterm_real_cli_process_discards_shard_cleanly(tmp_path, kr, tiny):
     assert m["num_samples"] == 40 and verify_dataset(out).ok
 
 
+def test_sigterm_while_the_model_loads_leaves_no_out_folder(tmp_path, kr):
+    """A SIGTERM while the target loads (minutes for a large one) used to end the process before
+    any cleanup: an ``--out`` holding only the lock file. Now the run ends by SIGTERM and leaves
+    no folder; the same command then extracts everything."""
+    out = tmp_path / "deep" / "ds"
+    model, data = kr.make_fixture(tmp_path, samples=6, seed=2)
+    loading = tmp_path / "loading"
+    args = ["extract", "--out", str(out), "--model", str(model), "--data", str(data), "--num_samples", "null",
+            "--dtype", "float32", "--aux_layer_ids", "[1, 3, 5]", "--progress", "false"]
+    code = ("import pathlib, sys, time\n"
+            "import eagle_data.extract.backends as b\n"
+            f"b.make_backend = lambda *a, **k: (pathlib.Path({str(loading)!r}).touch(), time.sleep(60))\n"
+            "from eagle_data.cli.main import main\n"
+            f"main({args!r})\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t_end = time.monotonic() + 120
+    while not loading.exists() and p.poll() is None and time.monotonic() < t_end:
+        time.sleep(0.01)
+    assert out.exists()  # the lock was taken before the load
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGTERM, err[-3000:]
+    assert not (tmp_path / "deep").exists()
+    assert run_extract(kr.config(out, model, data, shard_max_samples=2))["num_samples"] == 6
+
+
 def test_no_sample_leaves_no_dataset_and_every_reader_says_why(tmp_path, kr, tiny, capsys):
     """Issue 39: an extraction whose every row is skipped writes no manifest, index or card (an
     older one's are removed by the merge); the extraction, the merge and every reader say it
@@ -229,8 +255,7 @@ def test_no_sample_leaves_no_dataset_and_every_reader_says_why(tmp_path, kr, tin
             r"\{'no_assistant_turn': 1\}; each row with its reason is in skips-\*.jsonl\). It is no dataset")
     with pytest.raises(NoSamples, match=says):
         run_extract(kr.config(out, model, data, shard_max_samples=3))
-    assert sorted(p.name for p in out.iterdir()) == [".eagle-data.lock", "index", "progress-00000.json",
-                                                     "skips-00000.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [".eagle-data.lock", "progress-00000.json", "skips-00000.jsonl"]
     for name in ("manifest.json", "index.parquet", "README.md"):  # as an earlier version wrote them
         (out / name).write_text("{}")
     with pytest.raises(NoSamples, match=says):

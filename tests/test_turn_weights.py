@@ -117,14 +117,16 @@ def test_a_blank_untrained_reply_is_context_on_every_template(stem):
     assert [m["content"] for m in conv.messages] == ["Hello world", "", "Café", "The answer is 42."] and conv.notes == []
     filled = [blank[0], {**blank[1], "content": "Sure."}, *blank[2:]]
     want = r.encode(filled)
-    out = r.encode(blank)
-    text = r.tokenizer.decode(out.input_ids)
-    assert "Hello world" in text and "Café" in text and "Sure." not in text
-    got_runs = _runs(out.loss_mask)
-    assert len(got_runs) == 1 == len(_runs(want.loss_mask))
-    (s, e), ((ws, we),) = got_runs[0], _runs(want.loss_mask)
-    assert out.input_ids[s:e].tolist() == want.input_ids[ws:we].tolist()  # the same supervised tokens
-    assert out.notes == want.notes
+    # with reasoning too, which thinking templates drop from old turns (nothing of the turn rendered)
+    thought = [blank[0], {**blank[1], "reasoning_content": "Let me think."}, *blank[2:]]
+    for out in (r.encode(blank), r.encode(thought)):
+        text = r.tokenizer.decode(out.input_ids)
+        assert "Hello world" in text and "Café" in text and "Sure." not in text
+        got_runs = _runs(out.loss_mask)
+        assert len(got_runs) == 1 == len(_runs(want.loss_mask))
+        (s, e), ((ws, we),) = got_runs[0], _runs(want.loss_mask)
+        assert out.input_ids[s:e].tolist() == want.input_ids[ws:we].tolist()  # the same supervised tokens
+        assert out.notes == want.notes
 
 
 @pytest.mark.parametrize("stem", [p.stem for p in TEMPLATES])

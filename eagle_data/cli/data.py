@@ -17,10 +17,13 @@ def extract(cfg: ExtractConfig) -> None:
     from eagle_data.extract.config import check_paths
 
     check_paths(cfg)  # before the imports of torch and transformers: a mistake answers at once
+    from eagle_data.extract.manifest import RanksDisagree
     from eagle_data.extract.run import run_extract
 
     out = cfg.out
     res = run_extract(cfg)  # no sample at all: NoSamples, a ValueError (exit 2)
+    if "merge_error" in res:  # this rank finished; the dataset is not merged (its old manifest is removed)
+        raise RanksDisagree(f"{res['merge_error']}\n(this rank's own extraction finished and is kept)")
     con = Console(stderr=True)
     st = res["run_stats"]
     if st.get("nothing_to_do"):

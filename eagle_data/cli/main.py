@@ -37,6 +37,8 @@ def run_cli(commands: dict[str, Any], argv: list[str] | None, prog: str,
     system or machine (``OSError``: full disk, missing file) with 1 (no traceback unless
     ``EAGLE_DATA_TRACEBACK=1``); Ctrl-C / an interrupted extraction with 130 and ``interrupted``.
     """
+    from argparse import ArgumentError
+
     from jsonargparse import CLI, set_parsing_settings
 
     argv = list(argv if argv is not None else sys.argv[1:])
@@ -47,7 +49,12 @@ def run_cli(commands: dict[str, Any], argv: list[str] | None, prog: str,
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         # no abbreviated options: a removed flag (e.g. --write_queue) must not silently mean a longer one
-        res = CLI(commands, args=argv, prog=prog, allow_abbrev=False)
+        try:  # a parsing error in a few lines, not jsonargparse's whole usage
+            res = CLI(commands, args=argv, prog=prog, allow_abbrev=False, exit_on_error=False)
+        except ArgumentError as e:
+            cmd = f"{prog} {argv[0]}" if argv and argv[0] in commands else prog
+            print(f"error: {usage_error(str(e), cmd)}", file=sys.stderr)
+            sys.exit(2)
         if type(res) in (runners or {}):
             runners[type(res)](res)
     except KeyboardInterrupt:  # Ctrl-C / ExtractionInterrupted: state is consistent, rerun resumes
@@ -81,6 +88,21 @@ def unknown_option(commands: dict[str, Any], argv: list[str], prog: str) -> str 
             return (f"{prog} {argv[0]}: unknown option --{name}" + (f"; did you mean --{near[0]}?" if near else "")
                     + f" ({prog} {argv[0]} --help lists them)")
     return None
+
+
+def usage_error(msg: str, cmd: str) -> str:
+    """jsonargparse's message for a value of the wrong type, in one line: the option, the value
+    and what it must be (``--dtype bf16: not one of bfloat16, float32, float16``); others joined."""
+    import re
+
+    key, choices = re.match(r'Parser key "([^"]+)":', msg), re.search(r"Literal\[([^\]]*)\]", msg)
+    given = re.search(r"(?:Given|Got) value: (.*)$", msg, re.M)
+    if key and given:
+        body = re.split(r"\.?\s*(?:Given value type|Given value|Got value):", msg.split(":", 1)[1])[0]
+        what = (f"not one of {choices.group(1).replace(chr(39), '')}" + (" (or null)" if "NoneType" in msg else "")
+                if choices else re.sub(r"<class '(\w+)'>", r"\1", body).replace("Expected a", "expected"))
+        msg = f"--{key.group(1)} {given.group(1)}: {what}"
+    return f"{cmd}: {' '.join(msg.split())} ({cmd} --help lists the options)"
 
 
 def _fail(e: BaseException, code: int) -> None:

@@ -39,6 +39,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
+from eagle_data.checks import check_template_vars
 from eagle_data.extract.conversations import Conversation, normalize_record
 from eagle_data.extract.fault import BadRecord, ErrorPolicy, Skip
 from eagle_data.extract.mask import (PLACEHOLDER, MaskError, NotRendered, SpecialTokenInText, align, assistant_spans,
@@ -115,6 +116,7 @@ class ChatRenderer(TemplateProbe):
             raise ValueError("the tokenizer has no chat_template; pass one with --chat_template PATH")
         if not getattr(self.tokenizer, "is_fast", False):
             raise ValueError("a fast tokenizer is required (character offsets for the loss mask)")
+        check_template_vars(self.template, self.variables, self.name)
         pinned = _dt.datetime.strptime(self.date, "%Y-%m-%d")
         self._render_vars = {
             "strftime_now": pinned.strftime,

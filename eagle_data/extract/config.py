@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from eagle_data.checks import check_device
+from eagle_data.checks import check_aux_layer_ids, check_device
 from eagle_data.format.names import FINAL_ROWS, HIDDEN_DTYPE_NAMES, STORAGE_DTYPE_NAMES
 
 #: a value in ``template_vars`` / ``backend_kwargs``, kept as written: ``str`` first, else the
@@ -134,6 +134,8 @@ class ExtractConfig:
         for name in ("template_vars", "backend_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
+        if self.aux_layer_ids is not None:
+            check_aux_layer_ids(self.aux_layer_ids)
 
 
 def front_in_process(cfg: ExtractConfig) -> bool:

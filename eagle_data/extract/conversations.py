@@ -258,11 +258,12 @@ def normalize_message(i: int, turn: Any, rkey: str = "role", ckey: str = "conten
 def _reasoning(turn: dict[str, Any], i: int) -> str | None:
     """An assistant turn's reasoning: the text of its non-blank :data:`REASONING_KEYS` fields
     ("" next to the real one is common), None if none. Raises :class:`BadRecord`
-    (``ambiguous_turn``) when two of them hold different text: neither is picked unsaid."""
+    (``ambiguous_turn``) when two of them hold different text (not only in the whitespace around
+    it, which templates strip): neither is picked unsaid."""
     given = [(k, _text(turn[k], f"turn {i} (0-based) field '{k}'")) for k in REASONING_KEYS if turn.get(k) is not None]
     given = [(k, v) for k, v in given if v.strip()]
     for k, other in given[1:]:
-        if other != given[0][1]:
+        if other.strip() != given[0][1].strip():
             raise BadRecord("ambiguous_turn", f"turn {i} (0-based) fields '{given[0][0]}' = {given[0][1]!r:.60} and '{k}' = "
                                               f"{other!r:.60} disagree; keep one")
     return given[0][1] if given else None

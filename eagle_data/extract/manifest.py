@@ -20,6 +20,7 @@ and its samples are redone. :func:`lock_rank` keeps two processes from running o
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -300,7 +301,8 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
     the same content). Shards are listed in (rank, shard) order; ``index.parquet`` rows follow.
 
     Raises:
-        RanksDisagree: the ranks read different sources (:func:`check_same_source`).
+        RanksDisagree: the ranks read different sources (:func:`check_same_source`); an earlier
+            merge's manifest, index and card are removed (they no longer describe the ranks' data).
         NoSamples: no rank published a sample (a manifest, index and card an earlier merge wrote are
             removed: the folder does not look like a dataset).
         ValueError: no progress files, ranks missing/unfinished, mixed configs, duplicate keys
@@ -323,7 +325,11 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
     if unfinished and not allow_unfinished:
         raise ValueError(f"{out}: rank(s) {unfinished} have not finished; rerun them (same command) to resume")
     progs.sort(key=lambda p: p["rank"])
-    check_same_source(out, progs)
+    try:
+        check_same_source(out, progs)
+    except RanksDisagree:
+        _unpublish(out)  # an earlier merge's files describe a dataset the ranks no longer agree on
+        raise
     shards = [s for p in progs for s in sorted(p["shards"], key=lambda s: s["name"])]
     names = [s["name"] for s in shards]
     if len(names) != len(set(names)):
@@ -337,8 +343,9 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
         skips.update(p["skipped"].values())
         notes.update(r for v in p.get("notes", {}).values() for r in note_reasons(v))
     if not shards:
-        for name in (MANIFEST_NAME, INDEX_NAME, CARD_NAME):  # of an older version, which wrote them
-            (out / name).unlink(missing_ok=True)
+        _unpublish(out)  # of an older version, which wrote them
+        with contextlib.suppress(OSError):  # empty (every rank finished with no shard): no dataset's folder
+            (out / INDEX_DIR).rmdir()
         raise NoSamples(no_samples_message(out, dict(skips)))
     damaged = [f"{s['name']} ({'missing' if not (out / s['name']).is_file() else 'size differs from the record'})"
                for s in shards if not (out / s["name"]).is_file() or (out / s["name"]).stat().st_size != s["bytes"]]
@@ -379,6 +386,12 @@ def merge(out_dir: str | Path, allow_unfinished: bool = False) -> Manifest:
     return manifest
 
 
+def _unpublish(out: Path) -> None:
+    """Remove the merged files (manifest, index, card): readers then say the folder is no dataset."""
+    for name in (MANIFEST_NAME, INDEX_NAME, CARD_NAME):
+        (out / name).unlink(missing_ok=True)
+
+
 def check_same_source(out: Path, progs: list[RankProgress]) -> None:
     """Refuse to merge ranks that read different sources: each rank records the source its last
     run read (``source``: the fingerprint of its files); of finished ranks, each must hold a
@@ -404,7 +417,7 @@ def check_same_source(out: Path, progs: list[RankProgress]) -> None:
             stale.add(rank)
             upto = f"up to row {max(got)}" if got else "no row"
             problems.append(f"  rank {rank} holds {len(got)} source row(s) ({upto}); rank(s) {furthest} read up to "
-                            f"row {end - 1}, so {len(lost)} row(s) of rank {rank} would be missing: "
+                            f"row {end - 1}, so at least {len(lost)} row(s) of rank {rank} would be missing: "
                             f"{', '.join(map(str, lost[:5]))}{' ...' if len(lost) > 5 else ''}")
     groups: dict[tuple, list[int]] = {}  # (fingerprint, files, bytes) -> ranks; all None: not recorded
     for p in progs:

@@ -239,8 +239,8 @@ def assistant_spans(text: str, messages: list[dict[str, Any]], pieces: list[Piec
     DeepSeek-V3/R1 write a second call after a tool result with no header, and the prompt they
     render for it is not a prefix of the render). A turn followed by a tool result is
     ended like a tool-call turn (GLM writes ``<|observation|>`` there). A turn with no text
-    marked not to train (``"train": False``: a blank reply kept as context) has the empty span
-    ``(0, 0)``.
+    marked not to train (``"train": False``: a blank reply kept as context, also when the template
+    drops its old reasoning) has the empty span ``(0, 0)``.
 
     Raises:
         NotRendered / ToolCallsNotRendered: a content or tool-call piece is not rendered
@@ -259,8 +259,8 @@ def assistant_spans(text: str, messages: list[dict[str, Any]], pieces: list[Piec
         if m["role"] != "assistant":
             continue
         mine = _own_turn(seen.get(i, []), where, pieces, i)
-        if not mine and m.get("train", True) is False and not any(p.msg == i for p in pieces):
-            spans.append((0, 0))  # a blank turn kept as context: nothing of it is supervised
+        if not mine and m.get("train", True) is False:  # its content and calls were checked above:
+            spans.append((0, 0))  # a blank turn (its reasoning dropped) kept as context: nothing supervised
             continue
         if not mine:
             raise NotRendered(f"message {i} (assistant) is not rendered by the template"

@@ -13,7 +13,8 @@ Reliability contract (see also :mod:`eagle_data.extract.sink` and :mod:`eagle_da
   on resume, whatever is not listed (temporaries, renamed-but-unrecorded shards) is deleted
   and its samples are redone; finished shards are skipped by key without being read;
 * SIGTERM/SIGINT: the shard in progress is discarded (never half-published). Signals take
-  effect at once inside data loading and the forward pass, else after the sample being
+  effect at once while the tokenizer or model loads, inside data loading and the forward
+  pass, else after the sample being
   written (one arriving after the last shard lets the run and the merge complete). Then a
   SIGTERM whose previous handler was the default kills the process as usual; otherwise
   :class:`ExtractionInterrupted` is raised;
@@ -84,15 +85,20 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
     refuse_foreign(Path(cfg.out))
     created = _missing_folders(Path(cfg.out))  # the folders this run creates
     out, lock = open_out(cfg.out, cfg.rank)
-    try:
-        return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer)
-    except BaseException:
-        if lock is not None:  # failed before this rank recorded anything: nothing of it left behind
-            _remove_unrecorded(out, cfg.rank, lock, created)
-        raise
-    finally:
-        if lock is not None:
-            os.close(lock)
+    # from here a signal is remembered (raised at once while loading or computing, never while a
+    # shard is written): the cleanup below runs first, a default SIGTERM then ends the process
+    with Signals() as sigs:
+        try:
+            return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer, sigs)
+        except BaseException as e:
+            if lock is not None:  # failed before this rank recorded anything: nothing of it left behind
+                _remove_unrecorded(out, cfg.rank, lock, created)
+            if isinstance(e, ExtractionInterrupted):
+                sigs.redeliver(e.signum)  # a default SIGTERM ends the process here (its lock goes with it)
+            raise
+        finally:
+            if lock is not None:
+                os.close(lock)
 
 
 def _missing_folders(path: Path) -> list[Path]:
@@ -145,9 +151,10 @@ def load_tokenizer(model_path: str, trust_remote_code: bool):
                          f"tokenizer_config.json missing or unreadable?): {first}") from e
 
 
-def _run(cfg: ExtractConfig, out: Path, backend: Backend | None, tokenizer) -> dict[str, Any]:
+def _run(cfg: ExtractConfig, out: Path, backend: Backend | None, tokenizer, sigs: Signals) -> dict[str, Any]:
     model_path = model_dir(cfg.model)
-    tokenizer = tokenizer or load_tokenizer(model_path, cfg.trust_remote_code)
+    with sigs.interruptible():
+        tokenizer = tokenizer or load_tokenizer(model_path, cfg.trust_remote_code)
     renderer = ChatRenderer.from_path(tokenizer, cfg.chat_template, date=cfg.template_date,
                                       variables=cfg.template_vars)
     tag = cfg.dataset_tag or resolve(cfg.data)[2]
@@ -157,7 +164,7 @@ def _run(cfg: ExtractConfig, out: Path, backend: Backend | None, tokenizer) -> d
     # started now, its start-up (imports, tokenizer) overlaps the model's loading
     front_proc = _start_front(cfg, renderer, tag)
     try:
-        return _run_with(cfg, out, backend, renderer, model_path, tag, front_proc)
+        return _run_with(cfg, out, backend, renderer, model_path, tag, front_proc, sigs)
     finally:
         if front_proc is not None:
             front_proc.close()
@@ -176,7 +183,7 @@ def _start_front(cfg: ExtractConfig, renderer: ChatRenderer, tag: str) -> FrontP
 
 
 def _run_with(cfg: ExtractConfig, out: Path, backend: Backend | None, renderer: ChatRenderer, model_path: str,
-              tag: str, front_proc: FrontProcess | None) -> dict[str, Any]:
+              tag: str, front_proc: FrontProcess | None, sigs: Signals) -> dict[str, Any]:
     from eagle_data.extract.backends import make_backend
     from eagle_data.extract.backends.base import compute_dtype
 
@@ -184,10 +191,10 @@ def _run_with(cfg: ExtractConfig, out: Path, backend: Backend | None, renderer: 
         extra = {"trust_remote_code": True} if cfg.trust_remote_code and cfg.backend == "hf" else {}
         if cfg.backend == "hf":  # cast / quantise on the device: less to copy to the host
             extra.update(out_dtype=storage_dtype(cfg), final_out_dtype=final_storage_dtype(cfg))
-        backend = make_backend(cfg.backend, model_path=model_path, aux_layer_ids=cfg.aux_layer_ids,
-                               dtype=compute_dtype(cfg.dtype, cfg.device), device=cfg.device,
-                               **{**extra, **cfg.backend_kwargs})
-    sigs = Signals()
+        with sigs.interruptible():  # minutes for a large target; nothing written yet
+            backend = make_backend(cfg.backend, model_path=model_path, aux_layer_ids=cfg.aux_layer_ids,
+                                   dtype=compute_dtype(cfg.dtype, cfg.device), device=cfg.device,
+                                   **{**extra, **cfg.backend_kwargs})
     try:
         run_cfg, facts = _run_facts(cfg, backend, renderer, model_path, tag)
         with RankState(cfg, out, run_cfg, facts, tag) as state:
@@ -204,7 +211,6 @@ def _run_with(cfg: ExtractConfig, out: Path, backend: Backend | None, renderer: 
             result["merge_error"] = str(e)
     if sigs.sig is not None:  # arrived after the last shard: the run is complete, now obey it
         log.error("signal %d received after rank %d completed; stopping", sigs.sig, cfg.rank)
-        sigs.redeliver(sigs.sig)
         raise ExtractionInterrupted(sigs.sig)
     return result
 
@@ -281,28 +287,25 @@ def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRend
                                for w in range(cfg.writers)], max_bytes=int(cfg.write_queue_gib * 2**30))
     bar = tqdm(desc=f"extract rank {cfg.rank}", unit="sample", disable=not cfg.progress, dynamic_ncols=True)
     t0, n_tok, n_new = time.perf_counter(), 0, 0
-    with sigs:
-        try:
-            for batch in extracted:
-                for s in batch:
-                    writer.put(s.key, s.tensors, s.meta)
-                    n_tok, n_new = n_tok + s.meta["num_tokens"], n_new + 1
-                    sigs.check()
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.0f}", skipped=state.num_skipped,
-                                written=f"{writer.bytes_written / 2**20:.0f}MiB")
-            t_close = time.perf_counter()
-            writer.close()
-            waits["close"] = time.perf_counter() - t_close
-            state.finish()
-        except BaseException as e:
-            writer.abort()
-            if front_proc is not None:  # before a SIGTERM is re-delivered (which ends this process at once)
-                front_proc.close()
-            _explain(e, sigs, out, cfg.rank, len(state.state["shards"]))
-            raise
-        finally:
-            bar.close()
+    try:
+        for batch in extracted:
+            for s in batch:
+                writer.put(s.key, s.tensors, s.meta)
+                n_tok, n_new = n_tok + s.meta["num_tokens"], n_new + 1
+                sigs.check()
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.0f}", skipped=state.num_skipped,
+                            written=f"{writer.bytes_written / 2**20:.0f}MiB")
+        t_close = time.perf_counter()
+        writer.close()
+        waits["close"] = time.perf_counter() - t_close
+        state.finish()
+    except BaseException as e:
+        writer.abort()
+        _explain(e, out, cfg.rank, len(state.state["shards"]))
+        raise
+    finally:
+        bar.close()
     elapsed = time.perf_counter() - t0
     stats = {"new_samples": n_new, "new_tokens": n_tok, "seconds": round(elapsed, 3),
              "tokens_per_s": round(n_tok / elapsed, 1) if elapsed > 0 else None,
@@ -325,13 +328,11 @@ def _waits(w: dict[str, float], writers: float) -> dict[str, float]:
             "writers": round(writers, 3), "close": round(w.get("close", 0.0), 3)}
 
 
-def _explain(e: BaseException, sigs: Signals, out: Path, rank: int, num_shards: int) -> None:
-    """Log what an interrupted run left; a full disk becomes an ``OSError`` that says so;
-    an unhandled SIGTERM terminates the process (after the handlers are restored)."""
+def _explain(e: BaseException, out: Path, rank: int, num_shards: int) -> None:
+    """Log what an interrupted run left; a full disk becomes an ``OSError`` that says so."""
     if isinstance(e, ExtractionInterrupted):
         log.error("interrupted by signal %d: the shard(s) in progress were discarded (%d shard(s) of rank %d "
                   "are complete); rerun the same command to resume", e.signum, num_shards, rank)
-        sigs.redeliver(e.signum)
     elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         raise OSError(e.errno, f"no space left on the device of {out} ({e.strerror}); the shard(s) in "
                       f"progress were discarded, {num_shards} shard(s) of rank {rank} are "

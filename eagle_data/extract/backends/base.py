@@ -13,6 +13,8 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence, runtime_checkabl
 
 import torch
 
+from eagle_data.checks import check_aux_layer_ids
+
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool | None:
     """Whether this CPU computes bf16 natively (x86 ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``),
@@ -65,14 +67,8 @@ def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
     Raises:
         ValueError: naming the problem (count, order, duplicates, range).
     """
-    ids = [int(i) for i in ids]
-    if len(ids) != 3:
-        raise ValueError(f"aux_layer_ids needs exactly 3 ids (low, mid, high), got {ids}")
-    if len(set(ids)) != 3:
-        raise ValueError(f"aux_layer_ids {ids} has duplicates (model has {num_layers} layers)")
-    if ids != sorted(ids):
-        raise ValueError(f"aux_layer_ids {ids} must be sorted low -> high")
-    if ids[0] < 0 or ids[-1] >= num_layers - 1:
+    ids = check_aux_layer_ids(ids)
+    if ids[-1] >= num_layers - 1:
         raise ValueError(f"aux_layer_ids {ids} out of range [0, {num_layers - 2}] for {num_layers} layers")
     return ids
 
