@@ -139,6 +139,8 @@ def check_aux_layer_ids(ids: object) -> list[int]:
         raise ValueError(f"aux_layer_ids needs exactly 3 ids (low, mid, high), got {ids}")
     if len(set(ids)) != 3:
         raise ValueError(f"aux_layer_ids {ids} has duplicates")
-    if ids != sorted(ids) or ids[0] < 0:
-        raise ValueError(f"aux_layer_ids {ids} must be non-negative and sorted low -> high")
+    if ids != sorted(ids):
+        raise ValueError(f"aux_layer_ids {ids} must be sorted low -> high")
+    if ids[0] < 0:
+        raise ValueError(f"aux_layer_ids {ids} out of range: layer ids count from 0")
     return ids

@@ -94,7 +94,8 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
                       for k, v in s.items() if k != "heldout_keys"}, indent=1))
 
 
-def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16", format: Literal["sglang", "speculators"] = "sglang",
+def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
+           format: Literal["sglang", "speculators"] = "sglang",
            verifier: Optional[str] = None, speculative_tokens: Optional[int] = None, overwrite: bool = False,
            target_model: Optional[str] = None, aux_layer_ids: Optional[list[int]] = None) -> None:
     """Export a drafter checkpoint for serving: SGLang or vLLM (speculators format).
