@@ -95,12 +95,18 @@ def check_option_types(where: str, values: dict, hints: dict) -> None:
 
 #: strings that read as a boolean to a person but are true to a Jinja ``if`` (a non-empty string)
 _BOOL_WORDS = {"true", "false", "yes", "no", "on", "off"}
+#: what the renderer passes a chat template itself (HF's arguments, our pinned date helpers)
+RENDER_ARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents", "continue_final_message",
+                         "strftime_now", "date_string", "raise_exception", "bos_token", "eos_token", "unk_token",
+                         "pad_token"})
 
 
 def check_template_vars(template: str, variables: dict, name: str) -> None:
     """Refuse ``--template_vars`` the chat template ``template`` would misread: a name it never
-    reads (a typo renders the default silently) and a boolean written as a string (``"false"``
-    is true to Jinja). A template Jinja cannot parse here (custom tags) is not checked.
+    reads from outside (a typo renders the default silently; what the renderer passes, and names
+    the template sets itself unless it tests ``is defined`` first, are not the user's), a boolean written as a string (``"false"`` is true to
+    Jinja), and a non-boolean where the template tests ``is true``/``is false`` (``0`` is not
+    false there). A template Jinja cannot parse here (custom tags) is only checked for strings.
 
     Raises:
         ValueError: names the variable, what the template reads, and a near name.
@@ -108,22 +114,34 @@ def check_template_vars(template: str, variables: dict, name: str) -> None:
     import difflib
 
     import jinja2
-    from jinja2 import meta
+    from jinja2 import meta, nodes
 
     for k, v in variables.items():
         if isinstance(v, str) and v.strip().lower() in _BOOL_WORDS:
             raise ValueError(f"template_vars.{k} = {v!r} is a string, which the template reads as true; "
-                             f"write {v.strip().lower() in ('true', 'yes', 'on')} (unquoted) for a boolean")
+                             f"write {str(v.strip().lower() in ('true', 'yes', 'on')).lower()} (unquoted) for a boolean")
+    if passed := sorted(set(variables) & RENDER_ARGS):
+        raise ValueError(f"template_vars {passed}: set by eagle-data itself when it renders (the conversation, "
+                         "its tools, the generation prompt, the pinned date, the tokenizer's special tokens), not a "
+                         "template option")
     try:
-        reads = meta.find_undeclared_variables(jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template))
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
     except jinja2.TemplateError:
         return
+    tests = [t for t in tree.find_all(nodes.Test) if isinstance(t.node, nodes.Name)]
+    defaulted = {t.node.name for t in tests if t.name in ("defined", "undefined")}  # `if x is not defined: set x`
+    own = {n.name for n in tree.find_all(nodes.Name) if n.ctx in ("store", "param")} - defaulted
+    reads = meta.find_undeclared_variables(tree) - own - RENDER_ARGS
     unknown = sorted(set(variables) - reads)
     if unknown:
         near = difflib.get_close_matches(unknown[0], sorted(reads), n=1)
         raise ValueError(f"template_vars {unknown} are not read by {name}"
                          + (f" (did you mean {near[0]!r}?)" if near else "")
-                         + f"; it reads: {', '.join(sorted(reads))}")
+                         + f"; it reads: {', '.join(sorted(reads)) or 'no variable of yours'}")
+    tested = {t.node.name for t in tests if t.name in ("true", "false", "sameas")}
+    if wrong := sorted(k for k in set(variables) & tested if not isinstance(variables[k], bool)):
+        raise ValueError(f"template_vars.{wrong[0]} = {variables[wrong[0]]!r}: {name} tests it with `is true`/"
+                         "`is false`, which only a boolean passes; write true or false")
 
 
 def check_aux_layer_ids(ids: object) -> list[int]:

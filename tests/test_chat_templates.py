@@ -266,7 +266,11 @@ def test_thinking_disabled_generation_prompt_is_prompt():
     ({"enable_thinkng": False}, r"template_vars \['enable_thinkng'\] are not read by qwen3 \(did you mean "
                                 r"'enable_thinking'\?\); it reads: .*enable_thinking"),
     ({"enable_thinking": "false"}, r"template_vars.enable_thinking = 'false' is a string, which the template reads "
-                                   r"as true; write False \(unquoted\)"),
+                                   r"as true; write false \(unquoted\)"),
+    ({"enable_thinking": 0}, r"template_vars.enable_thinking = 0: qwen3 tests it with `is true`/`is false`, which "
+                             r"only a boolean passes"),  # 0 is not `false` there: thinking stayed on
+    ({"content": "x"}, r"template_vars \['content'\] are not read by qwen3.*; it reads: enable_thinking$"),  # its own
+    ({"messages": []}, r"template_vars \['messages'\]: set by eagle-data itself"),
 ])
 def test_template_vars_the_template_would_misread_are_refused(variables, says):
     """A misspelt variable rendered the default (thinking on) and the string "false" is true to

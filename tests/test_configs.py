@@ -215,6 +215,9 @@ def test_the_test_command_shows_per_file_progress_and_the_slowest_tests():
                                             "float8_e4m3fn (or null)"),
     (["export", "c.ckpt", "o", "--dtype", "fp16"], "--dtype fp16: not one of bfloat16, float16, float32"),
     (["regenerate", "--max_new_tokens", "q"], "eagle-data regenerate: --max_new_tokens q: expected int"),
+    (["extract", "--aux_layer_ids", "1,2,3"], "--aux_layer_ids 1,2,3: expected list[int] or null"),
+    (["extract", "--trust_remote_code", "yes"], "--trust_remote_code yes: write true or false"),  # YAML read it true
+    (["export", "c", "o", "--overwrite=on"], "--overwrite on: write true or false"),
 ])
 def test_mistakes_are_answered_in_one_line_before_torch_loads(tmp_path, args, message):
     """Every bad-argument error took 7-23 s (torch and transformers imported first); a typo

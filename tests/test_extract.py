@@ -737,9 +737,11 @@ def test_a_rerun_with_nothing_to_do_answers_without_loading_the_model(tmp_path, 
     run_extract(cfg(out, model_dir, data))
     again = run_extract(cfg(out, model_dir, data))  # a row skipped for its text is skipped again: short
     assert loads == [1, 1, 1] and again["num_samples"] == 7
+    with pytest.raises(ValueError, match=r"row 7 \(id b1\)"):  # now a skipped row must fail the run: full path
+        run_extract(cfg(out, model_dir, data, on_bad_sample="raise"))
     prog = progress_path(out, 0)
     rec = json.loads(prog.read_text())
     rec["skipped"] = {r: "non_finite_hidden_states" for r in rec["skipped"]}  # the numbers decided it
     prog.write_text(json.dumps(rec))
     run_extract(cfg(out, model_dir, data))  # decided again: the full path
-    assert loads == [1, 1, 1, 1]
+    assert loads == [1, 1, 1, 1, 1]

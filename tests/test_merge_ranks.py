@@ -105,3 +105,26 @@ def test_ranks_with_another_num_samples_are_refused_until_rerun(tmp_path, kr):
         merge(out)
     m = _rank(kr, out, model, data, 1)  # the same command as rank 0's
     assert m["num_samples"] == _keys_exactly_once(out, data) == 12
+
+
+def test_another_num_samples_on_one_rank_is_refused_even_when_no_row_shows_missing(tmp_path, kr):
+    """Rank 0 rerun with num_samples 8 after both ran 6: rank 0 read rows 0..6 (its last is 6),
+    so rank 1's row 7 lay past every rank's last row and the merge wrote 7 samples as complete."""
+    import eagle_data
+    from eagle_data.format.records import read_manifest
+
+    model, data = kr.make_fixture(tmp_path, samples=12)
+    out = tmp_path / "ds"
+    _rank(kr, out, model, data, 0, num_samples=6)
+    assert _rank(kr, out, model, data, 1, num_samples=6)["num_samples"] == 6
+    assert "rank(s) [1]" in _rank(kr, out, model, data, 0, num_samples=8)["merge_error"]
+    with pytest.raises(RanksDisagree, match=r"(?s)rows of rank\(s\) \[1\] would be missing or stale.*"
+                                            r"--num_samples differs: rank 0: 8, rank 1: 6"):
+        merge(out)
+    for read in (lambda: eagle_data.load_index(out), lambda: read_manifest(out)):  # the parts are no dataset
+        with pytest.raises(ValueError, match="every rank finished, but no merged manifest.json is there: the "
+                                             "merge was refused"):
+            read()
+    _rank(kr, out, model, data, 1, num_samples=8)
+    good = [r for r, rec in enumerate(_rows(data)[:8]) if len(rec["conversations"]) == 2]
+    assert sorted(pq.read_table(out / "index.parquet").column("source_row").to_pylist()) == good and len(good) >= 7

@@ -42,7 +42,7 @@ def run_cli(commands: dict[str, Any], argv: list[str] | None, prog: str,
     from jsonargparse import CLI, set_parsing_settings
 
     argv = list(argv if argv is not None else sys.argv[1:])
-    if (typo := unknown_option(commands, argv, prog)) is not None:
+    if (typo := unknown_option(commands, argv, prog) or loose_boolean(commands, argv, prog)) is not None:
         print(f"error: {typo}", file=sys.stderr)
         sys.exit(2)
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -90,6 +90,28 @@ def unknown_option(commands: dict[str, Any], argv: list[str], prog: str) -> str 
     return None
 
 
+def loose_boolean(commands: dict[str, Any], argv: list[str], prog: str) -> str | None:
+    """One line naming a boolean option given another word than true/false (YAML reads ``yes``,
+    ``on`` as true: ``--trust_remote_code yes`` ran remote code); ``None`` if there is none."""
+    import typing
+
+    if not argv or argv[0] not in commands:
+        return None
+    target = commands[argv[0]]
+    try:
+        hints = typing.get_type_hints(target if isinstance(target, type) else target)
+    except Exception:  # an annotation this Python cannot evaluate: jsonargparse decides
+        return None
+    flags = {k for k, t in hints.items() if t is bool}
+    for i, arg in enumerate(argv[1:], 1):
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if name in flags:
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            if value.lower() not in ("true", "false"):
+                return f"{prog} {argv[0]}: --{name} {value}: write true or false ({prog} {argv[0]} --help lists the options)"
+    return None
+
+
 def usage_error(msg: str, cmd: str) -> str:
     """jsonargparse's message for a value of the wrong type, in one line: the option, the value
     and what it must be (``--dtype bf16: not one of bfloat16, float32, float16``); others joined."""
@@ -97,7 +119,11 @@ def usage_error(msg: str, cmd: str) -> str:
 
     key, choices = re.match(r'Parser key "([^"]+)":', msg), re.search(r"Literal\[([^\]]*)\]", msg)
     given = re.search(r"(?:Given|Got) value: (.*)$", msg, re.M)
-    if key and given:
+    subtypes = re.search(r"Subtypes: \[(.*)\]$", msg, re.M)
+    if key and given and subtypes and not choices:  # a Union of other types: its members, plainly
+        kinds = re.sub(r"<class '(\w+)'>", r"\1", subtypes.group(1)).replace("NoneType", "null")
+        msg = f"--{key.group(1)} {given.group(1)}: expected {kinds.replace(', ', ' or ')}"
+    elif key and given:
         body = re.split(r"\.?\s*(?:Given value type|Given value|Got value):", msg.split(":", 1)[1])[0]
         what = (f"not one of {choices.group(1).replace(chr(39), '')}" + (" (or null)" if "NoneType" in msg else "")
                 if choices else re.sub(r"<class '(\w+)'>", r"\1", body).replace("Expected a", "expected"))

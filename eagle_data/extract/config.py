@@ -54,7 +54,8 @@ class ExtractConfig:
     template_date: str = "2026-01-01"
     """date (YYYY-MM-DD) given to templates that print today's date, for reproducible ids"""
     template_vars: dict[str, OptionValue] = field(default_factory=dict)
-    """extra template variables, e.g. {"enable_thinking": false}"""
+    """extra template variables, e.g. {"enable_thinking": false}; only names the template reads
+    (a typo, or a string "false" for a boolean, is refused)"""
     backend: Literal["hf", "sglang"] = "hf"
     """"hf" (transformers reference) or "sglang" (production engine)"""
     device: str = "cpu"

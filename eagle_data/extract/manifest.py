@@ -397,8 +397,10 @@ def check_same_source(out: Path, progs: list[RankProgress]) -> None:
     run read (``source``: the fingerprint of its files); of finished ranks, each must hold a
     decision (a sample or a skip) for every row of its share up to the last row any rank read:
     rank ``r`` of ``w`` owns rows ``row % w == r``, and a rank that read a source with fewer rows,
-    or fewer ``--num_samples``, misses rows the others' extent gives it. Checked when any rank
-    recorded its source (extractions of this version; not synthetic datasets).
+    or fewer ``--num_samples``, misses rows the others' extent gives it. Ranks whose last runs
+    had different ``--num_samples`` are refused too: a row of theirs past every rank's last row
+    (the extent's end) cannot be told missing. Checked when any rank recorded its source
+    (extractions of this version; not synthetic datasets).
 
     Raises:
         RanksDisagree: names the ranks, what differs, and to rerun them.
@@ -437,8 +439,12 @@ def check_same_source(out: Path, progs: list[RankProgress]) -> None:
             latest = max(groups.values(), key=lambda rs: max(read_at[r] for r in rs))
             stale = {r for rs in groups.values() if rs is not latest for r in rs}
     nums = {p["rank"]: p["config"].get("num_samples") for p in progs}
-    if problems and len(set(nums.values())) > 1:
+    if len(set(nums.values())) > 1:  # rows past the furthest rank's last one may be missing unseen
         problems.append(f"  --num_samples differs: {', '.join(f'rank {r}: {n}' for r, n in sorted(nums.items()))}")
+        if not stale:  # the ranks whose last run read another extent than the latest run
+            at = {p["rank"]: (p.get("source") or {}).get("read_at") or "" for p in progs}
+            latest = nums[max(at, key=at.get)]
+            stale = {r for r, n in nums.items() if n != latest}
     if problems:
         raise RanksDisagree(f"{out}: the ranks did not read the same source; refusing to merge (the rows of rank(s) "
                             f"{sorted(stale)} would be missing or stale):\n" + "\n".join(problems) + "\n"

@@ -51,6 +51,7 @@ def finished_result(cfg: ExtractConfig, out: Path, renderer: ChatRenderer, model
     model; ``None``: the full path decides."""
     prev = load_progress(out, cfg.rank)
     if not (prev and prev.get("finished") and not DECIDED_BY_STATES & set(prev["skipped"].values())
+            and (cfg.on_bad_sample != "raise" or not prev["skipped"])  # a skipped row must now fail the run
             and (prev.get("source") or {}).get("fingerprint") and prev["config"].get("num_samples") == cfg.num_samples):
         return None
     progs = [load_progress(out, r) for r in range(cfg.world_size)]

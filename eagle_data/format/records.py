@@ -130,9 +130,9 @@ def no_samples_message(folder: str | Path, skip_counts: dict[str, int]) -> str:
 
 def unmerged_reason(folder: str | Path) -> str | None:
     """Why ``folder``, an extraction's output directory, holds no ``manifest.json``: the extraction
-    produced no samples, or some ranks have not run or finished. None when it holds no progress
-    file, one is unreadable, or every rank finished with samples (``eagle-data merge`` then
-    writes the manifest, or says why it cannot)."""
+    produced no samples, some ranks have not run or finished, or every rank finished with samples
+    and the merge was refused or not run (``eagle-data merge`` writes the manifest, or says why it
+    cannot). None when it holds no progress file, or one is unreadable."""
     from collections import Counter
 
     folder = Path(folder)
@@ -155,5 +155,7 @@ def unmerged_reason(folder: str | Path) -> str | None:
                 f"{world} {'have not run or finished' if absent else 'have not finished'} (or failed); run them "
                 "(the same command resumes), and the last rank to finish writes the manifest")
     if any(r.get("shards") for r in recs):
-        return None
+        return (f"{folder}: every rank finished, but no merged manifest.json is there: the merge was refused "
+                f"(the ranks read different sources) or not run; `eagle-data merge {folder}` writes it, or names "
+                "the ranks to rerun")
     return no_samples_message(folder, dict(Counter(v for r in recs for v in (r.get("skipped") or {}).values())))

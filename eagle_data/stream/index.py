@@ -14,7 +14,8 @@ def index_files(path: str | Path) -> list[str]:
     (with a manifest: the parts of its shards).
 
     Raises:
-        ValueError: none found, or a shard of the manifest has no index part.
+        ValueError: none found, a shard of the manifest has no index part, or an extraction's
+            folder holds no manifest (unfinished, merge refused, no samples: it says which).
     """
     p = Path(path)
     if p.is_file():
@@ -22,8 +23,10 @@ def index_files(path: str | Path) -> list[str]:
     if (p / INDEX_NAME).exists():
         return [str(p / INDEX_NAME)]
     parts = sorted((p / INDEX_DIR).glob("*.parquet"))
+    if not (p / MANIFEST_NAME).is_file() and (why := unmerged_reason(p)):  # the parts are no dataset yet
+        raise ValueError(why)
     if not parts:
-        raise ValueError(unmerged_reason(p) or f"{p}: no {INDEX_NAME} or {INDEX_DIR}/*.parquet")
+        raise ValueError(f"{p}: no {INDEX_NAME} or {INDEX_DIR}/*.parquet")
     if (p / MANIFEST_NAME).is_file():  # the parts must be the manifest's shards, every one
         shards = [s["name"] for s in read_manifest(p).get("shards", [])]
         missing = [str(index_part(p, s).relative_to(p)) for s in shards if not index_part(p, s).is_file()]
