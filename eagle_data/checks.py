@@ -104,9 +104,10 @@ RENDER_ARGS = frozenset({"messages", "add_generation_prompt", "tools", "document
 def check_template_vars(template: str, variables: dict, name: str) -> None:
     """Refuse ``--template_vars`` the chat template ``template`` would misread: a name it never
     reads from outside (a typo renders the default silently; what the renderer passes, and names
-    the template sets itself unless it tests ``is defined`` first, are not the user's), a boolean written as a string (``"false"`` is true to
-    Jinja), and a non-boolean where the template tests ``is true``/``is false`` (``0`` is not
-    false there). A template Jinja cannot parse here (custom tags) is only checked for strings.
+    the template sets itself unless it tests ``is defined`` first, are not the user's), a boolean
+    written as a string (``"false"`` is true to Jinja), and a non-boolean where the template tests
+    ``is true``/``is false`` (``0`` is not false there). A template Jinja cannot parse here
+    (custom tags) is only checked for strings and the renderer's names.
 
     Raises:
         ValueError: names the variable, what the template reads, and a near name.

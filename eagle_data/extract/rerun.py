@@ -70,11 +70,21 @@ def finished_result(cfg: ExtractConfig, out: Path, renderer: ChatRenderer, model
              "skip_counts": {}, "note_counts": {}, "nothing_to_do": True}
     log.info("rank %d of %s: already finished with this source and these settings; nothing to do",
              cfg.rank, out)
-    try:
-        return {**merge(out), "run_stats": stats}
+    return merged_result(out, cfg.rank, {"progress": prev, "run_stats": stats})
+
+
+def merged_result(out: Path, rank: int, result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` (this finished rank's progress and stats) as the merged manifest when every rank
+    has finished; with ``"merge_error"`` (logged) when the merge refuses ranks that disagree (this
+    rank is done; the others must rerun, and the last of them merges)."""
+    if not all((p := load_progress(out, r)) is not None and p.get("finished")
+               for r in range(result["progress"]["world_size"])):
+        return result
+    try:  # idempotent if several ranks race
+        return {**merge(out), "run_stats": result["run_stats"]}
     except RanksDisagree as e:
-        log.error("rank %d finished, but the dataset is not merged: %s", cfg.rank, e)
-        return {"progress": prev, "run_stats": stats, "merge_error": str(e)}
+        log.error("rank %d finished, but the dataset is not merged: %s", rank, e)
+        return {**result, "merge_error": str(e)}
 
 
 def _aux_layer_ids(cfg: ExtractConfig, model_path: str) -> list[int]:

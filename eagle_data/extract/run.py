@@ -47,9 +47,9 @@ from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage
                                        rows_to_read, storage_dtype)
 from eagle_data.extract.front_process import FrontProcess
 from eagle_data.extract.fault import ErrorPolicy
-from eagle_data.extract.manifest import RanksDisagree, load_progress, merge, open_out, out_path
+from eagle_data.extract.manifest import load_progress, open_out, out_path
 from eagle_data.extract.rank_state import RankState, refuse_foreign
-from eagle_data.extract.rerun import finished_result, run_config
+from eagle_data.extract.rerun import finished_result, merged_result, run_config
 from eagle_data.extract.signals import ExtractionInterrupted, Signals, interruptible_iter
 from eagle_data.extract.sink import ShardSink
 from eagle_data.extract.sources import resolve
@@ -201,14 +201,7 @@ def _run_with(cfg: ExtractConfig, out: Path, backend: Backend | None, renderer: 
             stats = _extract(cfg, out, backend, renderer, tag, state, sigs, front_proc)
     finally:
         backend.close()
-    result: dict[str, Any] = {"progress": state.state, "run_stats": stats}
-    # The last rank to finish writes the merged manifest (idempotent if several race).
-    if all((p := load_progress(out, r)) is not None and p.get("finished") for r in range(cfg.world_size)):
-        try:
-            result = {**merge(out), "run_stats": stats}
-        except RanksDisagree as e:  # this rank is done; the others must rerun (they merge when they finish)
-            log.error("rank %d finished, but the dataset is not merged: %s", cfg.rank, e)
-            result["merge_error"] = str(e)
+    result = merged_result(out, cfg.rank, {"progress": state.state, "run_stats": stats})  # the last rank merges
     if sigs.sig is not None:  # arrived after the last shard: the run is complete, now obey it
         log.error("signal %d received after rank %d completed; stopping", sigs.sig, cfg.rank)
         raise ExtractionInterrupted(sigs.sig)
