@@ -159,7 +159,7 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
     """
     import eagle_data.extract.writeback as wb
     from eagle_data.extract.async_sink import AsyncShardWriter
-    from eagle_data.extract.backends.hf import HFBackend
+    from eagle_data.engines.hf import HFBackend
     from eagle_data.extract.sink import ShardSink
 
     from eagle_data.checks import check_positive

@@ -102,8 +102,8 @@ def bench_sglang_parity(kinds: Sequence[str] = ("llama", "deepseek_v3", "qwen3_m
         json_out: also write the figures to this JSON file.
     """
     from benchmarks.tiny_targets import save_tiny_target
-    from eagle_data.extract.backends import make_backend
-    from eagle_data.extract.backends.hf import HFBackend
+    from eagle_data.engines import make_backend
+    from eagle_data.engines.hf import HFBackend
 
     aux, res = [1, 3, 5], {}
     g = torch.Generator().manual_seed(0)

@@ -1,10 +1,10 @@
 """Throughput of SGLang prefill with and without hidden-state capture (``eagle-data bench sglang``).
 
 Same prompts (random token ids, fixed length), same engine settings
-(:func:`eagle_data.extract.backends.sglang.base_engine_kwargs`), one engine at a time:
+(:func:`eagle_data.engines.sglang.base_engine_kwargs`), one engine at a time:
 
 * ``plain``: prefill only, ``max_new_tokens=0``, no capture;
-* ``capture``: :class:`~eagle_data.extract.backends.sglang.SGLangBackend` (hook + spool hand-off +
+* ``capture``: :class:`~eagle_data.engines.sglang.SGLangBackend` (hook + spool hand-off +
   stitching into ``Captured``), then, if :mod:`eagle_data.extract.sink` is available, writing the
   samples into WebDataset shards (``capture+write``);
 * ``builtin``: SGLang's own ``return_hidden_states=True`` path (``max_new_tokens=1``: with 0
@@ -58,7 +58,7 @@ def _capture_run(model_path: str, prompts, dtype, device, aux_layer_ids, common:
     """Capture to host (``write_dir`` None) or capture + shards, as extraction runs them: batches of
     ``batch_prompts`` through :meth:`SGLangBackend.capture_iter` (the next batch already in the engine
     while this one is written)."""
-    from eagle_data.extract.backends.sglang import SGLangBackend
+    from eagle_data.engines.sglang import SGLangBackend
     be = SGLangBackend(model_path, aux_layer_ids, dtype=dtype, device=device, **common, **backend_kwargs)
     sink = None
     try:
@@ -117,7 +117,7 @@ def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len:
     Returns:
         ``{"config": {...}, "results": {mode: {"tokens_per_s", "seconds", ...}}}``; also printed.
     """
-    from eagle_data.extract.backends.sglang import base_engine_kwargs, model_facts
+    from eagle_data.engines.sglang import base_engine_kwargs, model_facts
 
     backend_kwargs = dict(backend_kwargs or {})
     if model_path == "smollm2":

@@ -77,7 +77,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     import torch
 
     import eagle_data.extract.writeback as wb
-    from eagle_data.extract.backends import make_backend
+    from eagle_data.engines import make_backend
     from eagle_data.extract.config import ExtractConfig, check_paths, final_storage_dtype, model_dir
     from eagle_data.extract.config import storage_dtype as stored
     from eagle_data.extract.run import load_tokenizer, run_extract

@@ -96,7 +96,7 @@ def test_tokenize_stage_never_raises(tok, records):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(line, min_size=1, max_size=8))
 def test_run_extract_end_to_end_on_hostile_jsonl(tiny, tok, lines):
-    from eagle_data.extract.backends.hf import HFBackend
+    from eagle_data.engines.hf import HFBackend
     from tiny import AUX, tiny_llama
 
     work = Path(tempfile.mkdtemp(prefix="bad_input_"))

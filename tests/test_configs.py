@@ -89,7 +89,7 @@ def test_core_dependencies_keep_the_machines_torch():
     base = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0]: d for d in proj["dependencies"]}
     assert not any("==" in d for d in proj["dependencies"]), proj["dependencies"]
     assert base["torch"].startswith("torch>=") and base["transformers"].startswith("transformers>=")
-    from eagle_data.extract.backends.sglang import SUPPORTED
+    from eagle_data.engines.sglang import SUPPORTED
 
     lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
     assert proj["optional-dependencies"]["sglang"] == [f"sglang>={lo},<={hi}"]
@@ -98,7 +98,7 @@ def test_core_dependencies_keep_the_machines_torch():
 def test_sglang_backend_without_the_extra_says_how_to_install(monkeypatch):
     import sys
 
-    from eagle_data.extract.backends import make_backend
+    from eagle_data.engines import make_backend
 
     monkeypatch.setitem(sys.modules, "sglang", None)  # `import sglang` fails as if not installed
     with pytest.raises(ValueError, match=r"backend 'sglang' needs the sglang extra: pip install -e '\.\[sglang\]'"):
@@ -112,7 +112,7 @@ def test_sglang_start_up_noise_is_silenced_in_child_processes_narrowly(monkeypat
     import subprocess
     import sys
 
-    from eagle_data.extract.backends.sglang_engine import quiet_sglang
+    from eagle_data.engines.sglang_engine import quiet_sglang
 
     monkeypatch.setenv("PYTHONWARNINGS", "default::DeprecationWarning")
     quiet_sglang()
@@ -169,7 +169,7 @@ def test_option_mappings_keep_quoted_strings(command):
 
 def test_backend_options_of_another_type_are_refused(tmp_path):
     from eagle_data.checks import check_option_types
-    from eagle_data.extract.backends import make_backend
+    from eagle_data.engines import make_backend
 
     with pytest.raises(ValueError, match="max_inflight must be int.*'8'"):
         make_backend("sglang", model_path=str(tmp_path), max_inflight="8")
@@ -183,7 +183,7 @@ def test_backend_options_of_another_type_are_refused(tmp_path):
 
 
 def test_sglang_engine_options_of_another_type_are_refused():
-    from eagle_data.extract.backends.sglang_engine import start_engine
+    from eagle_data.engines.sglang_engine import start_engine
 
     with pytest.raises(ValueError, match="sglang.Engine: option disable_cuda_graph must be bool.*'no'"):
         start_engine({"model_path": "unused", "disable_cuda_graph": "no"})

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import eagle_data.extract.backends.cpu_sgl_kernel.sgl_kernel as sk
+import eagle_data.engines.cpu_sgl_kernel.sgl_kernel as sk
 
 ops = torch.ops.sgl_kernel
 

@@ -1,4 +1,4 @@
-"""CUDA graphs of the HF prefill over bucketed shapes (:mod:`eagle_data.extract.backends.cuda_graphs`).
+"""CUDA graphs of the HF prefill over bucketed shapes (:mod:`eagle_data.engines.cuda_graphs`).
 
 CI has no GPU: the graphs' replay is stood in by re-running the captured body eagerly (what the
 module does on a CPU device), so these tests check everything around the graph itself: the bucket
@@ -12,10 +12,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from eagle_data.extract.backends import make_backend
-from eagle_data.extract.backends import cuda_graphs
-from eagle_data.extract.backends.cuda_graphs import GraphedPrefill, batch_bucket, bucket, graph_unsafe
-from eagle_data.extract.backends.hf import HFBackend
+from eagle_data.engines import make_backend
+from eagle_data.engines import cuda_graphs
+from eagle_data.engines.cuda_graphs import GraphedPrefill, batch_bucket, bucket, graph_unsafe
+from eagle_data.engines.hf import HFBackend
 
 from tiny import AUX, tiny_family, tiny_llama
 
@@ -138,7 +138,7 @@ def test_models_whose_rope_depends_on_the_length_are_refused(make, refused):
 def test_a_model_that_sees_its_padding_is_refused(monkeypatch):
     """Graphs pass no mask: a model whose real tokens see the padding after them is refused (the
     CUDA-device check is lifted here: the CPU stand-in replays eagerly)."""
-    import eagle_data.extract.backends.hf as hf
+    import eagle_data.engines.hf as hf
 
     monkeypatch.setattr(hf, "_check_graph_settings", lambda *a: None)
     assert HFBackend("tiny", aux_layer_ids=AUX, dtype="float32", model=tiny_llama(), cuda_graphs=True)._graphs
@@ -181,7 +181,7 @@ def test_a_model_returning_too_few_positions_is_named():
 def test_buckets_stay_within_a_learned_position_table(monkeypatch):
     """GPT-2 has 40 learned positions: a batch of 38 tokens whose bucket (48) would index past them
     runs eagerly, and its states are the eager ones."""
-    import eagle_data.extract.backends.hf as hf
+    import eagle_data.engines.hf as hf
     import transformers as T
 
     monkeypatch.setattr(hf, "_check_graph_settings", lambda *a: None)  # the CPU stand-in replays eagerly

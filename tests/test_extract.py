@@ -558,7 +558,7 @@ def test_run_stats_say_which_stage_the_capture_loop_waited_for(tmp_path, model_d
     never add up to more than the run's time."""
     import time as _time
 
-    from eagle_data.extract.backends.hf import HFBackend
+    from eagle_data.engines.hf import HFBackend
 
     class SlowBackend(HFBackend):
         def capture_async(self, batch):
@@ -695,7 +695,7 @@ def test_a_damaged_parquet_row_group_is_named(tmp_path, model_dir):
 
 def test_bf16_on_a_cpu_without_native_bf16_computes_in_fp32(tmp_path, model_dir, data_file, monkeypatch, caplog):
     """An AVX2-only CPU emulates bf16 (4.8x slower than fp32): compute fp32, store what was asked, say so."""
-    from eagle_data.extract.backends import base
+    from eagle_data.engines import base
 
     assert base.cpu_has_native_bf16("processor\t: 0\nflags\t\t: fpu sse avx2 fma\n") is False
     assert base.cpu_has_native_bf16("flags\t\t: fpu avx2 avx512f avx512_bf16\n") is True
@@ -715,7 +715,7 @@ def test_a_rerun_with_nothing_to_do_answers_without_loading_the_model(tmp_path, 
     """A finished rerun loaded the model before reading its progress (51 s; minutes for a large
     target). Only a provably identical rerun is short: a skipped row, a changed source or setting
     takes the full path (which resumes or refuses as before)."""
-    import eagle_data.extract.backends as backends
+    import eagle_data.engines as backends
 
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(GOOD[i % 2]) + "\n" for i in range(6)))

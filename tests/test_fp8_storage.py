@@ -200,7 +200,7 @@ def test_the_hf_backend_checks_finiteness_on_its_device_and_the_sample_is_skippe
     the others' True, and ``to_samples`` skips exactly it as ``non_finite_hidden_states``. A NaN in
     a padding row (token 6 of the 5-token sample) of the final states skips nothing (in an aux layer
     it would reach the sample's own rows through the next layers' attention)."""
-    from eagle_data.extract.backends.hf import HFBackend
+    from eagle_data.engines.hf import HFBackend
     from eagle_data.extract.chat import TokenizedSample
     from eagle_data.extract.fault import ErrorPolicy
     from eagle_data.extract.stages import to_samples

@@ -4,8 +4,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from eagle_data.extract.backends import default_aux_layer_ids, validate_aux_layer_ids
-from eagle_data.extract.backends.hf import HFBackend
+from eagle_data.engines import default_aux_layer_ids, validate_aux_layer_ids
+from eagle_data.engines.hf import HFBackend
 
 from tiny import AUX, tiny_family, tiny_llama
 
@@ -161,7 +161,7 @@ def test_the_probe_tells_a_rows_place_from_its_padding(dtype):
     """Stand-in models: one whose kernels round a row by its place in the batch (a few ulps, no
     padding effect) sees no padding; one whose real tokens read the padding's mean (a
     bidirectional leak) sees it, in float32 even when the leak is 1e-4 of the states."""
-    from eagle_data.extract.backends.hf import padding_is_visible
+    from eagle_data.engines.hf import padding_is_visible
 
     emb = torch.randn(600, 8, generator=torch.Generator().manual_seed(3))
 

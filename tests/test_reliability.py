@@ -222,7 +222,7 @@ def test_sigterm_while_the_model_loads_leaves_no_out_folder(tmp_path, kr):
     args = ["extract", "--out", str(out), "--model", str(model), "--data", str(data), "--num_samples", "null",
             "--dtype", "float32", "--aux_layer_ids", "[1, 3, 5]", "--progress", "false"]
     code = ("import pathlib, sys, time\n"
-            "import eagle_data.extract.backends as b\n"
+            "import eagle_data.engines as b\n"
             f"b.make_backend = lambda *a, **k: (pathlib.Path({str(loading)!r}).touch(), time.sleep(60))\n"
             "from eagle_data.cli.main import main\n"
             f"main({args!r})\n")

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 import torch
 
-from eagle_data.extract.backends.cuda_graphs import rope_length_limit
-from eagle_data.extract.backends.hf import HFBackend
+from eagle_data.engines.cuda_graphs import rope_length_limit
+from eagle_data.engines.hf import HFBackend
 
 AUX = [1, 2, 3]
 

@@ -146,7 +146,7 @@ def _trained_drafter(tmp_path: Path, steps: int = 300) -> tuple[Path, torch.Tens
     3 steps), exported in float32, and those sequences [16, 48]: prompts taken from them are
     continued as trained, so acceptance is far from zero and the engine-vs-replay checks are not
     trivial."""
-    from eagle_data.extract.backends.hf import HFBackend
+    from eagle_data.engines.hf import HFBackend
     from eagle_train.export import export_drafter
     from eagle_train.loss import ttt_loss
 

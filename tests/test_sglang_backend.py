@@ -16,8 +16,8 @@ import torch
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("needs the sglang extra (pip install eagle-data[sglang])", allow_module_level=True)
 
-from eagle_data.extract.backends import make_backend  # noqa: E402
-from eagle_data.extract.backends.hf import HFBackend  # noqa: E402
+from eagle_data.engines import make_backend  # noqa: E402
+from eagle_data.engines.hf import HFBackend  # noqa: E402
 from tiny import save_tiny_target  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -123,7 +123,7 @@ def test_layer_hooks_equal_the_engines_own_eagle3_capture(tiny_dir):
     the route of earlier releases of this backend, prompt by prompt (a 300-token one in three prefill
     chunks). Within one batch the two engines may schedule requests differently, which moves fp32 rows
     by ~1e-8 (matmul blocking), so each prompt runs alone."""
-    from eagle_data.extract.backends.sglang import SGLangBackend
+    from eagle_data.engines.sglang import SGLangBackend
 
     batch = [(f"r{i}", p) for i, p in enumerate(_prompts([5, 300, 17, 64], seed=6))]
     got = {}
@@ -201,7 +201,7 @@ def test_radix_cache_left_on_is_caught_and_names_the_sample(tiny_dir):
     """Forced misalignment: with the radix cache on, a shared prefix is served from cache and
     its rows never reach the hook. The backend must refuse, naming the sample."""
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    from eagle_data.extract.backends.sglang import SGLangBackend
+    from eagle_data.engines.sglang import SGLangBackend
 
     # the private option is not a user setting (make_backend refuses it), so the backend is built directly
     sg = SGLangBackend(model_path=str(tiny_dir), aux_layer_ids=AUX, dtype="float32", device="cpu",

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagle_data.extract.backends.sglang_hook import hook_specs, make_capture_hook, make_layer_hook
-from eagle_data.extract.backends.sglang_spool import (SPOOL_PREFIX, Piece, Spool, StitchError, list_spool, read_error,
+from eagle_data.engines.sglang_hook import hook_specs, make_capture_hook, make_layer_hook
+from eagle_data.engines.sglang_spool import (SPOOL_PREFIX, Piece, Spool, StitchError, list_spool, read_error,
                                               read_piece, remove_stale_spools, stitch, write_piece)
 
 H, K = 4, 3
@@ -119,7 +119,7 @@ def test_stale_spool_of_dead_pid_is_removed(tmp_path):
 def test_spool_removed_on_exit_sigterm_ctrl_c(tmp_path, how):
     code = textwrap.dedent(f"""
         import os, signal, sys
-        from eagle_data.extract.backends.sglang_spool import Spool
+        from eagle_data.engines.sglang_spool import Spool
         sp = Spool({str(tmp_path)!r}); Spool.install_signal_handlers()
         (sp.path / "chunk").write_bytes(b"x")
         print(sp.path, flush=True)
@@ -256,7 +256,7 @@ def test_layer_hooks_refuse_a_missing_or_doubled_slot(tmp_path, layer_hooks):
 
 def test_writer_bounds_the_bytes_in_flight(tmp_path, monkeypatch):
     """The hook waits only when the passes waiting to be written exceed max_pending_bytes."""
-    import eagle_data.extract.backends.sglang_hook as hk
+    import eagle_data.engines.sglang_hook as hk
     gate, seen = threading.Event(), []
     real = hk.write_piece
 
@@ -284,7 +284,7 @@ def test_writer_bounds_the_bytes_in_flight(tmp_path, monkeypatch):
 
 
 def test_hook_only_tp_rank_0_writes(tmp_path, monkeypatch):
-    import eagle_data.extract.backends.sglang_hook as hk
+    import eagle_data.engines.sglang_hook as hk
     monkeypatch.setattr(hk, "_tp_rank", lambda: 1)
     assert make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-"}) is None  # sglang registers nothing
     assert make_layer_hook({"spool_dir": str(tmp_path), "slot": 0, "n_aux": 3}) is None

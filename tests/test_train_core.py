@@ -208,7 +208,7 @@ def test_loss_mask_shift_example():
 
 
 def test_teacher_logits_match_target():
-    from eagle_data.extract.backends.hf import HFBackend
+    from eagle_data.engines.hf import HFBackend
     from eagle_train.loss import teacher_logits
 
     target = tiny_target()

@@ -37,7 +37,7 @@ def tiny_module(tmp_path: Path, draft_vocab_size: int = 48, seed: int = 0, **kw)
 
 def tiny_batch(target, n: int = 2, t: int = 24, seed: int = 0):
     """A right-padded batch in the EagleDataModule layout from the tiny target's real states."""
-    from eagle_data.extract.backends.hf import HFBackend
+    from eagle_data.engines.hf import HFBackend
 
     g = torch.Generator().manual_seed(seed)
     be = HFBackend(model=target, model_path="tiny", dtype="float32", aux_layer_ids=TINY_AUX)

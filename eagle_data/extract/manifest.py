@@ -41,6 +41,7 @@ from eagle_data.format.layout import (CARD_NAME, INDEX_DIR, INDEX_NAME, LOCK_NAM
 from eagle_data.format.card import dataset_card
 from eagle_data.format.records import Manifest, RankProgress, no_samples_message, note_reasons
 from eagle_data.format.schema import FINAL_STATE_NORM, INDEX_SCHEMA, LAYER_ID_CONVENTION, SCHEMA_VERSION
+from eagle_data.host import pid_alive
 from eagle_data.extract.sink import atomic_write_bytes, atomic_write_json, write_parquet_atomic
 
 log = logging.getLogger(__name__)
@@ -222,17 +223,6 @@ def repair_rank(out_dir: Path, rank: int, state: dict[str, Any]) -> list[str]:
     for a in actions:
         log.warning("rank %d resume: %s", rank, a)
     return actions
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove_stale_tmps(out: Path, names: tuple[str, ...]) -> None:

@@ -91,7 +91,7 @@ def _aux_layer_ids(cfg: ExtractConfig, model_path: str) -> list[int]:
     """The aux ids a backend would resolve, from the model's config alone (no weights)."""
     from transformers import AutoConfig
 
-    from eagle_data.extract.backends.base import default_aux_layer_ids, validate_aux_layer_ids
+    from eagle_data.engines.base import default_aux_layer_ids, validate_aux_layer_ids
 
     top = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
     n = int((getattr(top, "text_config", None) or top).num_hidden_layers)

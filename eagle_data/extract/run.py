@@ -40,7 +40,7 @@ from typing import Any, Iterator
 from tqdm.auto import tqdm
 
 from eagle_data.extract.async_sink import AsyncShardWriter
-from eagle_data.extract.backends.base import Backend
+from eagle_data.engines.base import Backend
 from eagle_data.background import background, timed
 from eagle_data.extract.chat import ChatRenderer, TokenizedSample
 from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage_dtype, front_in_process, model_dir,
@@ -184,8 +184,8 @@ def _start_front(cfg: ExtractConfig, renderer: ChatRenderer, tag: str) -> FrontP
 
 def _run_with(cfg: ExtractConfig, out: Path, backend: Backend | None, renderer: ChatRenderer, model_path: str,
               tag: str, front_proc: FrontProcess | None, sigs: Signals) -> dict[str, Any]:
-    from eagle_data.extract.backends import make_backend
-    from eagle_data.extract.backends.base import compute_dtype
+    from eagle_data.engines import make_backend
+    from eagle_data.engines.base import compute_dtype
 
     if backend is None:
         extra = {"trust_remote_code": True} if cfg.trust_remote_code and cfg.backend == "hf" else {}

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from eagle_data.extract.backends.base import Backend, Captured
+from eagle_data.engines.base import Backend, Captured
 from eagle_data.extract.chat import ChatRenderer, TokenizedSample, tokenize
 from eagle_data.extract.conversations import normalize
 from eagle_data.extract.fault import ErrorPolicy, Skip

@@ -140,7 +140,7 @@ class SGLangGenerator:
 
     def __init__(self, model_path: str, stop_ids: frozenset[int], *, dtype: str = "bfloat16", device: str = "cpu",
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1, **engine_kwargs: Any):
-        from eagle_data.extract.backends.sglang_engine import base_engine_kwargs, start_engine
+        from eagle_data.engines.sglang_engine import base_engine_kwargs, start_engine
 
         dev = torch.device(device).type
         named = {k: engine_kwargs.pop(k) for k in ("tp_size", "chunked_prefill_size", "mem_fraction_static",

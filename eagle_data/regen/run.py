@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 from tqdm.auto import tqdm
 
-from eagle_data.extract.backends.base import compute_dtype
+from eagle_data.engines.base import compute_dtype
 from eagle_data.extract.chat import ChatRenderer
 from eagle_data.extract.config import model_dir, rows_to_read
 from eagle_data.extract.conversations import normalize_record

@@ -14,7 +14,7 @@ Checks (each problem names the shard/sample/file it is about):
 * keys: unique across all shards and ranks;
 * ``index.parquet``: one row per stored sample, every column equal to what the shards hold;
 * directory: no temporaries, no shards or index parts the manifest does not list;
-* ``recompute=N``: N random samples re-run through :class:`eagle_data.extract.backends.hf.HFBackend`
+* ``recompute=N``: N random samples re-run through :class:`eagle_data.engines.hf.HFBackend`
   (model, aux ids and compute dtype from the manifest), max relative error per layer
   (``max|stored - recomputed| / max|recomputed|``) against ``rtol``; also per token
   (``||stored_t - recomputed_t|| / ||recomputed_t||``: median, p99, max) and the smallest
@@ -356,7 +356,7 @@ def _recompute_pairs(t: dict[str, torch.Tensor], c, aux_ids: list[int]):
 def _recompute(out: Path, m: dict[str, Any], facts: dict[str, dict[str, Any]], n: int, seed: int,
                device: str, rtol: float | None, rep: VerifyReport) -> None:
     """Re-run ``n`` random stored samples through the HF reference backend, one at a time."""
-    from eagle_data.extract.backends.hf import HFBackend
+    from eagle_data.engines.hf import HFBackend
 
     chosen = sorted(random.Random(seed).sample(sorted(facts), min(n, len(facts))))
     rep.recompute_keys = chosen

@@ -33,7 +33,7 @@ from typing import Iterable
 import torch
 from safetensors.torch import load_file
 
-from eagle_data.extract.manifest import pid_alive
+from eagle_data.host import pid_alive
 
 SPOOL_PREFIX = "eagle-data-sglang-"
 _PIECE_RE = re.compile(r"^(?P<rid>.+)@(?P<off>\d{10}|ERROR)@(?P<seq>\d{10})\.(?P<ext>safetensors|json)$")

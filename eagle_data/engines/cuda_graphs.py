@@ -12,7 +12,7 @@ captured the first time the bucket is seen; a batch longer than ``max_length`` o
 beyond ``max_graphs`` is not graphed (the caller runs its own eager forward), and so is every batch
 after a capture that failed (logged once). Inputs are right-padded with token 0 (rows and length)
 and the model gets no mask: the backend graphs only models whose real tokens do not see the padding
-after them (:func:`eagle_data.extract.backends.hf.padding_is_visible`), so a real token computes
+after them (:func:`eagle_data.engines.hf.padding_is_visible`), so a real token computes
 what it computes in the eager forward (values may differ by kernel rounding, as between any two
 batch compositions); a sliding window, chunked attention or ALiBi is built by the model inside the
 graph as it is outside. Models whose rope depends on the sequence length are not graphed
@@ -59,7 +59,7 @@ def graph_unsafe(config) -> str | None:
     """Why the HF ``config``'s model cannot run through :class:`GraphedPrefill` (None: it can): a
     rope whose tables depend on the sequence length (dynamic, longrope): the graph's length is the
     bucket's, not the batch's. Whether the model sees its padding is checked by running it
-    (:func:`eagle_data.extract.backends.hf.padding_is_visible`), not here."""
+    (:func:`eagle_data.engines.hf.padding_is_visible`), not here."""
     kinds = [kind for kind in _rope_types(config) if kind not in STATIC_ROPE]
     if kinds:
         return f"rope_type {kinds[0]!r} (its tables depend on the sequence length, the graph's is the bucket's)"

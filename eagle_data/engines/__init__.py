@@ -1,4 +1,4 @@
-"""Capture backends behind one small Protocol (:class:`eagle_data.extract.backends.base.Backend`).
+"""Capture backends behind one small Protocol (:class:`eagle_data.engines.base.Backend`).
 
 Heavy imports (transformers, sglang) live only inside their backend module.
 """
@@ -7,7 +7,7 @@ import inspect
 import sys
 
 from eagle_data.checks import check_option_types
-from eagle_data.extract.backends.base import Backend, BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
+from eagle_data.engines.base import Backend, BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
 
 #: options the extraction sets itself (not ``backend_kwargs``)
 _SET_BY_RUN = ("model_path", "aux_layer_ids", "dtype", "device", "model")
@@ -21,7 +21,7 @@ def make_backend(name: str, **kwargs) -> Backend:
             extra not installed, or a model folder whose weights cannot be loaded.
     """
     if name == "hf":
-        from eagle_data.extract.backends.hf import HFBackend as cls
+        from eagle_data.engines.hf import HFBackend as cls
     elif name == "sglang":
         import importlib.util
 
@@ -36,7 +36,7 @@ def make_backend(name: str, **kwargs) -> Backend:
         if not found:
             raise ValueError("backend 'sglang' needs the sglang extra: pip install -e '.[sglang]' "
                              "(no module named 'sglang')")
-        from eagle_data.extract.backends.sglang import SGLangBackend as cls
+        from eagle_data.engines.sglang import SGLangBackend as cls
     else:
         raise ValueError(f"unknown backend {name!r}; choose 'hf' or 'sglang'")
     params = inspect.signature(cls).parameters

@@ -1,4 +1,4 @@
-"""Engine settings shared by :class:`~eagle_data.extract.backends.sglang.SGLangBackend` and the benchmark.
+"""Engine settings shared by :class:`~eagle_data.engines.sglang.SGLangBackend` and the benchmark.
 
 No sglang import here: :func:`prepare_cpu_environment` must run before sglang is imported.
 """

@@ -5,9 +5,9 @@ build (``sgl-kernel`` compiled with its ``*_cpu`` ops): the ``sglang-kernel`` wh
 is a CUDA build (it needs ``libcuda.so.1``) and has no ``*_cpu`` ops, so
 ``SGLANG_USE_CPU_ENGINE=1`` cannot import it on a CPU-only host.
 
-How it is used: :func:`eagle_data.extract.backends.sglang_engine.prepare_cpu_environment` sets
+How it is used: :func:`eagle_data.engines.sglang_engine.prepare_cpu_environment` sets
 ``SGLANG_USE_CPU_ENGINE=1`` and puts the folder *containing* this package
-(``eagle_data/extract/backends/cpu_sgl_kernel``) first on ``PYTHONPATH`` before the engine spawns
+(``eagle_data/engines/cpu_sgl_kernel``) first on ``PYTHONPATH`` before the engine spawns
 its scheduler, so ``import sgl_kernel`` in the scheduler resolves here. SGLang then runs norm /
 activation / rotary / linear layers in native torch (this CPU reports no AMX, so no layer takes
 the packed-weight path) and calls only the ops below.
@@ -102,7 +102,7 @@ def _unsupported(name: str):
     def op(*_args, **_kwargs):
         raise NotImplementedError(
             f"sgl_kernel.{name} is not implemented by eagle-data's pure-torch CPU stand-in "
-            f"(eagle_data/extract/backends/cpu_sgl_kernel); install SGLang's CPU kernel build to use it")
+            f"(eagle_data/engines/cpu_sgl_kernel); install SGLang's CPU kernel build to use it")
     op.__name__ = name
     op.__qualname__ = name
     return op

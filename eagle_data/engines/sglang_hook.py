@@ -4,11 +4,11 @@ Registered through the ``forward_hooks`` server argument (``sglang/srt/model_exe
 the same in both versions), one spec per aux layer and one on the logits processor::
 
     {"name": "eagle_data_aux_0", "target_modules": ["model.layers.1"],
-     "hook_factory": "eagle_data.extract.backends.sglang_hook:make_layer_hook",
+     "hook_factory": "eagle_data.engines.sglang_hook:make_layer_hook",
      "config": {"spool_dir": "...", "slot": 0, "n_aux": 3}}
     ...
     {"name": "eagle_data_capture", "target_modules": ["logits_processor"],
-     "hook_factory": "eagle_data.extract.backends.sglang_hook:make_capture_hook",
+     "hook_factory": "eagle_data.engines.sglang_hook:make_capture_hook",
      "config": {"spool_dir": "...", "rid_prefix": "...", "n_aux": 3}}
 
 (:func:`hook_specs` builds the list.) Every pass runs the layers in order, then the logits processor:
@@ -28,7 +28,7 @@ the same in both versions), one spec per aux layer and one on the logits process
   this pass ([N, K*H] after concatenation), and for every request whose rid starts with
   ``rid_prefix`` in a plain ``ForwardMode.EXTEND`` pass hands rows
   ``[extend_prefix_len, extend_prefix_len + extend_seq_len)`` to the :class:`_Writer`, which
-  writes one chunk file per request (:func:`eagle_data.extract.backends.sglang_spool.write_piece`).
+  writes one chunk file per request (:func:`eagle_data.engines.sglang_spool.write_piece`).
 
 Nothing stalls the scheduler on a GPU: the pass's rows are copied into fresh device tensors, then
 to pinned host memory on a side stream, and a writer thread waits for that copy's event and
@@ -54,12 +54,12 @@ from typing import Any
 
 import torch
 
-from eagle_data.extract.backends.sglang_spool import write_error, write_piece
+from eagle_data.engines.sglang_spool import write_error, write_piece
 
 log = logging.getLogger(__name__)
 
-LAYER_HOOK = "eagle_data.extract.backends.sglang_hook:make_layer_hook"
-CAPTURE_HOOK = "eagle_data.extract.backends.sglang_hook:make_capture_hook"
+LAYER_HOOK = "eagle_data.engines.sglang_hook:make_layer_hook"
+CAPTURE_HOOK = "eagle_data.engines.sglang_hook:make_capture_hook"
 
 #: aux slots of the pass in progress, per spool dir: [slot] = the stream [N, H], or an error text
 _SLOTS: dict[str, list[Any]] = {}

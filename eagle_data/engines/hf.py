@@ -31,7 +31,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from eagle_data.format.fp8 import to_storage
 from eagle_data.format.schema import hidden_dtype, storage_dtype_of
-from eagle_data.extract.backends.base import (BackendInfo, Captured, check_served_aux_ids, default_aux_layer_ids,
+from eagle_data.engines.base import (BackendInfo, Captured, check_served_aux_ids, default_aux_layer_ids,
                                              validate_aux_layer_ids)
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class HFBackend:
             (:attr:`Captured.aux_scale` / ``hidden_scale``).
         final_out_dtype: dtype of returned final states (default: ``out_dtype``).
         cuda_graphs: run the prefill through CUDA graphs of bucketed batch shapes
-            (:mod:`eagle_data.extract.backends.cuda_graphs`; CUDA; causal models whose rope does not
+            (:mod:`eagle_data.engines.cuda_graphs`; CUDA; causal models whose rope does not
             depend on the sequence length): for small targets, whose forward is launch-bound.
             Default off.
         graph_length_step: with ``cuda_graphs``, batch lengths are rounded up to a multiple of this.
@@ -127,7 +127,7 @@ class HFBackend:
         self.info.extra["padding_mask"] = self.mask_padding  # the probe's decision, in the manifest
         self._graphs = None
         if cuda_graphs:
-            from eagle_data.extract.backends.cuda_graphs import GraphedPrefill, graph_max_length, graph_unsafe
+            from eagle_data.engines.cuda_graphs import GraphedPrefill, graph_max_length, graph_unsafe
 
             why = graph_unsafe(cfg) or ("its real tokens' states depend on the padding after them (not causal)"
                                         if self.mask_padding else None)
@@ -136,7 +136,7 @@ class HFBackend:
             self._graphs = GraphedPrefill(lambda ids: self._states(ids, None), self.device, length_step=graph_length_step,
                                           max_length=graph_max_length(cfg))
         self.info.extra["cuda_graphs"] = self._graphs is not None
-        from eagle_data.extract.backends.cuda_graphs import rope_length_limit
+        from eagle_data.engines.cuda_graphs import rope_length_limit
 
         #: batches longer than this run split by row length (a length-dependent rope); None: never
         self.rope_limit = rope_length_limit(cfg)
@@ -188,12 +188,12 @@ class HFBackend:
         return fn
 
     def capture(self, batch: Sequence[tuple[str, torch.Tensor]]) -> list[Captured]:
-        """See :meth:`eagle_data.extract.backends.base.Backend.capture`. One forward for the batch."""
+        """See :meth:`eagle_data.engines.base.Backend.capture`. One forward for the batch."""
         return self.capture_async(batch).result()
 
     def capture_iter(self, batches: Iterable[Sequence[tuple[str, torch.Tensor]]],
                      prefetch: int = 1) -> Iterator[list[Captured]]:
-        """See :meth:`eagle_data.extract.backends.base.Backend.capture_iter`: batch i+1's forward is
+        """See :meth:`eagle_data.engines.base.Backend.capture_iter`: batch i+1's forward is
         launched (:meth:`capture_async`) before batch i's states are handed out."""
         pending: deque[PendingCapture] = deque()
         for batch in batches:

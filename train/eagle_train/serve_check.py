@@ -20,7 +20,7 @@ verify pass (K + 1 tokens per forward) rounds differently from one-token decode,
 part after a near-tie.
 
 On CPU the engine runs sglang 0.5.23 with eagle-data's stand-in ``sgl_kernel`` and its
-``intel_amx`` attention backend (:func:`eagle_data.extract.backends.sglang_engine.start_engine`);
+``intel_amx`` attention backend (:func:`eagle_data.engines.sglang_engine.start_engine`);
 on a GPU, stock SGLang.
 """
 
@@ -104,7 +104,7 @@ def _engine_run(kw: dict[str, Any], prompts: list[list[int]], max_new_tokens: in
                 speed_batches: Sequence[int] = ()) -> tuple[list[dict], float, float, list[dict]]:
     """Start an engine, generate, time ``speed_batches`` (:func:`decode_speed`), shut it down:
     ``(results, start seconds, generate seconds, speeds)``."""
-    from eagle_data.extract.backends.sglang_engine import start_engine
+    from eagle_data.engines.sglang_engine import start_engine
 
     t0 = time.perf_counter()
     engine = start_engine(kw)
@@ -170,8 +170,8 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
     tokens/s plain vs speculative per batch size of ``speed_batches``). ``exported``: the
     ``(drafter, aux_layer_ids)`` of ``drafter_dir`` when the caller has read it already."""
     from eagle_data.checks import check_positive
-    from eagle_data.extract.backends.hf import HFBackend
-    from eagle_data.extract.backends.sglang_engine import CPU_SPEC_ATTENTION, base_engine_kwargs, spec_engine_kwargs
+    from eagle_data.engines.hf import HFBackend
+    from eagle_data.engines.sglang_engine import CPU_SPEC_ATTENTION, base_engine_kwargs, spec_engine_kwargs
     from eagle_train.evaluate import load_target
     from eagle_train.export import load_exported_drafter
 

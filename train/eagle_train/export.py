@@ -128,7 +128,7 @@ def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[i
         raise ValueError("aux_layer_ids are required (the dataset manifest's ids): the checkpoint records none "
                          "(trained without model.dataset_dir or model.aux_layer_ids); pass --aux_layer_ids")
     if format == "sglang":
-        from eagle_data.extract.backends.base import check_served_aux_ids
+        from eagle_data.engines.base import check_served_aux_ids
 
         check_served_aux_ids(aux_layer_ids, target_config.get("architectures"))
     if getattr(drafter, "zero_features", False):

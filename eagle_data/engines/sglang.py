@@ -3,13 +3,13 @@
 How it works:
 
 1. The engine runs plain prefills (``max_new_tokens=0``), no draft, no speculative stack.
-   :mod:`eagle_data.extract.backends.sglang_hook` is registered through the ``forward_hooks``
+   :mod:`eagle_data.engines.sglang_hook` is registered through the ``forward_hooks``
    server arg (the same in every supported version): one hook per aux layer on
    ``model.layers.<id>`` stores the residual stream after that layer (our id ``k`` = HF
    ``hidden_states[k + 1]``, :data:`eagle_data.format.schema.LAYER_ID_CONVENTION`; proven against
    HF in the tests), and one hook on ``logits_processor`` takes the final post-norm state and, in
    every plain EXTEND pass, writes each of our requests' rows as a safetensors chunk into a spool
-   dir (:mod:`eagle_data.extract.backends.sglang_spool`), off the scheduler's thread.
+   dir (:mod:`eagle_data.engines.sglang_spool`), off the scheduler's thread.
 2. :meth:`SGLangBackend.capture` sends ``input_ids`` (never text) with ``max_new_tokens=0`` and
    ``rid=<run prefix><n>`` for every sample, at most ``max_inflight`` requests /
    ``max_inflight_tokens`` tokens in flight (bounds the spool), and when a request
@@ -28,7 +28,7 @@ request whose rows must arrive. On GPU, prefill CUDA graphs are disabled
 recorded in ``info.extra``.
 
 CPU: with ``device="cpu"`` the backend sets ``SGLANG_USE_CPU_ENGINE=1`` and puts
-``eagle_data/extract/backends/cpu_sgl_kernel`` (a pure-torch ``sgl_kernel`` stand-in, see its
+``eagle_data/engines/cpu_sgl_kernel`` (a pure-torch ``sgl_kernel`` stand-in, see its
 docstring) first on ``PYTHONPATH`` before importing sglang, so the spawned scheduler
 inherits both. Scripts that build this backend need ``if __name__ == "__main__":`` (spawn).
 
@@ -51,12 +51,12 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from eagle_data.format.schema import hidden_dtype
-from eagle_data.extract.backends.base import (BackendInfo, Captured, check_served_aux_ids, default_aux_layer_ids,
+from eagle_data.engines.base import (BackendInfo, Captured, check_served_aux_ids, default_aux_layer_ids,
                                              validate_aux_layer_ids)
-from eagle_data.extract.backends.sglang_engine import (CPU_KERNEL_DIR, base_engine_kwargs, model_facts,  # noqa: F401
+from eagle_data.engines.sglang_engine import (CPU_KERNEL_DIR, base_engine_kwargs, model_facts,  # noqa: F401
                                                        prepare_cpu_environment, start_engine)
-from eagle_data.extract.backends.sglang_hook import hook_specs
-from eagle_data.extract.backends.sglang_spool import RowsMissing, Spool, StitchError, list_spool, read_error, read_piece, stitch
+from eagle_data.engines.sglang_hook import hook_specs
+from eagle_data.engines.sglang_spool import RowsMissing, Spool, StitchError, list_spool, read_error, read_piece, stitch
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class SGLangBackend:
     # ------------------------------------------------------------------ capture
 
     def capture(self, batch: Sequence[tuple[str, torch.Tensor]]) -> list[Captured]:
-        """Capture ``(key, input_ids [T] int64)`` pairs; see :class:`eagle_data.extract.backends.base.Backend`.
+        """Capture ``(key, input_ids [T] int64)`` pairs; see :class:`eagle_data.engines.base.Backend`.
 
         Returns ``Captured`` in input order with ``aux_hidden_states`` [T, 3H] and
         ``hidden_states`` [T, H] in the engine dtype, on CPU.
