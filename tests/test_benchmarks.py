@@ -287,7 +287,7 @@ def test_a_benchmark_stopped_by_sigterm_removes_its_scratch_folder(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "benchmarks", "extract", "--shape", "tiny", "--device", "cpu",
                           "--dtype", "float32", "--num_batches", "400", "--repeats", "3", "--peers", "false",
                           "--out", str(out)], cwd=Path(__file__).resolve().parents[1],
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.time()
     while not list(out.glob("eagle-bench-*")) and p.poll() is None and time.time() - t0 < 120:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(tmp_path, **env):
     e = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "tau"),
-         "PYTHONPATH": str(ROOT), **env}
+         "PYTHONPATH": os.pathsep.join(sys.path), **env}
     return subprocess.run(["bash", str(ROOT / "scripts" / "tau_bench.sh")], env=e, capture_output=True, text=True,
                           timeout=120)
 
