@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from eagle_data.stream.config import ReadConfig
 from eagle_data.stream.datamodule import EagleDataModule
 from eagle_data.tools.synthetic import write_synthetic
 
@@ -135,3 +136,31 @@ def test_defaults_follow_the_machine(monkeypatch):
         dm = EagleDataModule(train="unused")
         assert dm.num_workers == want and dm.pin_memory == torch.cuda.is_available()
     assert EagleDataModule(train="unused", num_workers=3, pin_memory=True).num_workers == 3
+
+
+def test_one_read_config_for_dataset_loader_and_datamodule(tmp_path):
+    """The reading options are declared once (ReadConfig): the DataModule's --data options are its
+    fields (a command-line token budget wins over a config's batch_size), the DataModule, its
+    dataset and its loader hold one config, and the dataset takes it or its fields alike."""
+    import dataclasses
+
+    from eagle_data.stream.dataset import EagleShardDataset
+    from eagle_train.cli import make_cli
+
+    write_synthetic(tmp_path, [4])
+    train_cfg = str(Path(__file__).parents[1] / "configs/train/smollm2_cpu.yaml")
+    parsed = make_cli(args=["--config", train_cfg, "--data.train", str(tmp_path), "--data.max_tokens", "16"],
+                      run=False, parse_only=True).config["data"].as_dict()
+    fields = [f.name for f in dataclasses.fields(ReadConfig)]
+    assert set(fields) <= set(parsed) and parsed["batch_size"] == 1 and parsed["max_tokens"] == 16
+    dm = EagleDataModule(**{**parsed, "pin_memory": False})
+    read = ReadConfig(**{k: parsed[k] for k in fields})
+    ds = dm.train_dataloader().dataset
+    assert dm.read == read and ds.read is dm.read and ds.batch_size is None
+    by_fields = EagleShardDataset(tmp_path, **{k: parsed[k] for k in fields})
+    assert EagleShardDataset(tmp_path, read=read).plan_facts() == by_fields.plan_facts()
+    assert EagleShardDataset(tmp_path, read=read, max_tokens=None).batch_size == 1  # keywords over read's
+    with pytest.raises(ValueError, match="^on_error must be 'raise' or 'skip', got 'ignore'$"):
+        EagleDataModule(train=str(tmp_path), on_error="ignore")
+    with pytest.raises(TypeError, match="batch_sise"):
+        EagleShardDataset(tmp_path, batch_sise=2)

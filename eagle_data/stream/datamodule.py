@@ -3,11 +3,12 @@
 Plain script::
 
     from eagle_data.stream.datamodule import EagleDataModule
-    dm = EagleDataModule(train="out/ds-train", val="out/ds-val", batch_size=8, num_workers=2)
+    dm = EagleDataModule(train="out/ds-train", val="out/ds-val", max_tokens=16384, num_workers=2)
     trainer.fit(model, datamodule=dm)
 
 YAML (the ``data`` section of ``LightningCLI``): ``configs/datamodule.yaml`` holds these
-arguments; ``python -m eagle_train.cli fit --config configs/train/smollm2_cpu.yaml --data
+arguments (the reading options are the fields of :class:`~eagle_data.stream.config.ReadConfig`);
+``python -m eagle_train.cli fit --config configs/train/smollm2_cpu.yaml --data
 configs/datamodule.yaml`` (or ``eagle-data train ... --data configs/datamodule.yaml``).
 
 Epochs: the train loader is created once and each ``iter()`` is the next epoch (Lightning
@@ -30,6 +31,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 
 from eagle_data.checks import check_positive
+from eagle_data.stream.config import ReadConfig
 from eagle_data.stream.dataset import EagleShardDataset
 from eagle_data.stream.loader import EagleDataLoader
 
@@ -40,40 +42,27 @@ class EagleDataModule(LightningDataModule):
     Args:
         train: training data: dataset dir(s)/URL(s) with manifest.json, or shard URLs/brace patterns.
         val: validation data (same forms), or None for no validation.
-        batch_size: samples per batch; set None to batch by ``max_tokens`` instead.
-        max_tokens: token budget per batch (``B * max(T)``), length-bucketed (needs index.parquet).
-        max_length: truncate samples to this many tokens (None: as stored).
         num_workers: DataLoader workers per rank (None: ``min(4, CPUs - 1)``, so 1 on a 2-core machine;
             resuming needs the same count, so give it explicitly when machines differ).
-        seed: shuffling seed (order = f(seed, epoch)).
-        shuffle_buffer: raw samples buffered per worker for shuffling.
-        shuffle_initial: samples buffered before the first is drawn (the buffer then grows).
-        bucket_window: token-budget mode: samples sorted by length within windows of this many.
-        max_batch_size: token-budget mode: samples per batch at most.
         pin_memory: pin batch tensors for faster host-to-GPU copies (None: when CUDA is available).
-        hidden_size: expected H of the target model (checked against the manifests; None: any).
-        aux_layer_ids: expected aux layer ids (checked; None: any).
-        dtype: expected stored dtype, e.g. "bfloat16" (checked; None: any).
-        on_error: "raise" on a corrupt shard/sample, or "skip" to count and continue.
-        read_threads: threads per loader process reading samples into a batch (None: min(4, CPUs)).
-        val_batch_size: validation batch size (default: batch_size); val is never shuffled.
+        val_batch_size: validation batch size (default: as the training data is batched); validation
+            is never shuffled.
+        **fields: how both are read: the fields of :class:`~eagle_data.stream.config.ReadConfig`
+            (``batch_size``, ``max_tokens``, ``max_length``, ``seed``, ...; on the command line
+            ``--data.max_tokens 16384``), declared and documented there.
 
     Raises:
-        ValueError: ``batch_size``, ``max_tokens``, ``bucket_window``, ``max_batch_size`` or
+        ValueError: a bad read field (names it, see :class:`~eagle_data.stream.config.ReadConfig`),
             ``val_batch_size`` below 1, ``num_workers`` below 0 (checked here, before any data is read).
     """
 
     def __init__(self, train: Union[str, list[str]], val: Optional[Union[str, list[str]]] = None,
-                 batch_size: Optional[int] = 8, max_tokens: Optional[int] = None,
-                 max_length: Optional[int] = None, num_workers: Optional[int] = None, seed: int = 0, shuffle_buffer: int = 64,
-                 shuffle_initial: int = 16, bucket_window: int = 256, max_batch_size: int = 256,
-                 pin_memory: Optional[bool] = None,
-                 hidden_size: Optional[int] = None, aux_layer_ids: Optional[list[int]] = None,
-                 dtype: Optional[str] = None, on_error: str = "raise", val_batch_size: Optional[int] = None,
-                 read_threads: Optional[int] = None):
+                 num_workers: Optional[int] = None, pin_memory: Optional[bool] = None,
+                 val_batch_size: Optional[int] = None, **fields: Any):
         super().__init__()
-        check_positive(batch_size=batch_size, max_tokens=max_tokens, bucket_window=bucket_window,
-                       max_batch_size=max_batch_size, val_batch_size=val_batch_size)
+        #: how the training and validation data are read (the validation loader: unshuffled)
+        self.read = ReadConfig(**fields)  # jsonargparse makes --data.<field> of ReadConfig's fields from this call
+        check_positive(val_batch_size=val_batch_size)
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         self.save_hyperparameters()
@@ -81,20 +70,14 @@ class EagleDataModule(LightningDataModule):
             num_workers = min(4, max(0, (os.cpu_count() or 1) - 1))
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
-        if max_tokens is not None:
-            batch_size = None
-        self.cfg = dict(batch_size=batch_size, max_tokens=max_tokens, max_length=max_length, seed=seed,
-                        shuffle_buffer=shuffle_buffer, shuffle_initial=shuffle_initial, bucket_window=bucket_window, max_batch_size=max_batch_size,
-                        hidden_size=hidden_size, aux_layer_ids=aux_layer_ids, dtype=dtype, on_error=on_error,
-                        read_threads=read_threads)
         self.train_sources, self.val_sources = train, val
         self.num_workers, self.pin_memory, self.val_batch_size = num_workers, pin_memory, val_batch_size
         self._train: Optional[EagleDataLoader] = None
         self._val: Optional[EagleDataLoader] = None
 
-    def _loader(self, sources, **over: Any) -> EagleDataLoader:
-        ds = EagleShardDataset(sources, **{**self.cfg, **over})
-        return EagleDataLoader(ds, num_workers=self.num_workers, pin_memory=self.pin_memory)
+    def _loader(self, sources, read: ReadConfig) -> EagleDataLoader:
+        return EagleDataLoader(EagleShardDataset(sources, read), num_workers=self.num_workers,
+                               pin_memory=self.pin_memory)
 
     def hold_to(self, hidden_size: int, aux_layer_ids: Optional[list[int]]) -> list[int]:
         """Expect these model facts from every source (the drafter's; loaders built before are
@@ -104,21 +87,22 @@ class EagleDataModule(LightningDataModule):
         Raises:
             ValueError: this module was given other facts, or a manifest differs (names it)."""
         for name, mine in (("hidden_size", hidden_size), ("aux_layer_ids", aux_layer_ids)):
-            theirs = self.cfg.get(name)
+            theirs = getattr(self.read, name)
             if mine is not None and theirs is not None and [int(v) for v in np.atleast_1d(theirs)] != \
                     [int(v) for v in np.atleast_1d(mine)]:
                 raise ValueError(f"data.{name} is {theirs}, the drafter's is {mine}")
             if mine is not None:
-                self.cfg[name] = mine
+                self.read = self.read.replace(**{name: mine})
         self._train = self._val = None
         if aux_layer_ids is None:
-            self.cfg["aux_layer_ids"] = list(self.train_dataloader().dataset.facts["aux_layer_ids"])
-        return list(self.cfg["aux_layer_ids"])
+            ids = self.train_dataloader().dataset.facts["aux_layer_ids"]
+            self.read = self.read.replace(aux_layer_ids=list(ids))
+        return list(self.read.aux_layer_ids)
 
     def train_dataloader(self) -> EagleDataLoader:
         """The (cached) training loader; each iteration is the next epoch."""
         if self._train is None:
-            self._train = self._loader(self.train_sources)
+            self._train = self._loader(self.train_sources, self.read)
         return self._train
 
     def val_dataloader(self) -> Any:
@@ -126,10 +110,10 @@ class EagleDataModule(LightningDataModule):
         if self.val_sources is None:
             return []
         if self._val is None:
-            over: dict[str, Any] = {"shuffle": False}
+            read = self.read.replace(shuffle=False)
             if self.val_batch_size is not None:
-                over.update(batch_size=self.val_batch_size, max_tokens=None)
-            self._val = self._loader(self.val_sources, **over)
+                read = read.replace(batch_size=self.val_batch_size, max_tokens=None)
+            self._val = self._loader(self.val_sources, read)
         return self._val
 
     def set_epoch(self, epoch: int) -> None:

@@ -11,7 +11,8 @@ Pipeline (webdataset stages; each worker runs it on its own slot, see :mod:`eagl
        workers, a reused buffer pool otherwise)
 
 Use it through :class:`eagle_data.stream.loader.EagleDataLoader` (epochs, resume, skip counts) or
-:class:`eagle_data.stream.datamodule.EagleDataModule`. See :mod:`eagle_data.stream.plan` for the
+:class:`eagle_data.stream.datamodule.EagleDataModule`; the settings of every stage are one
+:class:`~eagle_data.stream.config.ReadConfig`. See :mod:`eagle_data.stream.plan` for the
 equal-batch-count rule.
 """
 
@@ -22,6 +23,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 from collections import Counter
 from typing import Any, Iterator, Sequence
@@ -31,7 +33,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from eagle_data.stream import plan as B
 from eagle_data.stream import collate as C
-from eagle_data.checks import check_positive
 from eagle_data.format.fp8 import dequantize_fields
 from eagle_data.format.schema import STORAGE_DTYPES, SampleError, batch_dtype, decode_tensors
 from eagle_data.format.layout import INDEX_NAME
@@ -39,6 +40,7 @@ from eagle_data.stream.shards import (check_compat, epoch_shard_order, manifest_
                                       slot_spans)
 from eagle_data.format.final_rows import expand as expand_final_rows
 from eagle_data.format.payload import view_tensors
+from eagle_data.stream.config import ReadConfig
 from eagle_data.stream.reader import read_span
 
 log = logging.getLogger(__name__)
@@ -58,75 +60,34 @@ class EagleShardDataset(IterableDataset):
     Args:
         sources: dataset dir(s)/URL(s) with ``manifest.json``, manifest file(s), or shard
             URLs / brace patterns (``s3://``, ``gs://``, ``https://``, ``pipe:``...).
+        read: how to read (:class:`~eagle_data.stream.config.ReadConfig`: batching, shuffling,
+            expected model facts, error policy; a dict of its fields is taken too; None: the defaults).
         manifest: manifest for shard-URL sources (default: the one next to each shard).
-        batch_size: samples per batch (fixed-size batching). With ``batch_size=1`` and a sample
-            count not divisible by ranks x workers, the last ``N % slots`` positions of each
-            epoch's permuted stream are dropped (warned once), so every slot yields as many
-            batches; every other setting sees each sample exactly once per epoch.
-        max_tokens: token budget ``B * max(T)`` per batch (length-bucketed); give exactly one
-            of ``batch_size`` / ``max_tokens``. Needs ``index.parquet`` (``num_tokens`` is read
-            once, 4 bytes per sample).
-        max_length: truncate samples to this many tokens (None: keep all).
-        shuffle: permute shards per epoch and shuffle samples (buffer ``shuffle_buffer``).
-        seed: base seed; the order is a function of ``(seed, epoch, slot)`` only.
-        shuffle_buffer: samples held per worker for shuffling (local shards: descriptors of a
-            few hundred bytes, the data waits in the page cache; remote streams: the samples'
-            bytes, so memory = this x sample size).
-        shuffle_initial: samples buffered before the first one is drawn (webdataset's
-            ``initial``); the buffer then grows to ``shuffle_buffer`` while reading runs ahead
-            of the batches, so the first batch does not wait for a full buffer.
-        bucket_window: token mode: samples sorted by length within windows of this many.
-        max_batch_size: token mode: samples per batch at most.
-        hidden_size, aux_layer_ids, dtype: expected model facts; the manifests must match.
-        on_error: ``"raise"`` (default) or ``"skip"`` (count unreadable samples, keep going).
-        read_threads: threads per process that read/copy the samples' hidden states into a
-            batch in parallel (``preadv`` and memory copies release the GIL); None:
-            ``min(4, os.cpu_count())``.
         rank, world_size: override ``torch.distributed`` (simulation, tests).
+        **fields: :class:`~eagle_data.stream.config.ReadConfig` fields, over ``read``'s
+            (``EagleShardDataset(path, max_tokens=16384)``).
 
     Raises:
-        ValueError: bad arguments (``batch_size``, ``max_tokens``, ``bucket_window``,
-            ``max_batch_size`` below 1, ...), missing/incompatible manifests, fewer samples than slots.
+        ValueError: bad read settings (see :class:`~eagle_data.stream.config.ReadConfig`),
+            missing/incompatible manifests, fewer samples than slots.
+        TypeError: a keyword that is no ``ReadConfig`` field.
     """
 
-    def __init__(self, sources: str | Sequence[str], *, manifest: str | None = None,
-                 batch_size: int | None = None, max_tokens: int | None = None, max_length: int | None = None,
-                 shuffle: bool = True, seed: int = 0, shuffle_buffer: int = 64, shuffle_initial: int = 16,
-                 bucket_window: int = 256,
-                 max_batch_size: int = 256, hidden_size: int | None = None,
-                 aux_layer_ids: Sequence[int] | None = None, dtype: str | None = None, on_error: str = "raise",
-                 read_threads: int | None = None, rank: int | None = None, world_size: int | None = None):
-        if (batch_size is None) == (max_tokens is None):
-            raise ValueError("give exactly one of batch_size or max_tokens")
-        check_positive(batch_size=batch_size, max_tokens=max_tokens, bucket_window=bucket_window,
-                       max_batch_size=max_batch_size)
-        if max_length is not None and max_length < 1:
-            raise ValueError(f"max_length must be >= 1 (or None: keep all), got {max_length}")
-        if dtype is not None and dtype not in STORAGE_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(STORAGE_DTYPES)} (or None: the manifest's), got {dtype!r}")
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    def __init__(self, sources: str | Sequence[str], read: ReadConfig | dict[str, Any] | None = None, *,
+                 manifest: str | None = None, rank: int | None = None, world_size: int | None = None,
+                 **fields: Any):
+        self.read = read = ReadConfig.of(read, **fields)
         self.shards, manifests = resolve_sources(sources, manifest)
-        self.facts = check_compat(manifests, {"hidden_size": hidden_size, "aux_layer_ids": aux_layer_ids,
-                                              "dtype": dtype})
+        self.facts = check_compat(manifests, {"hidden_size": read.hidden_size, "aux_layer_ids": read.aux_layer_ids,
+                                              "dtype": read.dtype})
         self.manifests = [u for u, _ in manifests]
         #: each manifest's ``weights_fingerprint`` (None: not recorded): which weights made its states
         self.fingerprints = {u: manifest_fact(m, "weights_fingerprint") for u, m in manifests}
-        self.batch_size, self.max_tokens, self.max_length = batch_size, max_tokens, max_length
-        if shuffle_buffer < 0 or shuffle_initial < 1:
-            raise ValueError(f"shuffle_buffer must be >= 0 and shuffle_initial >= 1, got {shuffle_buffer}, "
-                             f"{shuffle_initial}")
-        self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
-        self.shuffle_initial = shuffle_initial
-        self.bucket_window, self.max_batch_size, self.on_error = bucket_window, max_batch_size, on_error
+        #: samples per batch in fixed mode, None in token mode (``read.max_tokens``)
+        self.batch_size = read.fixed_batch_size
         self.rank, self.world_size = rank, world_size
-        if read_threads is None:
-            import os
-
-            read_threads = min(4, os.cpu_count() or 1)
-        if read_threads < 1:
-            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
-        self.read_threads = read_threads
+        #: threads reading samples into a batch (``read.read_threads``, resolved)
+        self.read_threads = read.read_threads or min(4, os.cpu_count() or 1)
         self._warned_drop = False
         self._pool = C.BufferPool()  # batch memory reused in this process (not in workers: shared memory)
         self.num_samples = sum(s.num_samples for s in self.shards)
@@ -146,15 +107,26 @@ class EagleShardDataset(IterableDataset):
         self._epoch_cell = torch.tensor([0, 0], dtype=torch.int64).share_memory_()
         self.skipped: Counter = Counter()
 
+    @property
+    def max_length(self) -> int | None:
+        """``read.max_length``: samples are cut to this many tokens (None: as stored)."""
+        return self.read.max_length
+
+    @property
+    def max_tokens(self) -> int | None:
+        """``read.max_tokens``: the token budget per batch (None: fixed ``batch_size``)."""
+        return self.read.max_tokens
+
     # ---- topology and plan ------------------------------------------------------------------
     def plan_facts(self) -> dict[str, Any]:
         """What the epoch plan depends on besides seed, epoch and topology: the batching and
         shuffling settings and the shards (names and counts, in order; not where they live). A
         resume must find them equal (:meth:`~eagle_data.stream.loader.EagleDataLoader.load_state_dict`)."""
         shards = hashlib.sha256(json.dumps([(s.name, s.num_samples, s.num_tokens) for s in self.shards]).encode())
-        return {"batch_size": self.batch_size, "max_tokens": self.max_tokens, "max_length": self.max_length,
-                "max_batch_size": self.max_batch_size, "bucket_window": self.bucket_window, "shuffle": self.shuffle,
-                "shuffle_buffer": self.shuffle_buffer, "shuffle_initial": self.shuffle_initial,
+        r = self.read
+        return {"batch_size": self.batch_size, "max_tokens": r.max_tokens, "max_length": r.max_length,
+                "max_batch_size": r.max_batch_size, "bucket_window": r.bucket_window, "shuffle": r.shuffle,
+                "shuffle_buffer": r.shuffle_buffer, "shuffle_initial": r.shuffle_initial,
                 "shards": shards.hexdigest()[:16]}
 
     def rank_world(self) -> tuple[int, int]:
@@ -218,17 +190,17 @@ class EagleShardDataset(IterableDataset):
             except Exception as e:
                 raise ValueError(f"max_tokens batching needs {base}/index.parquet: {e}") from e
             for name, n in zip(t.column("shard").to_pylist(), t.column("num_tokens").to_pylist()):
-                out.setdefault((murl, name), []).append(min(n, self.max_length or n))
-        over = [n for lens in out.values() for n in lens if n > self.max_tokens]
+                out.setdefault((murl, name), []).append(min(n, self.read.max_length or n))
+        over = [n for lens in out.values() for n in lens if n > self.read.max_tokens]
         info = get_worker_info()
         if over and (info is None or info.id == 0):  # once per rank, not once per worker
             log.warning("%d sample(s) are longer than max_tokens=%d (the longest: %d tokens): each forms a batch "
                         "of its own, above the token budget; max_length <= max_tokens cuts them instead",
-                        len(over), self.max_tokens, max(over))
+                        len(over), self.read.max_tokens, max(over))
         return out
 
     def _rng(self, epoch: int, slot: int) -> random.Random:
-        return random.Random(f"{self.seed}:{epoch}:{slot}")
+        return random.Random(f"{self.read.seed}:{epoch}:{slot}")
 
     def plan(self, epoch: int, world: int, workers: int, slot: int):
         """``(spans, batches)`` of one slot (``slot = rank * workers + worker``).
@@ -240,21 +212,21 @@ class EagleShardDataset(IterableDataset):
         lists of rank-local positions, with the spans of the whole rank part (the worker reads it
         and keeps its positions): so the batches are the same whatever the number of workers."""
         sizes, fixed = self._sizes(world, workers)
-        order = epoch_shard_order(self.shards, self.seed, epoch, self.shuffle)
+        order = epoch_shard_order(self.shards, self.read.seed, epoch, self.read.shuffle)
         if fixed is not None:
             return slot_spans(order, sizes, slot), fixed[slot]
         rank, worker = divmod(slot, workers)
-        plans = []
+        plans, rd = [], self.read
         for r in range(world):
             lens = [n for sp in slot_spans(order, sizes, r)
                     for n in self._lengths()[(sp.shard.manifest, sp.shard.name)][sp.start:sp.stop]]
-            plans.append((lens, B.token_plan(lens, self._buf(), self._rng(epoch, r), self.bucket_window,
-                                             self.max_tokens, self.max_batch_size, self.shuffle_initial)))
+            plans.append((lens, B.token_plan(lens, self._buf(), self._rng(epoch, r), rd.bucket_window, rd.max_tokens,
+                                             rd.max_batch_size, rd.shuffle_initial)))
         target = max(len(p) for _, p in plans)
         return slot_spans(order, sizes, rank), B.deal(B.split_to(plans[rank][1], target, plans[rank][0]), workers, worker)
 
     def _buf(self) -> int:
-        return self.shuffle_buffer if self.shuffle else 0
+        return self.read.shuffle_buffer if self.read.shuffle else 0
 
     def batches_per_rank(self, num_workers: int | None = None, epoch: int | None = None) -> int:
         """Batches each rank yields in ``epoch`` (same on every rank)."""
@@ -276,13 +248,13 @@ class EagleShardDataset(IterableDataset):
                                      f"with the manifest (H={self.hidden_size}, aux {self.stored['aux_hidden_states']}, "
                                      f"final {self.stored['hidden_states']}): a mixed-dtype dataset is refused")
         t = expand_final_rows(t)  # final_rows="taught": the rows scattered back before any cut
-        if self.max_length is not None:
-            t = {k: v[:self.max_length] for k, v in t.items()}
+        if self.read.max_length is not None:
+            t = {k: v[:self.read.max_length] for k, v in t.items()}
         return t
 
     def _drop(self, reason: str, where: str, err: BaseException) -> None:
         """Apply the error policy to one sample: raise naming it, or count and log."""
-        if self.on_error == "raise":
+        if self.read.on_error == "raise":
             if isinstance(err, SampleError):  # names the sample already
                 raise err
             raise SampleError(where, str(err)) from err
@@ -351,9 +323,9 @@ class EagleShardDataset(IterableDataset):
         skip = max(0, math.ceil((self.skip_batches - w) / k))  # this worker's batches among those consumed
         # token mode: every worker of the rank reads the rank's part, so only worker 0 logs what it finds unreadable
         quiet = self.batch_size is None and w != 0
-        raw = (r for sp in spans for r in read_span(sp, self.on_error, self.skipped, quiet))
+        raw = (r for sp in spans for r in read_span(sp, self.read.on_error, self.skipped, quiet))
         if self.batch_size is not None:
-            stream = B.shuffle_stream(raw, self._buf(), self._rng(self.epoch, slot), self.shuffle_initial)
+            stream = B.shuffle_stream(raw, self._buf(), self._rng(self.epoch, slot), self.read.shuffle_initial)
             for j, size in enumerate(batches):
                 group = [next(stream) for _ in range(size)]
                 if j >= skip:

@@ -64,7 +64,9 @@ class EagleDataLoader(DataLoader):
     each epoch's selection reaches them through a shared-memory cell of the dataset.
 
     Args:
-        dataset: the batches' source.
+        dataset: the batches' source; what it reads and how it batches is its
+            :class:`~eagle_data.stream.config.ReadConfig` (``dataset.read``: the seed and batching
+            a resume checks come from there).
         num_workers: DataLoader worker processes (0: read in the main process).
         pin_memory: pin batch tensors (``keys`` stays a list).
         prefetch_factor: batches prefetched per worker (default 2 when ``num_workers > 0``).
@@ -135,7 +137,7 @@ class EagleDataLoader(DataLoader):
         rank (``batches``: delivered in ``epoch``; ``num_skipped``: samples skipped so far; ``plan``:
         :meth:`~eagle_data.stream.dataset.EagleShardDataset.plan_facts`)."""
         epoch, batches = self._next if self._next is not None else (self.epoch, self.batches)
-        return {"epoch": epoch, "batches": batches, "seed": self.dataset.seed,
+        return {"epoch": epoch, "batches": batches, "seed": self.dataset.read.seed,
                 "num_workers": self.num_workers, "world_size": self.dataset.rank_world()[1],
                 "num_skipped": self.num_skipped, "plan": self.dataset.plan_facts()}
 
@@ -147,7 +149,7 @@ class EagleDataLoader(DataLoader):
                 shuffling, the shards) differ: the plan would differ (with ``max_tokens`` the batches do
                 not depend on the workers).
         """
-        checked = [("seed", self.dataset.seed), ("world_size", self.dataset.rank_world()[1])]
+        checked = [("seed", self.dataset.read.seed), ("world_size", self.dataset.rank_world()[1])]
         if self.dataset.batch_size is not None:  # fixed mode: a worker's samples depend on the worker count
             checked.append(("num_workers", self.num_workers))
         planned = {"num_workers": lambda v: max(1, int(v))}  # 0 workers plan as 1
