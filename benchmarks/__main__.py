@@ -1,4 +1,4 @@
-"""``python -m benchmarks loader|extract|stages|final_rows|codec|pipeline|train|train_step|sglang|sglang_parity|parity|tar_walk|writers|tau``: benchmarks that print numbers.
+"""``python -m benchmarks loader|extract|stages|final_rows|codec|pipeline|train|train_step|sglang|sglang_parity|parity|tar_walk|writers|tau|ddp|random_target``: benchmarks that print numbers.
 
 Run from a checkout (this folder is not installed). Each command is the benchmark function
 itself: its signature and docstring make the command line (jsonargparse); ``tau`` is the
@@ -11,11 +11,13 @@ from __future__ import annotations
 import signal
 
 from benchmarks.codec import bench_codec
+from benchmarks.ddp import bench_ddp
 from benchmarks.extract import bench_extract
 from benchmarks.final_rows import bench_final_rows
 from benchmarks.loader import bench_loader
 from benchmarks.parity import bench_parity, bench_sglang_parity
 from benchmarks.pipeline import bench_pipeline
+from benchmarks.random_target import make_random_target
 from benchmarks.sglang import bench_sglang
 from benchmarks.stages import bench_stages
 from benchmarks.tau import run_tau
@@ -30,7 +32,7 @@ COMMANDS = {"loader": bench_loader, "extract": bench_extract, "train": bench_tra
             "train_step": bench_train_step, "tar_walk": bench_tar_walk,
             "pipeline": bench_pipeline, "codec": bench_codec, "stages": bench_stages, "final_rows": bench_final_rows,
             "writers": bench_writers, "parity": bench_parity, "sglang_parity": bench_sglang_parity,
-            "tau": TauConfig}
+            "tau": TauConfig, "ddp": bench_ddp, "random_target": make_random_target}
 #: what to do with a parsed dataclass command
 RUNNERS = {TauConfig: run_tau}
 
