@@ -1,8 +1,9 @@
-"""``python -m benchmarks loader|extract|stages|final_rows|codec|pipeline|train|train_step|sglang|sglang_parity|parity|tar_walk|writers``: benchmarks that print numbers.
+"""``python -m benchmarks loader|extract|stages|final_rows|codec|pipeline|train|train_step|sglang|sglang_parity|parity|tar_walk|writers|tau|ddp|random_target``: benchmarks that print numbers.
 
 Run from a checkout (this folder is not installed). Each command is the benchmark function
-itself: its signature and docstring make the command line (jsonargparse); ``--help`` lists
-the options. Figures and how to read them: BENCHMARKS.md.
+itself: its signature and docstring make the command line (jsonargparse); ``tau`` is the
+:class:`~benchmarks.tau_config.TauConfig` dataclass, run by :func:`benchmarks.tau.run_tau`.
+``--help`` lists the options. Figures and how to read them: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -10,13 +11,17 @@ from __future__ import annotations
 import signal
 
 from benchmarks.codec import bench_codec
+from benchmarks.ddp import bench_ddp
 from benchmarks.extract import bench_extract
 from benchmarks.final_rows import bench_final_rows
 from benchmarks.loader import bench_loader
 from benchmarks.parity import bench_parity, bench_sglang_parity
 from benchmarks.pipeline import bench_pipeline
+from benchmarks.random_target import make_random_target
 from benchmarks.sglang import bench_sglang
 from benchmarks.stages import bench_stages
+from benchmarks.tau import run_tau
+from benchmarks.tau_config import TauConfig
 from benchmarks.tar_walk import bench_tar_walk
 from benchmarks.train import bench_train
 from benchmarks.train_step import bench_train_step
@@ -26,7 +31,10 @@ from eagle_data.cli.main import run_cli
 COMMANDS = {"loader": bench_loader, "extract": bench_extract, "train": bench_train, "sglang": bench_sglang,
             "train_step": bench_train_step, "tar_walk": bench_tar_walk,
             "pipeline": bench_pipeline, "codec": bench_codec, "stages": bench_stages, "final_rows": bench_final_rows,
-            "writers": bench_writers, "parity": bench_parity, "sglang_parity": bench_sglang_parity}
+            "writers": bench_writers, "parity": bench_parity, "sglang_parity": bench_sglang_parity,
+            "tau": TauConfig, "ddp": bench_ddp, "random_target": make_random_target}
+#: what to do with a parsed dataclass command
+RUNNERS = {TauConfig: run_tau}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     its scratch folder is removed either way."""
     old = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        run_cli(COMMANDS, argv, "python -m benchmarks", interrupted="interrupted (a benchmark does not resume)")
+        run_cli(COMMANDS, argv, "python -m benchmarks", RUNNERS, interrupted="interrupted (a benchmark does not resume)")
     finally:
         signal.signal(signal.SIGTERM, old)
 

@@ -1,10 +1,9 @@
 """Shared fixtures: a tiny model folder with SmolLM2's chat template (``model_dir``); for the
-reliability tests a tiny model folder, chat data, and the helpers of ``scripts/kill_resume.py``
+reliability tests a tiny model folder, chat data, and the helpers of ``tests/kill_resume.py``
 (fixture data, comparison of two datasets, leftover detection)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -26,11 +25,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def kr():
-    """``scripts/kill_resume.py`` as a module (make_fixture, config, compare, leftovers, read_dataset)."""
-    spec = importlib.util.spec_from_file_location("kill_resume", REPO / "scripts" / "kill_resume.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """``tests/kill_resume.py`` (make_fixture, config, compare, leftovers, read_dataset)."""
+    import kill_resume
+
+    return kill_resume
 
 
 @pytest.fixture(scope="session")

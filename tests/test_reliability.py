@@ -42,7 +42,7 @@ def _listed_shards_intact(out):
 def test_kill_resume_script(tmp_path):
     """>= 10 SIGKILLs (+ a SIGTERM and a SIGINT) across >= 50 samples / >= 5 shards, resumed each
     time: same keys, bit-identical tensors, no duplicates, no leftovers, verify passes."""
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "kill_resume.py"), "--kills", "10", "--samples",
+    r = subprocess.run([sys.executable, str(REPO / "tests" / "kill_resume.py"), "--kills", "10", "--samples",
                         "50", "--work", str(tmp_path)], capture_output=True, text=True, timeout=400)
     assert r.stdout, r.stderr[-3000:]
     s = json.loads(r.stdout)

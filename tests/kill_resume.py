@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Crash-test extraction: kill it with SIGKILL at random points, resume, compare.
 
-    python scripts/kill_resume.py --kills 10 --samples 50
+    python tests/kill_resume.py --kills 10 --samples 50
 
 1. An uninterrupted reference extraction (tiny random Llama + local JSONL with a few bad
    records, float32, each sample captured alone so numerics cannot depend on batch

@@ -1,0 +1,263 @@
+"""``python -m benchmarks tau``: τ on real data after fixed training time (issue 14), end to end on
+one machine, each phase through the project's own commands (``eagle-data extract/vocab/train/eval/
+regenerate``, as child processes):
+
+* ``prep``: ShareGPT rows [0, N) -> ``OUT/train.jsonl``, rows [17000, 17000 + HELD) ->
+  ``OUT/heldout.jsonl`` (kept when both exist already, e.g. carried to a machine without network);
+* ``regen`` (with ``--regenerate true``): SmolLM2 writes every assistant turn of the training rows
+  itself (greedy) -> ``OUT/regen``, which extraction then reads instead of ``OUT/train.jsonl``;
+* ``extract``: both sets with SmolLM2 (the training set stored as ``storage_dtype``, the held-out
+  one as served), then the draft vocabulary of the training set;
+* ``tune`` (with ``variants`` or ``lrs``): a short run per variant side by side, cosine over
+  ``sweep_seconds``; the lowest training loss (last fifth of the logged steps) ->
+  ``OUT/train_args.txt`` and ``OUT/tune.json``, the options of the two phases below unless
+  ``train_args`` are given. Training data only;
+* ``train``: ``train_config``, a checkpoint ``OUT/run/at_{m}min.ckpt`` at each mark of ``minutes``
+  of training time (the lr cosine spans the last mark; training stops there);
+* ``control``: the same training with the target's features zeroed, up to the first mark
+  (``OUT/run_zero``);
+* ``eval``: τ of each checkpoint on the first ``eval_samples`` held-out keys, 16 positions each,
+  K=7, beside the untrained drafter and prompt lookup (95 % intervals), all at once; then a table.
+
+GPU: ``python -m benchmarks tau --out out/tau --num_train 8769 --lrs '[3e-4, 6e-4, 1.2e-3]'``.
+CPU smoke test (~7 min on 2 cores; the GPU config's 65,536-token batches and 8 workers alone take
+~10 GB and minutes per step there)::
+
+    python -m benchmarks tau --out /tmp/tau --num_train 12 --num_heldout 4 --minutes '[0.3, 0.6]' \\
+        --device cpu --accelerator cpu --precision 32-true --eval_samples 2 \\
+        --train_args '["--data.max_tokens", "4096", "--data.num_workers", "1"]'
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+from benchmarks.tau_config import TauConfig, TauPhaseFailed
+from benchmarks.tau_results import choose_tune, minute_names, read_eval, read_tune, table
+
+#: the held-out rows start here in ShareGPT (far from any training row)
+HELDOUT_START = 17000
+
+
+def run_tau(cfg: TauConfig) -> None:
+    """Run the phases of ``cfg`` in their order (the command ``python -m benchmarks tau``)."""
+    names = minute_names(cfg.minutes)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if "prep" in cfg.phases and not (_nonempty(out / "train.jsonl") and _nonempty(out / "heldout.jsonl")):
+        prep(out, cfg.num_train, cfg.num_heldout)
+    if "regen" in cfg.phases and cfg.regenerate:
+        _last_line("regen", _regenerate_command(cfg))
+    if "extract" in cfg.phases:
+        for part in ("train", "heldout"):
+            _last_line("extract", _extract_command(cfg, part))
+        _check("vocab", _eagle_data("vocab", str(out / "train"), "--size", str(cfg.vocab_size),
+                                    "--out", str(_vocab(cfg))))
+    variants = tune_variants(cfg)
+    if "tune" in cfg.phases and variants:
+        tune(cfg, variants)
+    lr = cfg.lr if cfg.lr is not None else _read_float(out / "lr.txt")
+    train_args = cfg.train_args or _read_words(out / "train_args.txt")
+    if "train" in cfg.phases:
+        _check("train", train_command(cfg, out / "run", names, lr, False, train_args))
+    if "control" in cfg.phases:
+        _check("control", train_command(cfg, out / "run_zero", names[:1], lr, True, train_args))
+    if "eval" in cfg.phases:
+        evaluate(cfg, names)
+
+
+def prep(out: Path, num_train: int, num_heldout: int) -> None:
+    """ShareGPT rows [0, num_train) -> ``train.jsonl``, [17000, 17000 + num_heldout) -> ``heldout.jsonl``."""
+    from eagle_data.extract.sources import iter_records
+
+    with open(out / "train.jsonl", "w") as tr, open(out / "heldout.jsonl", "w") as ho:
+        for row, rec in iter_records("sharegpt", num_samples=HELDOUT_START + num_heldout):
+            if row < num_train or row >= HELDOUT_START:
+                (tr if row < num_train else ho).write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
+def tune_variants(cfg: TauConfig) -> list[list[str]]:
+    """The tune's variants: ``variants`` (empty ones dropped), else one per lr of ``lrs``."""
+    if cfg.variants:
+        return [v for v in cfg.variants if any(w.strip() for w in v)]
+    return [["--model.lr", f"{lr:g}"] for lr in cfg.lrs]
+
+
+def train_command(cfg: TauConfig, run_dir: Path, marks: list[str], lr: Optional[float], zero: bool,
+                  extra: list[str]) -> list[str]:
+    """One ``eagle-data train`` run with a checkpoint ``RUN_DIR/at_{m}min.ckpt`` per mark, the lr
+    cosine over the last; ``extra`` options after ours, and ``lr`` (when given) last, so an explicit
+    lr wins over them (e.g. over the tune's choice)."""
+    end = marks[-1]
+    callback = {"class_path": "eagle_train.callbacks.TimedCheckpoints",
+                "init_args": {"minutes": [float(m) for m in marks], "stop_after_last": True}}
+    return _eagle_data(
+        "train", "--config", cfg.train_config, "--model.dataset_dir", f"{cfg.out}/train",
+        "--model.draft_vocab", str(_vocab(cfg)), "--model.draft_vocab_size", str(cfg.vocab_size),
+        "--model.zero_features", str(zero).lower(), "--model.lr_schedule_minutes", end,
+        "--data.train", f"{cfg.out}/train", "--trainer.accelerator", cfg.accelerator,
+        "--trainer.precision", cfg.precision, "--trainer.max_time", json.dumps({"seconds": int(float(end) * 60 + 600)}),
+        "--trainer.default_root_dir", str(run_dir), "--trainer.callbacks", json.dumps([callback]),
+        *extra, *(["--model.lr", repr(lr)] if lr is not None else []))
+
+
+def tune(cfg: TauConfig, variants: list[list[str]]) -> None:
+    """Train every variant side by side for ``sweep_seconds`` (``OUT/tune/vI``, log ``vI.log``), then
+    write the winner's options to ``OUT/train_args.txt`` and every score to ``OUT/tune.json``.
+
+    Raises:
+        TauPhaseFailed: no candidate (every variant failed, diverged or is a features-zeroed control).
+    """
+    out, tune_dir = Path(cfg.out), Path(cfg.out) / "tune"
+    shutil.rmtree(tune_dir, ignore_errors=True)
+    for old in ("lr.txt", "train_args.txt", "tune.json"):
+        (out / old).unlink(missing_ok=True)
+    base = ["--model.lr", repr(cfg.lr)] if cfg.lr is not None else []  # before a variant's own: its lr wins
+    jobs = []
+    for i, v in enumerate(variants, 1):
+        d = tune_dir / f"v{i}"
+        d.mkdir(parents=True)
+        (d / "args.txt").write_text(" ".join(v) + "\n")
+        logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(d)}}
+        cmd = train_command(cfg, d, [f"{cfg.sweep_seconds / 60:g}"], None, False,
+                            ["--data.num_workers", str(cfg.tune_workers), "--trainer.logger", json.dumps(logger),
+                             "--trainer.log_every_n_steps", "10", *base, *v])
+        jobs.append((cmd, tune_dir / f"v{i}.log"))
+    for (_, log), rc in zip(jobs, _run_all(jobs)):
+        if rc != 0:  # e.g. out of memory late in its run: not a candidate
+            (log.with_suffix("") / "failed").write_text("failed\n")
+    choice = choose_tune(read_tune(tune_dir), str(tune_dir))
+    for why in choice["left_out"]:
+        print("tune: left out:", why)
+    if choice["best"] is None:
+        raise TauPhaseFailed("tune: no candidate (every variant failed, diverged or is a features-zeroed control): "
+                             "nothing chosen, OUT/train_args.txt not written")
+    (out / "tune.json").write_text(json.dumps(choice, indent=1))
+    (out / "train_args.txt").write_text(choice["best"])
+    print("tune (training loss, last fifth of logged steps):",
+          "; ".join(f"{k}: {v['loss']:.4f} ({v['steps']} steps)" for k, v in choice["runs"].items()),
+          "-> best:", choice["best"])
+
+
+def evaluate(cfg: TauConfig, names: list[str]) -> None:
+    """Evaluate every checkpoint there is at once (``OUT/eval_*``, logs ``OUT/eval_*.log``), then print
+    the table; a missing checkpoint is said.
+
+    Raises:
+        FileNotFoundError: no checkpoint at all under ``OUT``.
+    """
+    out = Path(cfg.out)
+    evals = eval_targets(cfg, names)
+    if not evals:
+        raise FileNotFoundError(f"eval: no checkpoint to evaluate under {out}")
+    jobs = []
+    for ckpt, name, compare in evals:
+        shutil.rmtree(out / name, ignore_errors=True)  # no result of an earlier call is shown as this one's
+        jobs.append((_eagle_data(
+            "eval", str(out / "heldout"), str(out / ckpt), "--out", str(out / name), "--heldout_fraction", "1.0",
+            "--num_samples", str(cfg.eval_samples), "--positions_per_sample", "16", "--steps", "7",
+            "--max_length", "2048", "--device", cfg.device, "--compare_untrained", str(compare).lower()),
+            out / f"{name}.log"))
+    for (ckpt, name, _), rc in zip(evals, _run_all(jobs)):
+        if rc == 0:
+            (out / name / "checkpoint.txt").write_text(ckpt + "\n")
+    print("\n".join(table([read_eval(out, name) for _, name, _ in evals])))
+
+
+def eval_targets(cfg: TauConfig, names: list[str]) -> list[tuple[str, str, bool]]:
+    """``(checkpoint relative to OUT, eval folder name, compare_untrained)`` of each checkpoint to
+    evaluate: the run's marks, the control's first, the tune variants of ``eval_tune``."""
+    out, evals = Path(cfg.out), []
+    for m in names:
+        if (out / "run" / f"at_{m}min.ckpt").is_file():
+            evals.append((f"run/at_{m}min.ckpt", f"eval_{m}min", m == names[0]))
+        else:
+            print(f"eval: no checkpoint {out}/run/at_{m}min.ckpt (not trained, or stopped before {m} minutes)")
+    if (out / "run_zero" / f"at_{names[0]}min.ckpt").is_file():
+        evals.append((f"run_zero/at_{names[0]}min.ckpt", f"eval_zero_{names[0]}min", False))
+    elif "control" in cfg.phases or (out / "run_zero").is_dir():
+        print(f"eval: no control checkpoint {out}/run_zero/at_{names[0]}min.ckpt")
+    for v in cfg.eval_tune:
+        ws = sorted((p.name for p in (out / "tune").glob("v*/")), key=lambda w: int(w[1:])) if v == "all" else [v]
+        for w in ws:
+            ckpts = sorted((out / "tune" / w).glob("at_*min.ckpt"))
+            if ckpts:
+                evals.append((str(ckpts[0].relative_to(out)), f"eval_tune_{w}", False))
+            else:
+                print(f"eval: tune variant {w} has no checkpoint")
+    return evals
+
+
+def _regenerate_command(cfg: TauConfig) -> list[str]:
+    return _eagle_data("regenerate", "--out", f"{cfg.out}/regen", "--data", f"{cfg.out}/train.jsonl",
+                       "--device", cfg.device, "--dtype", "bfloat16", "--mode", "all",
+                       "--max_new_tokens", str(cfg.regen_max_new_tokens), "--max_length", "2048",
+                       "--batch_size", str(cfg.regen_batch_size), "--rows_per_part", str(cfg.regen_rows_per_part),
+                       "--progress", "false", *cfg.regen_args)
+
+
+def _extract_command(cfg: TauConfig, part: str) -> list[str]:
+    """``part``: "train" (from ``OUT/regen`` with ``regenerate``; stored as ``storage_dtype``) or
+    "heldout" (as served: bf16)."""
+    src = f"{cfg.out}/regen" if part == "train" and cfg.regenerate else f"{cfg.out}/{part}.jsonl"
+    store = ["--storage_dtype", cfg.storage_dtype, "--final_rows", cfg.final_rows] if part == "train" else []
+    if cfg.cuda_graphs:
+        store += ["--backend_kwargs", '{"cuda_graphs": true}']
+    return _eagle_data("extract", "--out", f"{cfg.out}/{part}", "--data", src, "--dataset_tag", part,
+                       "--device", cfg.device, "--dtype", "bfloat16", "--max_length", "2048",
+                       "--batch_tokens", "65536", "--progress", "false", *store, *cfg.extract_args)
+
+
+def _eagle_data(*args: str) -> list[str]:
+    return [sys.executable, "-m", "eagle_data.cli.main", *args]
+
+
+def _vocab(cfg: TauConfig) -> Path:
+    return Path(cfg.out) / f"draft_vocab_{cfg.vocab_size}.safetensors"
+
+
+def _check(phase: str, cmd: list[str]) -> None:
+    rc = subprocess.run(cmd).returncode
+    if rc != 0:
+        raise TauPhaseFailed(f"{phase}: `eagle-data {cmd[3]}` exited with {rc}")
+
+
+def _last_line(phase: str, cmd: list[str]) -> None:
+    """Run ``cmd`` and print the last line of its output (the dataset folder); its log goes to stderr."""
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    print(r.stdout.rstrip("\n").rsplit("\n", 1)[-1])
+    if r.returncode != 0:
+        raise TauPhaseFailed(f"{phase}: `eagle-data {cmd[3]}` exited with {r.returncode}")
+
+
+def _run_all(jobs: list[tuple[list[str], Path]]) -> list[int]:
+    """Run every ``(command, log file)`` at once; their exit codes. Stopped (Ctrl-C, SIGTERM), the
+    ones still running are terminated."""
+    procs = []
+    try:
+        for cmd, log in jobs:
+            with open(log, "w") as f:
+                procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT))
+        return [p.wait() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+
+
+def _nonempty(p: Path) -> bool:
+    return p.is_file() and p.stat().st_size > 0
+
+
+def _read_float(p: Path) -> Optional[float]:
+    return float(p.read_text()) if p.is_file() and p.read_text().strip() else None
+
+
+def _read_words(p: Path) -> list[str]:
+    return p.read_text().split() if p.is_file() else []

@@ -1,0 +1,104 @@
+"""The settings of the τ benchmark (:mod:`benchmarks.tau`), declared once: :class:`TauConfig` is the
+command line of ``python -m benchmarks tau`` (jsonargparse reads the fields, types and the
+docstring under each) and its ``--config`` YAML."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from benchmarks.tau_results import minute_names
+
+#: the phases, in the order they run
+PHASES = ("prep", "regen", "extract", "tune", "train", "control", "eval")
+
+
+class TauPhaseFailed(ChildProcessError):
+    """A phase's command failed, or the tune found no candidate: the phases after it do not run."""
+
+
+@dataclass
+class TauConfig:
+    """τ on real data after fixed training time: prep, regen, extract, tune, train, control, eval
+    (module :mod:`benchmarks.tau` says what each does and writes).
+
+    Lists are YAML/JSON: ``--phases '[extract, tune]'``; options passed on to ``eagle-data`` are
+    strings, numbers quoted: ``--train_args '["--model.lr", "6e-4"]'``.
+    """
+
+    out: str = "out/tau"
+    """the benchmark's folder: data, datasets, vocabulary, runs, evaluations"""
+    phases: list[str] = field(default_factory=lambda: list(PHASES))
+    """the phases to run (any of prep, regen, extract, tune, train, control, eval; they run in that order)"""
+    num_train: int = 6000
+    """training rows: ShareGPT rows [0, num_train)"""
+    num_heldout: int = 200
+    """held-out rows: ShareGPT rows [17000, 17000 + num_heldout)"""
+    device: str = "cuda"
+    """where regenerate, extract and eval run the models"""
+    vocab_size: int = 16384
+    """draft vocabulary size (``OUT/draft_vocab_{vocab_size}.safetensors``)"""
+    minutes: list[float] = field(default_factory=lambda: [2.0, 4.0, 8.0])
+    """training-time marks of the checkpoints, increasing (``OUT/run/at_{m}min.ckpt``, named ``{m:g}``);
+    the lr cosine spans the last, training stops there; the control trains to the first"""
+    accelerator: str = "gpu"
+    """Lightning accelerator of the training runs"""
+    precision: str = "bf16-mixed"
+    """Lightning precision of the training runs"""
+    eval_samples: int = 40
+    """held-out conversations evaluated (the first keys, sorted)"""
+    regenerate: bool = False
+    """the regen phase runs and extraction reads its answers (``OUT/regen``) instead of the originals"""
+    regen_max_new_tokens: int = 512
+    """regenerate: most new tokens per answer"""
+    regen_batch_size: int = 256
+    """regenerate: conversations per batch"""
+    regen_rows_per_part: int = 500
+    """regenerate: rows per output part"""
+    regen_args: list[str] = field(default_factory=list)
+    """more ``eagle-data regenerate`` options"""
+    storage_dtype: str = "bfloat16"
+    """storage dtype of the training set (e.g. float8_e4m3fn); the held-out set is stored as served"""
+    final_rows: str = "all"
+    """final states of the training set: "all", or "taught" (only where they teach)"""
+    cuda_graphs: bool = False
+    """extraction runs the prefill through CUDA graphs"""
+    extract_args: list[str] = field(default_factory=list)
+    """more ``eagle-data extract`` options, e.g. ``["--backend", "sglang"]``"""
+    train_config: str = "configs/train/tau_bench_gpu.yaml"
+    """the training config of the train, control and tune runs"""
+    lr: Optional[float] = None
+    """learning rate of every run (wins over ``train_args`` and the tune's choice; a variant's own lr
+    wins over it in the tune); default: the config's (or ``OUT/lr.txt`` when there is one)"""
+    train_args: list[str] = field(default_factory=list)
+    """more ``eagle-data train`` options for the train and control runs, e.g. ``["--model.step_weight",
+    "0.9"]``; default: the tune's best variant (``OUT/train_args.txt``), when there was a tune"""
+    variants: list[list[str]] = field(default_factory=list)
+    """the tune's variants, each a list of more ``eagle-data train`` options, e.g.
+    ``[["--model.lr", "1.2e-3", "--data.max_tokens", "65536"]]``; one with ``--model.zero_features true``
+    is a control, scored (``eval_tune``) but never chosen"""
+    lrs: list[float] = field(default_factory=list)
+    """without ``variants``: one variant per learning rate"""
+    sweep_seconds: float = 60
+    """training time of each variant of the tune"""
+    tune_workers: int = 3
+    """loader workers of each variant of the tune (they train side by side)"""
+    eval_tune: list[str] = field(default_factory=list)
+    """tune variants whose checkpoints the eval phase scores too (``["v1", "v4"]``, or ``["all"]``)"""
+
+    def __post_init__(self) -> None:
+        """Refuse what would otherwise be skipped unsaid: an unknown phase, marks that are not
+        increasing numbers (or name one checkpoint twice).
+
+        Raises:
+            ValueError: naming the setting.
+        """
+        self.phases = [p.strip() for p in self.phases if p.strip()]
+        if not self.phases:
+            raise ValueError(f"phases: empty ({' '.join(PHASES)})")
+        for p in self.phases:  # a misspelt phase would be skipped unsaid
+            if p not in PHASES:
+                raise ValueError(f"phases: unknown phase {p!r} ({' '.join(PHASES)})")
+        minute_names(self.minutes)
+        if not self.sweep_seconds > 0:
+            raise ValueError(f"sweep_seconds must be > 0, got {self.sweep_seconds}")

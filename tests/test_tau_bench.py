@@ -1,0 +1,138 @@
+"""``python -m benchmarks tau`` refuses what it would otherwise skip unsaid: a misspelt phase, minutes
+that are not increasing numbers; minutes written another way (0.050, 1e-1) name the checkpoints the
+training writes ({m:g}); an eval with no checkpoint at all fails instead of printing an empty table.
+Its small decisions (the tune's winner from the CSV logs, the table, the training command) are
+checked on plain values; the tune phase on fake runs. The CPU smoke test of the whole benchmark
+(minutes) is the command in :mod:`benchmarks.tau`'s docstring, not part of the suite."""
+
+import json
+import math
+
+import pytest
+
+from benchmarks.__main__ import main
+from benchmarks.tau import eval_targets, train_command, tune, tune_variants
+from benchmarks.tau_config import TauConfig, TauPhaseFailed
+from benchmarks.tau_results import EvalResult, TuneRun, choose_tune, minute_names, read_tune, table
+
+
+def _run(tmp_path, capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main(["tau", "--out", str(tmp_path / "tau"), *args])
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+@pytest.mark.parametrize("args,msg", [(["--phases", "[evl]"], "phases: unknown phase 'evl'"),
+                                      (["--phases", "[eval]", "--minutes", "[2, 1]"], "minutes: numbers > 0, increasing"),
+                                      (["--phases", "[eval]", "--minutes", "[1, 1]"], "minutes: numbers > 0, increasing"),
+                                      (["--phases", "[eval]", "--minutes", "[0, 1]"], "minutes: numbers > 0, increasing"),
+                                      (["--phases", "[eval]", "--minutes", "[two]"], "--minutes two: expected float"),
+                                      (["--phases", "[eval]", "--minutes", "[0.1, 0.10000001]"],
+                                       "each once to 6 significant"),
+                                      (["--phases", "[]"], "phases: empty"),
+                                      (["--phases", "[' ', '\t\n']"], "phases: empty")])
+def test_bad_phases_and_minutes_are_refused(tmp_path, capsys, args, msg):
+    code, out, err = _run(tmp_path, capsys, *args)
+    assert code == 2 and msg in err, (code, out, err)
+
+
+def test_minutes_name_the_checkpoints_as_training_writes_them_and_no_checkpoint_fails(tmp_path, capsys):
+    code, out, err = _run(tmp_path, capsys, "--phases", "[eval]", "--minutes", "[0.050, 1e-1]")
+    assert code == 1 and "eval: no checkpoint to evaluate" in err
+    assert "at_0.05min.ckpt" in out and "at_0.1min.ckpt" in out and "0.050" not in out
+    code, out, err = _run(tmp_path, capsys, "--phases", "[\teval\n]", "--minutes", "[1]")  # white space: eval runs
+    assert code == 1 and "at_1min.ckpt" in out and "no checkpoint to evaluate" in err
+
+
+def test_minute_names_are_the_checkpoint_names():
+    assert minute_names([2, 4, 8]) == ["2", "4", "8"] and minute_names([0.050, 1e-1]) == ["0.05", "0.1"]
+    for bad in ([], [math.inf], [-1, 2], [2, 2], ["x"], [0.1, 0.10000001]):
+        with pytest.raises(ValueError, match="minutes: numbers > 0"):
+            minute_names(bad)
+
+
+def test_the_tune_chooses_the_lowest_loss_of_the_last_fifth_and_says_what_it_left_out():
+    runs = [TuneRun("v1", "--model.lr 1e-3", False, [9.0] * 8 + [3.0, 3.0], 100),  # tail mean 3.0
+            TuneRun("v2", "--model.lr 3e-3", False, [1.0] * 8 + [4.0, 4.0], 100),  # low early, high at the end
+            TuneRun("v3", "--model.lr 1", False, [1.0] * 9 + [math.nan], 100),
+            TuneRun("v4", "--model.zero_features true", False, [0.1] * 10, 100),  # a control: never chosen
+            TuneRun("v5", "--model.zero_features=true", True),
+            TuneRun("v6", "--model.lr 2e-3", False)]
+    c = choose_tune(runs, "OUT/tune")
+    assert c["best"] == "--model.lr 1e-3" and set(c["runs"]) == {"--model.lr 1e-3", "--model.lr 3e-3"}
+    assert c["runs"]["--model.lr 1e-3"] == {"loss": 3.0, "steps": 100}
+    assert c["left_out"] == ["'--model.lr 1' diverged (non-finite loss) (see OUT/tune/v3.log)",
+                             "'--model.zero_features=true' failed (see OUT/tune/v5.log)",
+                             "'--model.lr 2e-3' logged no training loss (see OUT/tune/v6.log)"]
+    assert choose_tune(runs[3:], "OUT/tune")["best"] is None
+
+
+def test_read_tune_orders_the_variants_by_number_and_reads_every_csv(tmp_path):
+    for i, losses in ((1, []), (2, [5.0, 4.0]), (10, [3.0])):
+        d = tmp_path / f"v{i}"
+        (d / "lightning_logs" / "version_0").mkdir(parents=True)
+        (d / "args.txt").write_text(f"--model.lr {i}e-4\n")
+        rows = "".join(f"{s},{x},\n,,0.5\n" for s, x in enumerate(losses, 1))  # a row without a loss is skipped
+        (d / "lightning_logs" / "version_0" / "metrics.csv").write_text("step,train/loss_step,other\n" + rows)
+    (tmp_path / "v1" / "failed").write_text("failed\n")
+    runs = read_tune(tmp_path)
+    assert [(r.name, r.args, r.failed, r.losses, r.steps) for r in runs] == [
+        ("v1", "--model.lr 1e-4", True, [], 0), ("v2", "--model.lr 2e-4", False, [5.0, 4.0], 2),
+        ("v10", "--model.lr 10e-4", False, [3.0], 1)]
+
+
+def test_the_table_shows_each_drafter_and_the_baselines_once():
+    r = {"tau": 1.5, "tau_ci95": [1.4, 1.6], "num_chains": 32, "accept_at_least": [0.4, 0.1]}
+    acc = {"trained": r, "untrained": {**r, "tau": 1.1, "tau_ci95": None}, "prompt_lookup": {**r, "tau": 1.2},
+           "steps": 7}
+    lines = table([EvalResult("2min", "OUT/eval_2min.log", 10, acc), EvalResult("4min", "OUT/eval_4min.log"),
+                   EvalResult("zero_2min", "OUT/eval_zero_2min.log", "?", {**acc, "trained": {**r, "tau": 1.0}})])
+    assert lines[2:] == ["| trained 2min | 10 | 1.500 | [1.4, 1.6] | 32 | 0.400 |",
+                         "| untrained | - | 1.100 | [-, -] | 32 | 0.400 |",
+                         "| prompt lookup | - | 1.200 | [1.4, 1.6] | 32 | 0.400 |",
+                         "| trained 4min | - | failed (see OUT/eval_4min.log) | - | - | - |",
+                         "| trained zero_2min | ? | 1.000 | [1.4, 1.6] | 32 | 0.400 |"]
+
+
+def test_a_training_run_takes_the_extra_options_after_its_own_and_an_explicit_lr_last(tmp_path):
+    cfg = TauConfig(out=str(tmp_path), minutes=[0.5, 1])
+    cmd = train_command(cfg, tmp_path / "run", ["0.5", "1"], 3e-4, True, ["--model.lr", "1e-3", "--x", "y"])
+    assert cmd[-6:] == ["--model.lr", "1e-3", "--x", "y", "--model.lr", "0.0003"]
+    opt = dict(zip(cmd[4::2], cmd[5::2]))
+    assert opt["--config"] == "configs/train/tau_bench_gpu.yaml" and opt["--model.zero_features"] == "true"
+    assert opt["--model.lr_schedule_minutes"] == "1" and json.loads(opt["--trainer.max_time"]) == {"seconds": 660}
+    assert json.loads(opt["--trainer.callbacks"])[0]["init_args"] == {"minutes": [0.5, 1.0], "stop_after_last": True}
+    assert "--model.lr" not in train_command(cfg, tmp_path, ["1"], None, False, [])
+    assert tune_variants(TauConfig(lrs=[3e-4, 1.2e-3])) == [["--model.lr", "0.0003"], ["--model.lr", "0.0012"]]
+    assert tune_variants(TauConfig(lrs=[1.0], variants=[[], ["--a", "1"]])) == [["--a", "1"]]
+
+
+def test_the_tune_writes_the_winner_and_marks_failed_variants(tmp_path, monkeypatch, capsys):
+    """The tune phase on fake runs: each 'trains' by writing a CSV log whose loss is its lr."""
+    def fake_runs(jobs):
+        codes = []
+        for cmd, log in jobs:
+            d = cmd[cmd.index("--trainer.default_root_dir") + 1]
+            lr = float(cmd[len(cmd) - 1 - cmd[::-1].index("--model.lr") + 1])
+            (tmp_path / d / "at_1min.ckpt").write_text("")
+            (tmp_path / d / "metrics.csv").write_text(f"step,train/loss_step\n10,{lr}\n")
+            log.write_text("log\n")
+            codes.append(1 if lr > 1 else 0)
+        return codes
+
+    monkeypatch.setattr("benchmarks.tau._run_all", fake_runs)
+    cfg = TauConfig(out=str(tmp_path / "tau"), lr=0.5, variants=[["--model.lr", "3"], ["--model.lr", "2e-3"], [],
+                                                                  ["--model.lr", "0.1", "--model.zero_features", "true"]])
+    (tmp_path / "tau").mkdir()
+    (tmp_path / "tau" / "lr.txt").write_text("0.7")  # an earlier tune's choice: removed
+    tune(cfg, tune_variants(cfg))
+    out = tmp_path / "tau"
+    assert (out / "train_args.txt").read_text() == "--model.lr 2e-3" and not (out / "lr.txt").exists()
+    assert (out / "tune" / "v1" / "failed").exists() and not (out / "tune" / "v2" / "failed").exists()
+    assert json.loads((out / "tune.json").read_text())["runs"] == {"--model.lr 2e-3": {"loss": 0.002, "steps": 10}}
+    assert "tune: left out: '--model.lr 3' failed" in capsys.readouterr().out
+    cfg.phases, cfg.eval_tune = ["eval"], ["all"]  # the tune's checkpoints can be scored, the control's too
+    assert [e[1] for e in eval_targets(cfg, ["1"])] == ["eval_tune_v1", "eval_tune_v2", "eval_tune_v3"]
+    with pytest.raises(TauPhaseFailed, match="tune: no candidate"):
+        tune(cfg, [["--model.lr", "5"]])
