@@ -26,13 +26,24 @@ from eagle_data.format.fp8 import FP8_DTYPE, scale_name, to_storage
 from eagle_data.packing import pack_window
 
 
-def front(records: Iterable[tuple[int, Any]], renderer: ChatRenderer, tag: str, vocab_size: int, max_length: int,
-          batch_tokens: int, max_batch_size: int, sort_window: int, policy: ErrorPolicy
-          ) -> Iterator[list[TokenizedSample]]:
+@dataclass(frozen=True)
+class Batching:
+    """How :func:`front` cuts and batches samples: the settings of the same names of
+    :class:`~eagle_data.extract.config.ExtractConfig` (documented there)."""
+
+    max_length: int
+    batch_tokens: int
+    max_batch_size: int
+    sort_window: int
+
+
+def front(records: Iterable[tuple[int, Any]], renderer: ChatRenderer, tag: str, vocab_size: int, batching: Batching,
+          policy: ErrorPolicy) -> Iterator[list[TokenizedSample]]:
     """Source rows ``(row, record)`` -> batches for the engine: normalise, render + tokenise + mask
     (:func:`~eagle_data.extract.chat.tokenize`), :func:`check_vocab`, :func:`token_budget_batches`."""
-    samples = check_vocab(tokenize(normalize(records, policy), renderer, tag, max_length, policy), vocab_size, policy)
-    return token_budget_batches(samples, batch_tokens, max_batch_size, sort_window)
+    b = batching
+    samples = check_vocab(tokenize(normalize(records, policy), renderer, tag, b.max_length, policy), vocab_size, policy)
+    return token_budget_batches(samples, b.batch_tokens, b.max_batch_size, b.sort_window)
 
 
 def check_vocab(samples: Iterable[TokenizedSample], vocab_size: int, policy: ErrorPolicy

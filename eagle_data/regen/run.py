@@ -267,7 +267,7 @@ def run_regenerate(cfg: RegenerateConfig, generator: Generator | None = None, to
     """
     cfg = replace(cfg, out=str(out_path(cfg.out)))  # "m/n/.." is m: checked, written and reported as m
     check_paths(cfg)
-    cfg = replace(cfg, num_samples=rows_to_read(cfg))
+    cfg = replace(cfg, num_samples=rows_to_read(cfg.num_samples, cfg.data))
     model_path = model_dir(cfg.model)
     tokenizer = tokenizer or load_tokenizer(model_path, cfg.trust_remote_code)
     renderer = ChatRenderer.from_path(tokenizer, cfg.chat_template, date=cfg.template_date,
