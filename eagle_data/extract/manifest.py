@@ -56,18 +56,8 @@ RESUME_KEYS = ("model_path", "weights_fingerprint", "tokenizer_sha256", "templat
 BATCHING_KEYS = ("batch_tokens", "max_batch_size", "sort_window", "backend", "backend_kwargs")
 
 
-def resume_value(cfg: dict[str, Any], key: str) -> Any:
-    """``cfg[key]`` as a resume compares it: a run recorded before ``final_storage_dtype`` existed
-    stored its final states in ``storage_dtype``, one before ``final_rows`` stored every row."""
-    if key == "final_storage_dtype":
-        return cfg.get(key) or cfg.get("storage_dtype")
-    if key == "final_rows":  # recorded before the option existed: every row
-        return cfg.get(key) or "all"
-    return cfg.get(key)
-
-
 def config_hash(cfg: dict[str, Any]) -> str:
-    sub = {k: resume_value(cfg, k) for k in RESUME_KEYS}
+    sub = {k: cfg.get(k) for k in RESUME_KEYS}
     return hashlib.sha256(json.dumps(sub, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -241,9 +231,9 @@ def check_resume(prev: dict[str, Any], cfg: dict[str, Any], where: str) -> None:
         ValueError: names every config field that differs.
     """
     old = prev.get("config", {})
-    diff = [k for k in RESUME_KEYS if not _same(k, resume_value(old, k), resume_value(cfg, k))]
+    diff = [k for k in RESUME_KEYS if not _same(k, old.get(k), cfg.get(k))]
     if diff:
-        lines = "\n".join(_describe_diff(k, resume_value(old, k), resume_value(cfg, k)) for k in diff)
+        lines = "\n".join(_describe_diff(k, old.get(k), cfg.get(k)) for k in diff)
         raise ValueError(f"{where} was written by a different run configuration; refusing to mix:\n{lines}\n"
                          "Use a new --out directory (or the original settings to resume).")
     moved = [k for k in BATCHING_KEYS if k in old and old[k] != cfg.get(k)]

@@ -163,17 +163,16 @@ def _check_sample(key, tb, jb, m, shard, rank, world, rep) -> dict[str, Any] | N
         return None
     n, h = t["input_ids"].shape[0], m.get("hidden_size")
     fin, aux = t["hidden_states"], t["aux_hidden_states"]
-    final_dtype = m.get("final_dtype") or m.get("dtype")
-    if aux.dtype != STORAGE_DTYPES.get(m.get("dtype")) or fin.dtype != STORAGE_DTYPES.get(final_dtype):
+    if aux.dtype != STORAGE_DTYPES.get(m.get("dtype")) or fin.dtype != STORAGE_DTYPES.get(m.get("final_dtype")):
         rep.add("samples", where, f"stored dtypes aux {aux.dtype} / final {fin.dtype}, manifest says "
-                                  f"{m.get('dtype')} / {final_dtype}")
+                                  f"{m.get('dtype')} / {m.get('final_dtype')}")
     if fin.shape[1] != h or aux.shape[1] != len(m.get("aux_layer_ids", ())) * h:
         rep.add("samples", where, f"widths aux {aux.shape[1]} / final {fin.shape[1]} do not match "
                                   f"H={h} x {len(m.get('aux_layer_ids', ()))} aux layers")
     rows = final_rows_layout(fin.shape[0], t["loss_mask"])
-    if rows != (m.get("final_rows") or "all"):
+    if rows != m.get("final_rows"):
         rep.add("samples", where, f"hidden_states holds {rows!r} rows ({fin.shape[0]} of {n} tokens), manifest "
-                                  f"says final_rows {m.get('final_rows') or 'all'!r}")
+                                  f"says final_rows {m.get('final_rows')!r}")
     for name in ("aux_hidden_states", "hidden_states"):
         if not torch.isfinite(stored_values(t, name)).all():
             rep.add("samples", where, f"{name} contains NaN/Inf")
@@ -274,7 +273,7 @@ def verify_dataset(path: str | Path, recompute: int = 0, seed: int = 0, device: 
     rep = VerifyReport(str(out))
     try:
         m = read_manifest(out)
-        check_manifest_compat(m)
+        check_manifest_compat(m, where=str(out / MANIFEST_NAME))
     except (ValueError, KeyError) as e:
         rep.add("manifest", MANIFEST_NAME, str(e))
         return rep
@@ -405,7 +404,7 @@ def _recompute(out: Path, m: dict[str, Any], facts: dict[str, dict[str, Any]], n
                                       "min_cosine": float(torch.cat(cosines[name]).min())}
     tol = rtol if rtol is not None else max(DEFAULT_RTOL.get(m.get("compute_dtype"), 5e-2),
                                             DEFAULT_RTOL.get(m.get("dtype"), 5e-2),
-                                            DEFAULT_RTOL.get(m.get("final_dtype") or m.get("dtype"), 5e-2))
+                                            DEFAULT_RTOL.get(m.get("final_dtype"), 5e-2))
     rep.rtol, rep.dtype = tol, m.get("dtype")
     for name, err in rep.recompute.items():
         if err > tol:
