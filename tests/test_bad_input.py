@@ -406,7 +406,7 @@ def test_the_cleanup_of_a_refused_run_keeps_a_folder_another_rank_has_locked(tmp
     import subprocess
     import sys
 
-    from eagle_data.extract.manifest import lock_rank
+    from eagle_data.extract.resume import lock_rank
     from eagle_data.extract.run import _remove_unrecorded
     from eagle_data.format.layout import LOCK_NAME
 

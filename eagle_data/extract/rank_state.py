@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from eagle_data.extract.fault import Skip
-from eagle_data.extract.manifest import check_resume, config_hash, load_progress, repair_rank
+from eagle_data.extract.resume import check_resume, config_hash, load_progress, repair_rank
 from eagle_data.format.records import note_reasons
 from eagle_data.extract.sink import atomic_write_bytes, atomic_write_json
 from eagle_data.extract.sources import RowSource, check_unchanged, combine, record_fingerprint, resolve

@@ -21,7 +21,8 @@ from typing import Any, Sequence
 
 from eagle_data.extract.chat import ChatRenderer
 from eagle_data.extract.config import ExtractConfig
-from eagle_data.extract.manifest import RanksDisagree, check_resume, load_progress, merge
+from eagle_data.extract.manifest import RanksDisagree, merge
+from eagle_data.extract.resume import check_resume, load_progress
 from eagle_data.extract.rank_state import source_record
 from eagle_data.format.fingerprint import weights_fingerprint
 

@@ -5,7 +5,7 @@ Stages are iterators (:mod:`stages`); :func:`run_extract` wires them. The rank's
 (resume, skips, notes) is :class:`~eagle_data.extract.rank_state.RankState`; signals are
 :mod:`~eagle_data.extract.signals`.
 
-Reliability contract (see also :mod:`eagle_data.extract.sink` and :mod:`eagle_data.extract.manifest`):
+Reliability contract (see also :mod:`eagle_data.extract.sink`, :mod:`eagle_data.extract.resume` and :mod:`eagle_data.extract.manifest`):
 
 * work split: rank ``r`` of ``w`` takes source rows ``row % w == r``; keys are ``TAG_ROW``,
   so ranks need no coordination and their keys are disjoint;
@@ -47,7 +47,7 @@ from eagle_data.extract.config import (ExtractConfig, check_paths, front_in_proc
                                        stored_dtypes)
 from eagle_data.extract.front_process import FrontProcess
 from eagle_data.extract.fault import ErrorPolicy
-from eagle_data.extract.manifest import load_progress, open_out, out_path
+from eagle_data.extract.resume import load_progress, open_out, out_path
 from eagle_data.extract.rank_state import RankState, refuse_foreign
 from eagle_data.extract.rerun import finished_result, merged_result, run_config
 from eagle_data.extract.signals import ExtractionInterrupted, Signals, interruptible_iter

@@ -41,7 +41,8 @@ from eagle_data.extract.chat import ChatRenderer
 from eagle_data.extract.config import model_dir, rows_to_read
 from eagle_data.extract.conversations import normalize_record
 from eagle_data.extract.fault import BadRecord, DropCounter, Skip
-from eagle_data.extract.manifest import open_out, out_path, package_versions
+from eagle_data.extract.manifest import package_versions
+from eagle_data.extract.resume import open_out, out_path
 from eagle_data.format.fingerprint import weights_fingerprint
 from eagle_data.extract.mask import MaskError
 from eagle_data.extract.run import load_tokenizer

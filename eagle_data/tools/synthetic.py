@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from eagle_data.extract.manifest import config_hash, merge
+from eagle_data.extract.manifest import merge
+from eagle_data.extract.resume import config_hash
 from eagle_data.format.layout import progress_path
 from eagle_data.extract.sink import ShardSink, atomic_write_json
 
