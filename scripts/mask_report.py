@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--max_length", type=int, default=2048)
     args = ap.parse_args()
 
-    from eagle_data.extract.chat import tokenize
+    from eagle_data.extract.stages import tokenize
     from eagle_data.extract.conversations import normalize
     from eagle_data.extract.fault import ErrorPolicy
     from eagle_data.extract.sources import iter_records

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle_data.extract.chat import ChatRenderer, tokenize
+from eagle_data.extract.chat import ChatRenderer
+from eagle_data.extract.stages import tokenize
 from eagle_data.extract.conversations import Conversation, normalize, normalize_record
 from eagle_data.extract.fault import ErrorPolicy, Skip
 from eagle_data.extract.config import ExtractConfig
