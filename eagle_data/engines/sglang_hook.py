@@ -102,6 +102,36 @@ def make_layer_hook(config: dict):
     slots, slot = _slots(config["spool_dir"], int(config["n_aux"])), int(config["slot"])
 
     def hook(module, args, output):
+        stream = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else args[0]
+        if slots[slot] is not None:
+            slots[slot] = (f"aux slot {slot} was filled twice before the logits processor ran (the hook "
+                           f"patterns matched several modules, or a pass ran without the logits processor)")
+        else:
+            slots[slot] = stream.clone()  # the next fused add-norm updates the stream in place
+        return None
+
+    return hook
+
+
+def make_capture_hook(config: dict):
+    """Hook factory for the logits processor.
+
+    Args:
+        config: ``{"spool_dir": str, "rid_prefix": str, "n_aux": int, "max_pending_bytes": int}``;
+            ``rid_prefix`` selects the requests to capture (others, e.g. warm-up requests, are
+            skipped); ``n_aux = 0``: aux states from the engine (5th argument).
+
+    Returns:
+        ``hook(module, args, output)`` with ``hook.drain()`` (wait until every chunk is written),
+        or ``None`` on TP ranks other than 0 (SGLang then registers nothing on that rank).
+    """
+    spool, prefix, n_aux = config["spool_dir"], config.get("rid_prefix", ""), int(config.get("n_aux", 0))
+    if _tp_rank() != 0:
+        return None
+    slots = _slots(spool, n_aux) if n_aux else None
+    writer = _Writer(spool, int(config.get("max_pending_bytes", 1 << 30)))
+
+    def hook(module, args, output):
         taken = list(slots) if slots else None
         if slots:
             slots[:] = [None] * n_aux  # every pass starts empty, ours or not
@@ -124,9 +154,9 @@ def make_layer_hook(config: dict):
 
 
 def _capture(args, taken: list | None, prefix: str, spool: str, writer: "_Writer") -> None:
-    """One pass of the logits processor (``args``: input ids, hidden [N, H], ..., forward batch[, engine aux]):
-    hand our requests' rows to ``writer``, or write an error file for each of them when the pass is
-    not a plain prefill or its batch is inconsistent. ``taken``: the layer hooks' slots of this pass."""
+    """One pass of the logits processor (``args``: input ids, hidden [N, H], ..., forward batch[, engine
+    aux]): hand our requests' rows to ``writer``, or write an error file for each of them when the pass
+    is not a plain prefill or its batch is inconsistent. ``taken``: the layer hooks' slots of this pass."""
     if len(args) < 4:
         return None
     input_ids, hidden, fb = args[0], args[1], args[3]
