@@ -1,6 +1,7 @@
 """The settings of one extraction run, declared once: :class:`ExtractConfig` is the Python API,
 the ``eagle-data extract`` command line (jsonargparse reads the fields, types and the docstring
-under each field) and the YAML schema of ``configs/extract_*.yaml``."""
+under each field) and the YAML schema of ``configs/extract_*.yaml``. The fields it shares with
+``eagle-data regenerate`` are :class:`CommonConfig`'s (both commands' dataclasses inherit them)."""
 
 from __future__ import annotations
 
