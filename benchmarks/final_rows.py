@@ -37,7 +37,7 @@ def bench_final_rows(model: str = "smollm2", data: str = "sharegpt", num_samples
     from eagle_data.extract.fault import ErrorPolicy
     from eagle_data.extract.run import load_tokenizer
     from eagle_data.extract.sources import iter_records
-    from eagle_data.extract.stages import front
+    from eagle_data.extract.stages import Batching, front
     from eagle_data.format.final_rows import taught
 
     from benchmarks.scratch import check_outputs
@@ -53,8 +53,8 @@ def bench_final_rows(model: str = "smollm2", data: str = "sharegpt", num_samples
     h, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
     renderer = ChatRenderer.from_path(load_tokenizer(path, False), None)
     samples = tokens = rows = supervised = 0
-    for batch in front(iter_records(data, num_samples=num_samples), renderer, "x", vocab, max_length, 1 << 20, 1 << 20,
-                       256, ErrorPolicy("skip")):
+    for batch in front(iter_records(data, num_samples=num_samples), renderer, "x", vocab,
+                       Batching(max_length, 1 << 20, 1 << 20, 256), ErrorPolicy("skip")):
         for s in batch:
             samples += 1
             tokens += s.num_tokens

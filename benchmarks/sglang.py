@@ -58,8 +58,9 @@ def _capture_run(model_path: str, prompts, dtype, device, aux_layer_ids, common:
     """Capture to host (``write_dir`` None) or capture + shards, as extraction runs them: batches of
     ``batch_prompts`` through :meth:`SGLangBackend.capture_iter` (the next batch already in the engine
     while this one is written)."""
-    from eagle_data.engines.sglang import SGLangBackend
-    be = SGLangBackend(model_path, aux_layer_ids, dtype=dtype, device=device, **common, **backend_kwargs)
+    from eagle_data.engines.sglang import SGLangBackend, SGLangOptions
+    be = SGLangBackend(model_path, aux_layer_ids, dtype=dtype, device=device,
+                       options=SGLangOptions(**common, **backend_kwargs))
     sink = None
     try:
         batch = [(f"bench_{i:06d}", p) for i, p in enumerate(prompts)]

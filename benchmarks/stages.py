@@ -78,8 +78,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
 
     import eagle_data.extract.writeback as wb
     from eagle_data.engines import make_backend
-    from eagle_data.extract.config import ExtractConfig, check_paths, final_storage_dtype, model_dir
-    from eagle_data.extract.config import storage_dtype as stored
+    from eagle_data.extract.config import ExtractConfig, check_paths, model_dir
     from eagle_data.extract.run import load_tokenizer, run_extract
     from eagle_data.extract.manifest import NoSamples
     from benchmarks.extract import disk_write_rate
@@ -105,10 +104,10 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
     path = model_dir(model)
     tok = load_tokenizer(path, False)
     be = make_backend("hf", model_path=path, aux_layer_ids=None, dtype=dtype, device=device,
-                      out_dtype=stored(cfg), final_out_dtype=final_storage_dtype(cfg), cuda_graphs=cuda_graphs)
+                      out_dtype=_stored(cfg)[0], final_out_dtype=_stored(cfg)[1], cuda_graphs=cuda_graphs)
     be.mask_padding = be.mask_padding or padding_mask
     res: dict[str, Any] = {"model": model, "data": data, "device": torch.cuda.get_device_name() if device.startswith("cuda")
-                           else "cpu", "dtype": dtype, "storage_dtype": stored(cfg), "batch_tokens": batch_tokens,
+                           else "cpu", "dtype": dtype, "storage_dtype": _stored(cfg)[0], "batch_tokens": batch_tokens,
                            "writers": writers, "front": front, "cuda_graphs": cuda_graphs,
                            "padding_mask": be.mask_padding}
     old = wb.IN_FLIGHT, sys.getswitchinterval()
@@ -171,15 +170,23 @@ def _settle(seconds: float = 2.0) -> None:
     time.sleep(seconds)
 
 
+def _stored(cfg) -> tuple[str, str]:
+    """The dtypes ``cfg`` stores the aux and the final hidden states in."""
+    from eagle_data.extract.config import stored_dtypes
+
+    return stored_dtypes(cfg.dtype, cfg.storage_dtype, cfg.final_storage_dtype)
+
+
 def _front(cfg, be, tok, policy):
     """The batches of ``cfg``'s rows as ``run_extract`` builds them (:func:`eagle_data.extract.stages.front`)."""
     from eagle_data.extract.chat import ChatRenderer
     from eagle_data.extract.config import rows_to_read
+    from eagle_data.extract.run import batching
     from eagle_data.extract.sources import iter_records
     from eagle_data.extract.stages import front
 
-    return front(iter_records(cfg.data, num_samples=rows_to_read(cfg)), ChatRenderer.from_path(tok, None), "x",
-                 be.info.vocab_size, cfg.max_length, cfg.batch_tokens, cfg.max_batch_size, cfg.sort_window, policy)
+    return front(iter_records(cfg.data, num_samples=rows_to_read(cfg.num_samples, cfg.data)),
+                 ChatRenderer.from_path(tok, None), "x", be.info.vocab_size, batching(cfg), policy)
 
 
 def _warm_up(cfg, be, tok, num_batches: int = 8) -> None:
@@ -224,8 +231,6 @@ def _stages_alone(cfg, be, tok, root: Path, keep_gib: float) -> dict[str, Any]:
     import torch
 
     from eagle_data.extract.async_sink import AsyncShardWriter
-    from eagle_data.extract.config import final_storage_dtype
-    from eagle_data.extract.config import storage_dtype as stored
     from eagle_data.extract.fault import ErrorPolicy
     from eagle_data.extract.signals import Signals
     from eagle_data.extract.sink import ShardSink
@@ -249,7 +254,7 @@ def _stages_alone(cfg, be, tok, root: Path, keep_gib: float) -> dict[str, Any]:
             be.forward_padded([s.input_ids for s in b])
         sync()
 
-    storage = (storage_dtype_of(stored(cfg)), storage_dtype_of(final_storage_dtype(cfg)))
+    storage = tuple(storage_dtype_of(d) for d in _stored(cfg))
     kept: list[Sample] = []
     keep_bytes = keep_gib * 2**30
 

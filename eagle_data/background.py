@@ -82,11 +82,19 @@ def background(it: Iterator[Any], depth: int) -> Iterator[Any]:
         raise
     finally:  # unblock the producer; it stops after the item it is building
         stop.set()
-        while th.is_alive() and not failed:
-            try:
-                q.get_nowait()
-            except queue.Empty:
-                th.join(0.005)
-        if failed:  # the consumer is unwinding an error: drain once, do not wait
-            while not q.empty():
-                q.get_nowait()
+        _release(q, th, wait=not failed)
+
+
+def _release(q, th, wait: bool) -> None:
+    """Empty the queue ``q`` of a stopped producer thread ``th`` until it ends (``wait``), or once
+    (the consumer is unwinding an error: no waiting)."""
+    import queue
+
+    while wait and th.is_alive():
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            th.join(0.005)
+    if not wait:
+        while not q.empty():
+            q.get_nowait()

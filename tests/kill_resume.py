@@ -43,7 +43,7 @@ import torch  # noqa: E402
 from eagle_data.extract.config import ExtractConfig
 from eagle_data.extract.signals import ExtractionInterrupted
 from eagle_data.extract.run import run_extract  # noqa: E402
-from eagle_data.extract.manifest import load_progress
+from eagle_data.extract.resume import load_progress
 from eagle_data.format.layout import index_part  # noqa: E402
 from eagle_data.format.schema import decode_tensors  # noqa: E402
 

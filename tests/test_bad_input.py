@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle_data.extract.chat import ChatRenderer, tokenize
+from eagle_data.extract.chat import ChatRenderer
+from eagle_data.extract.stages import tokenize
 from eagle_data.extract.conversations import Conversation, normalize, normalize_record
 from eagle_data.extract.fault import ErrorPolicy, Skip
 from eagle_data.extract.config import ExtractConfig
@@ -406,7 +407,7 @@ def test_the_cleanup_of_a_refused_run_keeps_a_folder_another_rank_has_locked(tmp
     import subprocess
     import sys
 
-    from eagle_data.extract.manifest import lock_rank
+    from eagle_data.extract.resume import lock_rank
     from eagle_data.extract.run import _remove_unrecorded
     from eagle_data.format.layout import LOCK_NAME
 

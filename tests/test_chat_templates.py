@@ -5,7 +5,8 @@ import re
 import pytest
 import torch
 
-from eagle_data.extract.chat import ChatRenderer, tokenize
+from eagle_data.extract.chat import ChatRenderer
+from eagle_data.extract.stages import tokenize
 from eagle_data.extract.conversations import Conversation
 from eagle_data.extract.fault import ErrorPolicy, RowError
 from eagle_data.extract.mask import SpecialTokenInText

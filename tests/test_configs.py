@@ -89,7 +89,7 @@ def test_core_dependencies_keep_the_machines_torch():
     base = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0]: d for d in proj["dependencies"]}
     assert not any("==" in d for d in proj["dependencies"]), proj["dependencies"]
     assert base["torch"].startswith("torch>=") and base["transformers"].startswith("transformers>=")
-    from eagle_data.engines.sglang import SUPPORTED
+    from eagle_data.engines.sglang_engine import SUPPORTED
 
     lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
     assert proj["optional-dependencies"]["sglang"] == [f"sglang>={lo},<={hi}"]

@@ -150,13 +150,13 @@ def test_resume_with_other_batching_is_logged(tmp_path, model_dir, data_file, ca
     silently: the warning names each one with its old and new value."""
     out = tmp_path / "ds"
     run_extract(cfg(out, model_dir, data_file, num_samples=4))
-    with caplog.at_level("WARNING", logger="eagle_data.extract.manifest"):
+    with caplog.at_level("WARNING", logger="eagle_data.extract.resume"):
         res = run_extract(cfg(out, model_dir, data_file, num_samples=8, batch_tokens=512))
     assert res["num_samples"] == 8
     (msg,) = [r.getMessage() for r in caplog.records if "batching" in r.getMessage()]
     assert "batch_tokens 256 -> 512" in msg and "max_batch_size" not in msg
     caplog.clear()
-    with caplog.at_level("WARNING", logger="eagle_data.extract.manifest"):
+    with caplog.at_level("WARNING", logger="eagle_data.extract.resume"):
         run_extract(cfg(out, model_dir, data_file, num_samples=8, batch_tokens=256))  # the first value again
     assert [r for r in caplog.records if "batching" in r.getMessage()] == []
 

@@ -146,9 +146,12 @@ def test_verify_recompute_reports_the_error_against_the_fp8_bound(datasets):
     assert rep.recompute["final (post-norm)"] == 0.0
 
 
-def test_schema_1_datasets_still_read_and_mix_with_schema_2_of_the_same_dtype(datasets, tmp_path):
+def test_datasets_of_unreleased_schema_versions_are_refused_naming_the_file_and_both_versions(datasets, tmp_path):
+    """Schema versions 1 and 2 were never released: verify and the readers refuse them, naming the
+    manifest file, its version and the one this code reads."""
     import shutil
 
+    from eagle_data.format.schema import SCHEMA_VERSION
     from eagle_data.stream.dataset import EagleShardDataset
     from eagle_data.tools.verify import verify_dataset
 
@@ -160,12 +163,13 @@ def test_schema_1_datasets_still_read_and_mix_with_schema_2_of_the_same_dtype(da
     m.pop("final_dtype")
     m.pop("final_rows")
     (old / "manifest.json").write_text(json.dumps(m))
-    assert verify_dataset(str(old)).ok
-    assert _by_key(old).keys() == _by_key(root / "bf16").keys()
-    m["config"]["dataset_tag"] = "old"  # mixed below: one tag per source (the keys are not read there)
-    (old / "manifest.json").write_text(json.dumps(m))
-    ds = EagleShardDataset([str(old), str(root / "bf16")], batch_size=4, shuffle=False)
-    assert ds.num_samples == 2 * ms["bf16"]["num_samples"]
+    want = f"schema_version 1; this eagle_data reads schema_version {SCHEMA_VERSION} only"
+    rep = verify_dataset(str(old))
+    (prob,) = rep.problems
+    assert prob[0] == "manifest" and str(old / "manifest.json") in prob[2] and want in prob[2]
+    with pytest.raises(ValueError, match=want) as e:
+        EagleShardDataset([str(old), str(root / "bf16")], batch_size=4, shuffle=False)
+    assert "manifest.json" in str(e.value)
 
 
 def test_mixed_dtype_datasets_are_refused_naming_the_field(datasets, tmp_path):

@@ -18,7 +18,7 @@ from eagle_data.extract.chat import ChatRenderer
 from eagle_data.extract.config import ExtractConfig
 from eagle_data.extract.fault import BadRecord, ErrorPolicy, RowError, Skip
 from eagle_data.extract.front_process import FrontProcess
-from eagle_data.extract.run import load_tokenizer, run_extract
+from eagle_data.extract.run import batching, load_tokenizer, row_source, run_extract
 from eagle_data.format.schema import decode_tensors
 
 from tiny import AUX
@@ -51,6 +51,11 @@ def cfg(out, model_dir, data_file, **kw):
     base = dict(out=str(out), model=str(model_dir), data=str(data_file), num_samples=None, dtype="float32",
                 aux_layer_ids=AUX, shard_max_samples=3, batch_tokens=128, max_batch_size=2, progress=False, writers=1)
     return ExtractConfig(**{**base, **kw})
+
+
+def front_process(c, renderer, tag, ahead):
+    """The front process of config ``c``'s rows and batching."""
+    return FrontProcess(row_source(c), batching(c), c.on_bad_sample, renderer, tag, ahead)
 
 
 def _dataset(out):
@@ -124,7 +129,7 @@ def _renderer(model_dir):
 
 def test_child_ignores_sigint_and_close_stops_it(tmp_path, model_dir, data_file):
     c = cfg(tmp_path / "x", model_dir, data_file, max_batch_size=1)
-    fp = FrontProcess(c, _renderer(model_dir), "t", ahead=1)
+    fp = front_process(c, _renderer(model_dir), "t", ahead=1)
     try:
         assert fp.ready(timeout=120)
         os.kill(fp.proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group; the parent handles it
@@ -157,7 +162,7 @@ class _Poison:
 
 def test_a_child_that_dies_is_an_error_naming_its_exit_code(tmp_path, model_dir, data_file):
     base = _renderer(model_dir)
-    fp = FrontProcess(cfg(tmp_path / "x", model_dir, data_file), _Dies(base.tokenizer, base.template), "t", ahead=2)
+    fp = front_process(cfg(tmp_path / "x", model_dir, data_file), _Dies(base.tokenizer, base.template), "t", ahead=2)
     try:
         assert fp.ready(timeout=120)
         with pytest.raises(RuntimeError, match=r"front process died \(exit code 3\)"):
@@ -173,7 +178,8 @@ def test_a_child_that_cannot_start_leaves_the_front_to_a_thread(tmp_path, model_
     """A child that dies while starting, or a renderer that does not pickle: the run goes on with a thread."""
     import eagle_data.extract.run as run
 
-    monkeypatch.setattr(run, "FrontProcess", lambda c, r, tag, ahead: FrontProcess(c, renderer, tag, ahead))
+    monkeypatch.setattr(run, "FrontProcess", lambda rows, b, bad, r, tag, ahead: FrontProcess(rows, b, bad, renderer, tag,
+                                                                                             ahead))
     with caplog.at_level(logging.WARNING):
         m = run_extract(cfg(tmp_path / "ds", model_dir, data_file, front="process"))
     assert m["run_stats"]["front"] == "thread" and m["num_samples"] == 10
@@ -226,7 +232,7 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path, model_dir, data_file)
 PARENT = """
 import sys, time
 sys.path[:0] = {paths!r}
-from eagle_data.extract.run import load_tokenizer
+from eagle_data.extract.run import batching, load_tokenizer, row_source
 from eagle_data.extract.chat import ChatRenderer
 from eagle_data.extract.config import ExtractConfig
 from eagle_data.extract.front_process import FrontProcess
@@ -234,7 +240,8 @@ r = ChatRenderer.from_path(load_tokenizer({model!r}, False), None)
 if {busy!r}:  # the child renders forever: it touches no pipe when its parent dies
     from test_front_process import _Slow
     r = _Slow(r.tokenizer, r.template)
-fp = FrontProcess(ExtractConfig(out={out!r}, model={model!r}, data={data!r}), r, "t", 2)
+c = ExtractConfig(out={out!r}, model={model!r}, data={data!r})
+fp = FrontProcess(row_source(c), batching(c), c.on_bad_sample, r, "t", 2)
 assert fp.ready(120)
 if {busy!r}:
     import threading
@@ -312,11 +319,10 @@ def _front_in_this_process(c, renderer, tag):
                                                                                    s.row, s.reason)))
 
     def rows():
-        for r, rec, key, fp in fresh_rows(c, tag, set()):
+        for r, rec, key, fp in fresh_rows(row_source(c), tag, set()):
             fps.append((key, fp))
             yield r, rec
-    batches = list(front(rows(), renderer, tag, 10**6, c.max_length, c.batch_tokens, c.max_batch_size, c.sort_window,
-                         policy))
+    batches = list(front(rows(), renderer, tag, 10**6, batching(c), policy))
     return batches, fps, events
 
 
@@ -335,7 +341,7 @@ def test_process_front_hands_out_what_the_thread_front_does(tmp_path_factory, mo
     want_batches, want_fps, want_events = _front_in_this_process(c, renderer, "t")
     fps, events = [], []
     policy = ErrorPolicy("skip", listener=lambda s, note: events.append(("note" if note else "skip", s.row, s.reason)))
-    fp = FrontProcess(c, renderer, "t", ahead=2)
+    fp = front_process(c, renderer, "t", ahead=2)
     try:
         assert fp.ready(timeout=120)
         got = list(fp.batches(set(), 10**6, lambda k, f: fps.append((k, f)), policy))

@@ -315,7 +315,7 @@ def test_grouped_tokenisation_equals_one_call_per_conversation(stem, monkeypatch
     generated conversations, some with a special token typed into a user message and some cut
     by ``max_length``, it yields exactly the samples (ids, mask, truncation) and skips (reasons,
     in row order) of encoding each conversation alone."""
-    import eagle_data.extract.chat as chat
+    import eagle_data.extract.stages as stages
     from eagle_data.extract.conversations import Conversation
     from eagle_data.extract.fault import ErrorPolicy
 
@@ -351,9 +351,9 @@ def test_grouped_tokenisation_equals_one_call_per_conversation(stem, monkeypatch
                 want_samples.append((c.row, ids.tolist(), mask.tolist(), enc.input_ids.shape[0] > max_length))
         got_skips = []
         policy = ErrorPolicy("skip", listener=lambda s, note: None if note else got_skips.append((s.row, s.reason)))
-        monkeypatch.setattr(chat, "ENCODE_GROUP", group)
+        monkeypatch.setattr(stages, "ENCODE_GROUP", group)
         got = [(s.row, s.input_ids.tolist(), s.loss_mask.tolist(), s.truncated)
-               for s in chat.tokenize(iter(convs), r, "t", max_length, policy)]
+               for s in stages.tokenize(iter(convs), r, "t", max_length, policy)]
         assert got == want_samples and got_skips == want_skips
         assert any(p == 0 for _, p in items) <= any(k == "special_token_in_text" for _, k in got_skips)
 

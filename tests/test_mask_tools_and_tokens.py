@@ -6,7 +6,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from eagle_data.extract.chat import ChatRenderer, tokenize
+from eagle_data.extract.chat import ChatRenderer
+from eagle_data.extract.stages import tokenize
 from eagle_data.extract.conversations import Conversation, normalize_record
 from eagle_data.extract.fault import ErrorPolicy
 from eagle_data.extract.mask import NotRendered, SpecialTokenInText, ToolCallsNotRendered

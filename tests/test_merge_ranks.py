@@ -10,7 +10,8 @@ import pytest
 
 from eagle_data.cli import data as cli_data
 from eagle_data.cli import main as cli
-from eagle_data.extract.manifest import RanksDisagree, load_progress, merge
+from eagle_data.extract.manifest import RanksDisagree, merge
+from eagle_data.extract.resume import load_progress
 from eagle_data.extract.run import run_extract
 from eagle_data.tools.verify import verify_dataset
 

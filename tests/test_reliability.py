@@ -20,7 +20,8 @@ import pytest
 from eagle_data.cli import main as cli
 from eagle_data.extract.config import ExtractConfig
 from eagle_data.extract.run import run_extract
-from eagle_data.extract.manifest import load_progress, merge
+from eagle_data.extract.manifest import merge
+from eagle_data.extract.resume import load_progress
 from eagle_data.tools.verify import verify_dataset
 from eagle_data.extract.sink import _HashingFile
 
@@ -322,7 +323,7 @@ def test_a_lock_file_removed_before_it_is_locked_is_opened_again(tmp_path, monke
     file that is there now, not the removed one (two runs of one rank would both hold a lock)."""
     import fcntl
 
-    from eagle_data.extract.manifest import lock_rank
+    from eagle_data.extract.resume import lock_rank
 
     real, calls = fcntl.lockf, []
 

@@ -123,13 +123,13 @@ def test_layer_hooks_equal_the_engines_own_eagle3_capture(tiny_dir):
     the route of earlier releases of this backend, prompt by prompt (a 300-token one in three prefill
     chunks). Within one batch the two engines may schedule requests differently, which moves fp32 rows
     by ~1e-8 (matmul blocking), so each prompt runs alone."""
-    from eagle_data.engines.sglang import SGLangBackend
+    from eagle_data.engines.sglang import SGLangBackend, SGLangOptions
 
     batch = [(f"r{i}", p) for i, p in enumerate(_prompts([5, 300, 17, 64], seed=6))]
     got = {}
     for engine_aux in (False, True):
         sg = SGLangBackend(model_path=str(tiny_dir), aux_layer_ids=AUX, dtype="bfloat16", device="cpu",
-                           chunked_prefill_size=128, _engine_aux=engine_aux)
+                           options=SGLangOptions(chunked_prefill_size=128), _engine_aux=engine_aux)
         try:
             assert ("forward_hooks on the aux decoder layers" in sg.info.extra["capture"]) is not engine_aux
             got[engine_aux] = [sg.capture([item])[0] for item in batch]
@@ -201,11 +201,11 @@ def test_radix_cache_left_on_is_caught_and_names_the_sample(tiny_dir):
     """Forced misalignment: with the radix cache on, a shared prefix is served from cache and
     its rows never reach the hook. The backend must refuse, naming the sample."""
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    from eagle_data.engines.sglang import SGLangBackend
+    from eagle_data.engines.sglang import SGLangBackend, SGLangOptions
 
     # the private option is not a user setting (make_backend refuses it), so the backend is built directly
     sg = SGLangBackend(model_path=str(tiny_dir), aux_layer_ids=AUX, dtype="float32", device="cpu",
-                       chunked_prefill_size=128, _allow_radix_cache=True, collect_timeout_s=0.5)
+                       options=SGLangOptions(chunked_prefill_size=128, collect_timeout_s=0.5), _allow_radix_cache=True)
     try:
         pre, t1, t2 = _prompts([40, 10, 12], seed=5)
         sg.capture([("first", torch.cat([pre, t1]))])

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eagle_data.extract.chat import ChatRenderer
-from eagle_data.extract.conversations import normalize_message
+from eagle_data.extract.messages import normalize_message
 from eagle_data.extract.fault import BadRecord
 
 from templates import family_tokenizer, template_files
@@ -88,7 +88,7 @@ def test_flags_on_other_roles_are_ignored_and_never_reach_the_template():
 
 
 def test_a_record_whose_every_answer_is_untrained_is_skipped_saying_so():
-    from eagle_data.extract.chat import tokenize
+    from eagle_data.extract.stages import tokenize
     from eagle_data.extract.conversations import normalize
     from eagle_data.extract.fault import ErrorPolicy
 
@@ -134,7 +134,7 @@ def test_encode_of_raw_messages_cuts_at_a_blank_reply_as_the_pipeline_does(stem)
     """Issue 39 item 8: ``ChatRenderer.encode`` on raw messages did not cut at a blank reply (it
     rendered every turn and failed on the blank one) while ``normalize_record`` cuts the record
     before the question it answers. encode now normalises as the pipeline does and says so."""
-    from eagle_data.extract.chat import tokenize
+    from eagle_data.extract.stages import tokenize
     from eagle_data.extract.conversations import normalize_record
     from eagle_data.extract.fault import ErrorPolicy
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 import eagle_data.extract.writeback as wb
 from eagle_data.extract.config import ExtractConfig  # noqa: F401  (import order as the pipeline)
-from eagle_data.extract.manifest import load_progress
+from eagle_data.extract.resume import load_progress
 from eagle_data.extract.run import run_extract
 from eagle_data.extract.sink import _HashingFile
 

@@ -181,12 +181,26 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
             together), on the engines of the check (on a GPU with SGLang's decode CUDA graphs).
         out: output folder for serve_check.json.
     """
+    from eagle_train.serve_check import run_serve_check
 
-    from eagle_data.checks import check_positive
-    from eagle_data.format.records import read_manifest
-    from eagle_train.evaluate import heldout_split
-    from eagle_train.serve_check import heldout_prompts, run_serve_check
-    from eagle_train.vocab import read_key_list
+    _check_serve_args(num_prompts, max_prompt_tokens, max_new_tokens, steps, dtype, device, speed_batches, out)
+    target_path, exported, prompts, used = _serve_prompts(drafter, data, target, heldout_keys, num_prompts,
+                                                           max_prompt_tokens)
+    res = run_serve_check(target_path, drafter, prompts, steps=steps, max_new_tokens=max_new_tokens,
+                          dtype=dtype, device=device, exported=exported, speed_batches=speed_batches or (),
+                          engine_kw={"attention_backend": attention_backend} if attention_backend else None)
+    res["prompt_keys"] = used
+    o = Path(out)
+    o.mkdir(parents=True, exist_ok=True)
+    (o / "serve_check.json").write_text(json.dumps(res, indent=1))
+    print(serve_check_summary(res))
+    print(o / "serve_check.json")
+
+
+def _check_serve_args(num_prompts: int, max_prompt_tokens: int, max_new_tokens: int, steps: int, dtype: str,
+                      device: str, speed_batches: Optional[list[int]], out: str) -> None:
+    """:func:`serve_check`'s settings, checked before anything is read or started (ValueError)."""
+    from eagle_data.checks import check_device, check_positive
 
     check_positive(num_prompts=num_prompts, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                    steps=steps)
@@ -196,8 +210,6 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
-    from eagle_data.checks import check_device
-
     check_device(device)  # "cuda" without a GPU: refused here, not by the engine's scheduler
     if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"--out {out!r} exists and is not a directory (serve_check.json is written into it)")
@@ -206,8 +218,22 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
     if importlib.util.find_spec("sglang") is None:
         raise ValueError("serve-check needs the sglang extra: pip install -e '.[sglang]' (or bash scripts/setup.sh "
                          "dev,sglang)")
+
+
+def _serve_prompts(drafter: str, data: str, target: Optional[str], heldout_keys: Optional[str], num_prompts: int,
+                   max_prompt_tokens: int) -> tuple[str, Any, list, list[str]]:
+    """The target's folder, the exported drafter (read back) and the held-out prompts (with their keys)
+    of :func:`serve_check`.
+
+    Raises:
+        ValueError: no target folder, a bad export, no held-out key, or no prompt within the limit.
+    """
+    from eagle_data.format.records import read_manifest
+    from eagle_train.evaluate import heldout_split
     from eagle_train.export import load_exported_drafter
     from eagle_train.model import resolve_model_path
+    from eagle_train.serve_check import heldout_prompts
+    from eagle_train.vocab import read_key_list
 
     manifest = read_manifest(data)
     target_path = str(resolve_model_path(target or manifest["model_path"]))
@@ -227,15 +253,7 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
                f"the other {len(keys) - len(prompts)} held-out sample(s) have no assistant reply starting within "
                f"max_prompt_tokens={max_prompt_tokens}")
         print(f"serve-check: {len(prompts)} prompt(s) of the {num_prompts} asked for: {why}", file=sys.stderr)
-    res = run_serve_check(target_path, drafter, prompts, steps=steps, max_new_tokens=max_new_tokens,
-                          dtype=dtype, device=device, exported=exported, speed_batches=speed_batches or (),
-                          engine_kw={"attention_backend": attention_backend} if attention_backend else None)
-    res["prompt_keys"] = used
-    o = Path(out)
-    o.mkdir(parents=True, exist_ok=True)
-    (o / "serve_check.json").write_text(json.dumps(res, indent=1))
-    print(serve_check_summary(res))
-    print(o / "serve_check.json")
+    return target_path, exported, prompts, used
 
 
 def serve_check_summary(res: dict[str, Any]) -> str:

@@ -27,7 +27,8 @@ def print_report(rep: Any, max_problems: int = 30, console: Console | None = Non
     """Summary table (one row per check), the first ``max_problems`` problems, recompute errors
     of a :class:`~eagle_data.tools.verify.VerifyReport` (that module loads torch: imported where
     used, so a mistyped command answers at once)."""
-    from eagle_data.tools.verify import CATEGORIES, EXPECTED_TOKEN_REL
+    from eagle_data.tools.recompute import EXPECTED_TOKEN_REL
+    from eagle_data.tools.verify import CATEGORIES
 
     con = console or Console()
     counts = Counter(c for c, _, _ in rep.problems)

@@ -3,6 +3,7 @@
 Heavy imports (transformers, sglang) live only inside their backend module.
 """
 
+import dataclasses
 import inspect
 import sys
 
@@ -39,13 +40,19 @@ def make_backend(name: str, **kwargs) -> Backend:
         from eagle_data.engines.sglang import SGLangBackend as cls
     else:
         raise ValueError(f"unknown backend {name!r}; choose 'hf' or 'sglang'")
-    params = inspect.signature(cls).parameters
-    unknown = sorted(k for k in kwargs if k not in params or k.startswith("_"))
+    options = getattr(cls, "OPTIONS", None)  # a backend whose knobs are one dataclass (SGLang)
+    hints = {k: p.annotation for k, p in inspect.signature(cls).parameters.items() if k != "options"}
+    if options is not None:
+        hints.update({f.name: f.type for f in dataclasses.fields(options)})
+    unknown = sorted(k for k in kwargs if k not in hints or k.startswith("_"))
     if unknown:
-        takes = sorted(k for k in params if not k.startswith("_") and k not in _SET_BY_RUN)
+        takes = sorted(k for k in hints if not k.startswith("_") and k not in _SET_BY_RUN)
         raise ValueError(f"backend_kwargs: the {name} backend takes no option(s) {unknown}; it takes {takes}")
-    check_option_types(f"backend_kwargs of the {name} backend", kwargs, {k: p.annotation for k, p in params.items()})
-    return cls(**kwargs)
+    check_option_types(f"backend_kwargs of the {name} backend", kwargs, hints)
+    if options is None:
+        return cls(**kwargs)
+    knobs = {k: kwargs.pop(k) for k in list(kwargs) if k not in _SET_BY_RUN}
+    return cls(**kwargs, options=options(**knobs))
 
 
 __all__ = ["Backend", "BackendInfo", "Captured", "default_aux_layer_ids", "validate_aux_layer_ids",

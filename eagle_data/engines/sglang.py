@@ -41,20 +41,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import re
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from eagle_data.format.schema import hidden_dtype
 from eagle_data.engines.base import (BackendInfo, Captured, check_served_aux_ids, default_aux_layer_ids,
                                              validate_aux_layer_ids)
-from eagle_data.engines.sglang_engine import (CPU_KERNEL_DIR, base_engine_kwargs, model_facts,  # noqa: F401
-                                                       prepare_cpu_environment, start_engine)
+from eagle_data.engines.sglang_engine import (CPU_KERNEL_DIR, base_engine_kwargs, check_version,  # noqa: F401
+                                              model_facts, prepare_cpu_environment, scoped_shutdown, start_engine)
 from eagle_data.engines.sglang_hook import hook_specs
 from eagle_data.engines.sglang_spool import RowsMissing, Spool, StitchError, list_spool, read_error, read_piece, stitch
 
@@ -64,8 +63,37 @@ log = logging.getLogger(__name__)
 _OWNED = {"model_path", "dtype", "device", "tp_size", "skip_tokenizer_init", "disable_radix_cache",
           "enable_mixed_chunk", "enable_return_aux_hidden_states", "speculative_algorithm",
           "return_aux_hidden_state_layer_ids", "forward_hooks", "cuda_graph_backend_prefill"}
-#: the sglang releases this backend is tested with (0.5.17: H200, torch 2.11; 0.5.23: CI, CPU)
-SUPPORTED = ((0, 5, 17), (0, 5, 23))
+
+
+@dataclass(frozen=True)
+class SGLangOptions:
+    """The knobs of :class:`SGLangBackend` (an extraction's ``backend_kwargs``, by name)."""
+
+    tp_size: int = 1
+    """tensor parallel size (only TP rank 0 writes chunks)"""
+    chunked_prefill_size: Optional[int] = None
+    """engine memory knob (None: SGLang's default)"""
+    mem_fraction_static: Optional[float] = None
+    """engine memory knob (None: SGLang's default; CPU: 0.3)"""
+    max_total_tokens: Optional[int] = None
+    """engine memory knob (None: SGLang's default; CPU: 32768)"""
+    spool_dir: Optional[Union[str, Path]] = None
+    """parent dir of the per-run spool (default ``/dev/shm``)"""
+    max_inflight: int = 128
+    """most requests in flight at once"""
+    max_inflight_tokens: int = 65536
+    """most prompt tokens in flight (bounds spool size to about ``tokens * (K+1) * H * bytes``); a
+    longer single sample still runs alone"""
+    attention_backend: Optional[str] = None
+    """default ``"torch_native"`` on CPU, SGLang's choice on GPU"""
+    collect_timeout_s: float = 5.0
+    """how long to wait for a finished request's last chunk file"""
+    cpu_kernel: str = "standin"
+    """``"standin"`` (default: our pure-torch ``sgl_kernel``) or ``"installed"`` (SGLang's own CPU kernel build)"""
+    log_level: str = "error"
+    """SGLang log level"""
+    engine_kwargs: Optional[dict[str, Any]] = None
+    """extra ``sglang.Engine`` kwargs (not the ones the backend owns)"""
 
 
 class SGLangBackend:
@@ -77,39 +105,25 @@ class SGLangBackend:
             ``None`` -> :func:`default_aux_layer_ids`.
         dtype: ``"bfloat16"`` or ``"float32"``: engine dtype = stored dtype.
         device: ``"cpu"`` or ``"cuda"``.
-        tp_size: tensor parallel size (only TP rank 0 writes chunks).
-        chunked_prefill_size, mem_fraction_static, max_total_tokens: engine memory knobs;
-            ``None`` -> SGLang's default (CPU: 0.3 and 32768 tokens for the last two).
-        spool_dir: parent dir of the per-run spool (default ``/dev/shm``).
-        max_inflight: most requests in flight at once.
-        max_inflight_tokens: most prompt tokens in flight (bounds spool size to about
-            ``tokens * (K+1) * H * bytes``); a longer single sample still runs alone.
-        attention_backend: default ``"torch_native"`` on CPU, SGLang's choice on GPU.
-        collect_timeout_s: how long to wait for a finished request's last chunk file.
-        cpu_kernel: ``"standin"`` (default: our pure-torch ``sgl_kernel``) or ``"installed"``
-            (SGLang's own CPU kernel build).
-        log_level: SGLang log level.
-        engine_kwargs: extra ``sglang.Engine`` kwargs (not the ones the backend owns).
+        options: the engine and in-flight knobs (default: :class:`SGLangOptions`'s defaults).
 
     Raises:
         ValueError: bad dtype/device/aux ids, or engine_kwargs that override owned args.
         RuntimeError: the engine violates an invariant or the warm-up capture fails.
     """
 
+    #: the knobs :func:`~eagle_data.engines.make_backend` takes by name (``backend_kwargs``)
+    OPTIONS = SGLangOptions
+
     def __init__(self, model_path: str | Path, aux_layer_ids: Sequence[int] | None = None,
-                 dtype: str = "bfloat16", device: str = "cpu", *, tp_size: int = 1,
-                 chunked_prefill_size: int | None = None, mem_fraction_static: float | None = None,
-                 max_total_tokens: int | None = None, spool_dir: str | Path | None = None,
-                 max_inflight: int = 128, max_inflight_tokens: int = 65536,
-                 attention_backend: str | None = None, collect_timeout_s: float = 5.0,
-                 cpu_kernel: str = "standin", log_level: str = "error",
-                 engine_kwargs: dict[str, Any] | None = None, _allow_radix_cache: bool = False,
-                 _engine_aux: bool = False):
+                 dtype: str = "bfloat16", device: str = "cpu", options: SGLangOptions | None = None, *,
+                 _allow_radix_cache: bool = False, _engine_aux: bool = False):
+        o = options or SGLangOptions()
         hidden_dtype(dtype)  # ValueError naming an unknown dtype
         dev = torch.device(device).type
         if dev not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        bad = _OWNED & set(engine_kwargs or {})
+        bad = _OWNED & set(o.engine_kwargs or {})
         if bad:
             raise ValueError(f"engine_kwargs must not set {sorted(bad)}: the backend owns them")
         self.engine = None
@@ -118,27 +132,17 @@ class SGLangBackend:
         ids = (validate_aux_layer_ids(aux_layer_ids, n_layers) if aux_layer_ids is not None
                else default_aux_layer_ids(n_layers))
         check_served_aux_ids(ids, architectures)
-        self.max_inflight, self.max_inflight_tokens = int(max_inflight), int(max_inflight_tokens)
-        self.collect_timeout_s = float(collect_timeout_s)
-        kw = base_engine_kwargs(model_path, dtype, dev, tp_size=tp_size, chunked_prefill_size=chunked_prefill_size,
-                                mem_fraction_static=mem_fraction_static, max_total_tokens=max_total_tokens,
-                                attention_backend=attention_backend, cpu_kernel=cpu_kernel, log_level=log_level)
-        self.spool = Spool(spool_dir)
+        self.max_inflight, self.max_inflight_tokens = int(o.max_inflight), int(o.max_inflight_tokens)
+        self.collect_timeout_s = float(o.collect_timeout_s)
+        self.spool = Spool(o.spool_dir)
         self._prefix = f"ed{uuid.uuid4().hex[:8]}-"
         self._counter = 0
         self.last_chunks: dict[str, int] = {}  # key -> prefill chunks stitched, last capture()
         self._budget = None
         self._orphans: set[str] = set()  # rids of cancelled requests
         self._chunks: dict[str, int] = {}  # rid -> chunks stitched, until its batch is yielded
-        kw.update(disable_radix_cache=not _allow_radix_cache, enable_mixed_chunk=False,
-                  forward_hooks=hook_specs(str(self.spool.path), self._prefix, None if _engine_aux else list(ids)))
-        if dev == "cuda":  # prefill only (max_new_tokens=0): capturing decode graphs would only slow the start
-            kw["cuda_graph_backend_decode"] = "disabled"
-        if _engine_aux:  # tests only (sglang >= 0.5.23): the engine's own EAGLE-3 capture, to compare routes
-            kw.update(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
-                      return_aux_hidden_state_layer_ids=list(ids))
-        kw.update(engine_kwargs or {})
         try:
+            kw = self._engine_kwargs(model_path, dtype, dev, o, ids, _allow_radix_cache, _engine_aux)
             import sglang
             check_version(sglang.__version__)
             t0 = time.perf_counter()
@@ -147,21 +151,29 @@ class SGLangBackend:
             Spool.install_signal_handlers()
             sa = self.engine.server_args
             self._check_server_args(sa, _allow_radix_cache)
-            self.info = BackendInfo("sglang", model_path, hidden, n_layers, vocab, dtype, list(ids), {
-                "sglang_version": sglang.__version__, "device": dev, "tp_size": int(tp_size),
-                "writer_tp_rank": 0, "attention_backend": getattr(sa, "attention_backend", None),
-                "chunked_prefill_size": getattr(sa, "chunked_prefill_size", None),
-                "prefill_cuda_graph": "disabled" if dev == "cuda" else "n/a (cpu)",
-                "decode_cuda_graph": getattr(sa, "cuda_graph_backend_decode", None) if dev == "cuda" else "n/a (cpu)",
-                "radix_cache": "disabled", "mixed_chunk": "disabled", "max_new_tokens": 0,
-                "capture": ("engine aux capture + forward_hook on logits_processor" if _engine_aux else
-                            "forward_hooks on the aux decoder layers and logits_processor, safetensors spool"),
-                "cpu_sgl_kernel": ("eagle-data pure-torch stand-in" if dev == "cpu" and cpu_kernel == "standin"
-                                   else "installed")})
+            self.info = BackendInfo("sglang", model_path, hidden, n_layers, vocab, dtype, list(ids),
+                                    _info_extra(sglang.__version__, sa, dev, o, _engine_aux))
             self._warmup(hidden)
         except BaseException:
             self.close()
             raise
+
+    def _engine_kwargs(self, model_path: str, dtype: str, dev: str, o: SGLangOptions, ids: list[int],
+                       allow_radix: bool, engine_aux: bool) -> dict[str, Any]:
+        """The ``sglang.Engine`` arguments: the base ones, the capture invariants, the hooks writing
+        into this backend's spool, then ``o.engine_kwargs``."""
+        kw = base_engine_kwargs(model_path, dtype, dev, tp_size=o.tp_size, chunked_prefill_size=o.chunked_prefill_size,
+                                mem_fraction_static=o.mem_fraction_static, max_total_tokens=o.max_total_tokens,
+                                attention_backend=o.attention_backend, cpu_kernel=o.cpu_kernel, log_level=o.log_level)
+        kw.update(disable_radix_cache=not allow_radix, enable_mixed_chunk=False,
+                  forward_hooks=hook_specs(str(self.spool.path), self._prefix, None if engine_aux else list(ids)))
+        if dev == "cuda":  # prefill only (max_new_tokens=0): capturing decode graphs would only slow the start
+            kw["cuda_graph_backend_decode"] = "disabled"
+        if engine_aux:  # tests only (sglang >= 0.5.23): the engine's own EAGLE-3 capture, to compare routes
+            kw.update(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+                      return_aux_hidden_state_layer_ids=list(ids))
+        kw.update(o.engine_kwargs or {})
+        return kw
 
     @staticmethod
     def _check_server_args(sa, allow_radix: bool) -> None:
@@ -221,25 +233,9 @@ class SGLangBackend:
         if self._orphans:
             self._drop_files(self._orphans)
         loop, it, pending = self.engine.loop, iter(batches), []
-
-        def submit() -> bool:
-            batch = next(it, None)
-            if batch is None:
-                return False
-            items = []
-            for key, ids in batch:
-                if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point:  # raised at its turn
-                    pending.append(([], ValueError(f"sample {key!r}: input_ids must be a non-empty 1-D "
-                                                   f"integer tensor, got {tuple(ids.shape)} {ids.dtype}")))
-                    return True
-                self._counter += 1
-                items.append((key, ids.to(torch.int64).cpu(), f"{self._prefix}{self._counter}"))
-            pending.append((items, loop.create_task(self._run(items))))
-            return True
-
         try:
             for _ in range(prefetch + 1):
-                if not submit():
+                if not self._submit(it, pending):
                     break
             while pending:
                 items, task = pending[0]
@@ -256,7 +252,7 @@ class SGLangBackend:
                     if isinstance(e, (RuntimeError, KeyboardInterrupt)):
                         raise e
                     raise RuntimeError(f"capture failed: {e!r}") from e
-                submit()
+                self._submit(it, pending)
                 yield results
         except (Exception, GeneratorExit):
             if pending:  # error or early stop: let submitted requests finish, then drop their rows
@@ -265,6 +261,23 @@ class SGLangBackend:
         finally:
             if pending:  # interrupt (Ctrl-C / SIGTERM exception): cancel, do not wait
                 self._finish_pending(pending, cancel=True)
+
+    def _submit(self, it: Iterator[Sequence[tuple[str, torch.Tensor]]], pending: list) -> bool:
+        """Submit ``it``'s next batch to the engine, appended to ``pending`` as ``(items, task)`` (a
+        bad sample: ``([], its ValueError)``, raised at its turn); False when ``it`` is exhausted."""
+        batch = next(it, None)
+        if batch is None:
+            return False
+        items = []
+        for key, ids in batch:
+            if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point:  # raised at its turn
+                pending.append(([], ValueError(f"sample {key!r}: input_ids must be a non-empty 1-D "
+                                               f"integer tensor, got {tuple(ids.shape)} {ids.dtype}")))
+                return True
+            self._counter += 1
+            items.append((key, ids.to(torch.int64).cpu(), f"{self._prefix}{self._counter}"))
+        pending.append((items, self.engine.loop.create_task(self._run(items))))
+        return True
 
     def _finish_pending(self, pending: list, cancel: bool) -> None:
         tasks = [t for _, t in pending if isinstance(t, asyncio.Future)]
@@ -359,7 +372,7 @@ class SGLangBackend:
         engine, self.engine = self.engine, None
         try:
             if engine is not None:
-                _scoped_shutdown(engine)
+                scoped_shutdown(engine)
         finally:
             self.spool.close()
 
@@ -371,34 +384,15 @@ class SGLangBackend:
         return False
 
 
-def check_version(version: str) -> bool:
-    """Whether sglang ``version`` is within :data:`SUPPORTED`; outside it, a warning (engine internals
-    such as the decoder layers' outputs may differ: check a few samples with ``verify --recompute``)."""
-    got = tuple(int(x) for x in re.findall(r"\d+", version)[:3])
-    if SUPPORTED[0] <= got <= SUPPORTED[1]:
-        return True
-    lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
-    log.warning("sglang %s is outside the range eagle-data is tested with (%s - %s): check a few samples "
-                "against the HF backend with `eagle-data verify --recompute`", version, lo, hi)
-    return False
-
-
-def _scoped_shutdown(engine) -> None:
-    import atexit
-
-    import sglang.srt.entrypoints.engine as em
-    orig, me, mine = em.kill_process_tree, os.getpid(), list(engine.get_all_child_pids())
-
-    def kill_own_children(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
-        if parent_pid in (None, me) and not include_parent:
-            for pid in mine:  # each child with its own descendants
-                orig(pid, include_parent=True, wait_timeout=wait_timeout)
-            return None
-        return orig(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
-
-    em.kill_process_tree = kill_own_children
-    try:
-        engine.shutdown()
-    finally:
-        em.kill_process_tree = orig
-    atexit.unregister(engine.shutdown)
+def _info_extra(version: str, sa, dev: str, o: SGLangOptions, engine_aux: bool) -> dict[str, Any]:
+    """``BackendInfo.extra`` of a started engine (server args ``sa``): how it captures."""
+    return {"sglang_version": version, "device": dev, "tp_size": int(o.tp_size),
+            "writer_tp_rank": 0, "attention_backend": getattr(sa, "attention_backend", None),
+            "chunked_prefill_size": getattr(sa, "chunked_prefill_size", None),
+            "prefill_cuda_graph": "disabled" if dev == "cuda" else "n/a (cpu)",
+            "decode_cuda_graph": getattr(sa, "cuda_graph_backend_decode", None) if dev == "cuda" else "n/a (cpu)",
+            "radix_cache": "disabled", "mixed_chunk": "disabled", "max_new_tokens": 0,
+            "capture": ("engine aux capture + forward_hook on logits_processor" if engine_aux else
+                        "forward_hooks on the aux decoder layers and logits_processor, safetensors spool"),
+            "cpu_sgl_kernel": ("eagle-data pure-torch stand-in" if dev == "cpu" and o.cpu_kernel == "standin"
+                               else "installed")}

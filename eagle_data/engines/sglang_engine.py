@@ -193,3 +193,42 @@ def model_facts(model_path: str) -> tuple[int, int, int, list[str]]:
     top = AutoConfig.from_pretrained(model_path)
     cfg = getattr(top, "text_config", None) or top
     return int(cfg.num_hidden_layers), int(cfg.hidden_size), int(cfg.vocab_size), list(top.architectures or [])
+
+
+#: the sglang releases the backend is tested with (0.5.17: H200, torch 2.11; 0.5.23: CI, CPU)
+SUPPORTED = ((0, 5, 17), (0, 5, 23))
+
+
+def check_version(version: str) -> bool:
+    """Whether sglang ``version`` is within :data:`SUPPORTED`; outside it, a warning (engine internals
+    such as the decoder layers' outputs may differ: check a few samples with ``verify --recompute``)."""
+    got = tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+    if SUPPORTED[0] <= got <= SUPPORTED[1]:
+        return True
+    lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
+    log.warning("sglang %s is outside the range eagle-data is tested with (%s - %s): check a few samples "
+                "against the HF backend with `eagle-data verify --recompute`", version, lo, hi)
+    return False
+
+
+def scoped_shutdown(engine) -> None:
+    """``engine.shutdown()`` killing only the engine's own children (see
+    :meth:`~eagle_data.engines.sglang.SGLangBackend.close`); its atexit shutdown unregistered."""
+    import atexit
+
+    import sglang.srt.entrypoints.engine as em
+    orig, me, mine = em.kill_process_tree, os.getpid(), list(engine.get_all_child_pids())
+
+    def kill_own_children(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
+        if parent_pid in (None, me) and not include_parent:
+            for pid in mine:  # each child with its own descendants
+                orig(pid, include_parent=True, wait_timeout=wait_timeout)
+            return None
+        return orig(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
+
+    em.kill_process_tree = kill_own_children
+    try:
+        engine.shutdown()
+    finally:
+        em.kill_process_tree = orig
+    atexit.unregister(engine.shutdown)

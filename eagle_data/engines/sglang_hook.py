@@ -136,7 +136,7 @@ def make_capture_hook(config: dict):
         if slots:
             slots[:] = [None] * n_aux  # every pass starts empty, ours or not
         try:
-            return _capture(args, taken)
+            return _capture(args, taken, prefix, spool, writer)
         except Exception as e:  # e.g. spool full: report it per request instead of killing the scheduler
             ours = [r for r in (getattr(args[3], "rids", None) or [] if len(args) > 3 else [])
                     if isinstance(r, str) and r.startswith(prefix)]
@@ -148,48 +148,52 @@ def make_capture_hook(config: dict):
             log.exception("eagle-data capture hook failed")
             return None
 
-    def _capture(args, taken):
-        if len(args) < 4:
-            return None
-        input_ids, hidden, fb = args[0], args[1], args[3]
-        rids = list(getattr(fb, "rids", None) or [])
-        ours = [r for r in rids if isinstance(r, str) and r.startswith(prefix)]
-        if not ours:
-            return None
-        mode = fb.forward_mode
-        if mode.is_decode() or mode.is_idle():
-            return None
-
-        def refuse(msg: str):
-            for r in ours:
-                write_error(spool, r, writer.next_seq(), msg)
-
-        if mode.name != "EXTEND":
-            return refuse(f"forward mode {mode.name} is not a plain prefill (EXTEND); "
-                          f"mixed chunking / speculative modes are not supported")
-        aux_t, problem = _aux_of_pass(taken, args[4] if len(args) > 4 else None)
-        if problem:
-            return refuse(problem)
-        seqs, pres = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
-        n_tok = int(hidden.shape[0])
-        if (seqs is None or pres is None or len(seqs) != len(rids) or len(pres) != len(rids)
-                or sum(int(s) for s in seqs) != n_tok or aux_t.shape[0] != n_tok
-                or input_ids.shape[0] != n_tok):
-            return refuse(f"inconsistent batch: {len(rids)} rids, extend_seq_lens {seqs}, "
-                          f"prefix_lens {pres}, {n_tok} hidden rows, {aux_t.shape[0]} aux rows, "
-                          f"{input_ids.shape[0]} input ids")
-        rows, start = [], 0
-        for rid, n, off in zip(rids, seqs, pres):
-            n, off = int(n), int(off)
-            if isinstance(rid, str) and rid.startswith(prefix) and n > 0:
-                rows.append((rid, off, writer.next_seq(), start, n))
-            start += n
-        writer.put(input_ids, aux_t, hidden, rows)
-        return None
-
     hook.drain = writer.drain
     log.info("eagle-data capture hook active in pid %d, spool %s", os.getpid(), spool)
     return hook
+
+
+def _capture(args, taken: list | None, prefix: str, spool: str, writer: "_Writer") -> None:
+    """One pass of the logits processor (``args``: input ids, hidden [N, H], ..., forward batch[, engine
+    aux]): hand our requests' rows to ``writer``, or write an error file for each of them when the pass
+    is not a plain prefill or its batch is inconsistent. ``taken``: the layer hooks' slots of this pass."""
+    if len(args) < 4:
+        return None
+    input_ids, hidden, fb = args[0], args[1], args[3]
+    rids = list(getattr(fb, "rids", None) or [])
+    ours = [r for r in rids if isinstance(r, str) and r.startswith(prefix)]
+    if not ours:
+        return None
+    mode = fb.forward_mode
+    if mode.is_decode() or mode.is_idle():
+        return None
+
+    def refuse(msg: str):
+        for r in ours:
+            write_error(spool, r, writer.next_seq(), msg)
+
+    if mode.name != "EXTEND":
+        return refuse(f"forward mode {mode.name} is not a plain prefill (EXTEND); "
+                      f"mixed chunking / speculative modes are not supported")
+    aux_t, problem = _aux_of_pass(taken, args[4] if len(args) > 4 else None)
+    if problem:
+        return refuse(problem)
+    seqs, pres = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+    n_tok = int(hidden.shape[0])
+    if (seqs is None or pres is None or len(seqs) != len(rids) or len(pres) != len(rids)
+            or sum(int(s) for s in seqs) != n_tok or aux_t.shape[0] != n_tok
+            or input_ids.shape[0] != n_tok):
+        return refuse(f"inconsistent batch: {len(rids)} rids, extend_seq_lens {seqs}, "
+                      f"prefix_lens {pres}, {n_tok} hidden rows, {aux_t.shape[0]} aux rows, "
+                      f"{input_ids.shape[0]} input ids")
+    rows, start = [], 0
+    for rid, n, off in zip(rids, seqs, pres):
+        n, off = int(n), int(off)
+        if isinstance(rid, str) and rid.startswith(prefix) and n > 0:
+            rows.append((rid, off, writer.next_seq(), start, n))
+        start += n
+    writer.put(input_ids, aux_t, hidden, rows)
+    return None
 
 
 def _aux_of_pass(taken: list | None, engine_aux) -> tuple[torch.Tensor | None, str | None]:

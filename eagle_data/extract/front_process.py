@@ -36,15 +36,18 @@ import traceback
 from collections import deque
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from eagle_data.background import background
 from eagle_data.extract.chat import ChatRenderer, TokenizedSample
-from eagle_data.extract.config import ExtractConfig
 from eagle_data.extract.fault import ErrorPolicy, Skip
+
+if TYPE_CHECKING:
+    from eagle_data.extract.sources import RowSource
+    from eagle_data.extract.stages import Batching
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +64,9 @@ class FrontProcess:
     model's loading); :meth:`batches` hands out what it builds. Always :meth:`close` it.
 
     Args:
-        cfg: the run's settings (rows, batching, ``on_bad_sample``).
+        rows: the source rows of this rank (the child reads those not extracted yet).
+        batching: how the child cuts and batches the samples.
+        on_bad_sample: "skip" or "raise" (the run's setting).
         renderer: the chat renderer (pickled to the child with its tokenizer).
         tag: the dataset tag of the sample keys.
         ahead: batches the child builds ahead of the consumer.
@@ -71,8 +76,9 @@ class FrontProcess:
         OSError: no process could be started.
     """
 
-    def __init__(self, cfg: ExtractConfig, renderer: ChatRenderer, tag: str, ahead: int):
-        setup = pickle.dumps((cfg, renderer, tag))
+    def __init__(self, rows: RowSource, batching: Batching, on_bad_sample: str, renderer: ChatRenderer, tag: str,
+                 ahead: int):
+        setup = pickle.dumps((rows, batching, on_bad_sample, renderer, tag))
         self._ready: bool | None = None
         self._closed = False
         c_read, p_write = os.pipe()  # parent -> child: setup, go, (closing = stop)
@@ -247,7 +253,7 @@ def child_main(ctrl_fd: int, out_fd: int, ahead: int, parent: int) -> None:
     _watch_parent(parent)
     ctrl, out = Connection(ctrl_fd, writable=False), Connection(out_fd, readable=False)
     try:
-        cfg, renderer, tag = pickle.loads(ctrl.recv_bytes())
+        source, batching, on_bad_sample, renderer, tag = pickle.loads(ctrl.recv_bytes())
     except (EOFError, OSError):  # the parent went away first (possibly mid-message)
         return
     events: deque = deque()  # appended by the front's thread, drained by this one (both atomic)
@@ -265,18 +271,17 @@ def child_main(ctrl_fd: int, out_fd: int, ahead: int, parent: int) -> None:
             raise _ParentGone from e
 
     def rows():
-        for r, rec, key, fp in fresh_rows(cfg, tag, done):
+        for r, rec, key, fp in fresh_rows(source, tag, done):
             events.append(("fp", key, fp))
             yield r, rec
 
     try:
         send("ready")
         done, vocab_size = receive()
-        policy = ErrorPolicy(cfg.on_bad_sample, counter=_Relay(events))  # type: ignore[arg-type]
+        policy = ErrorPolicy(on_bad_sample, counter=_Relay(events))  # type: ignore[arg-type]
         # built up to `ahead` batches ahead in a thread while this one waits for the parent to read;
         # a row's fingerprint and skips go out with the batch after them, or an earlier one
-        for b in background(front(rows(), renderer, tag, vocab_size, cfg.max_length, cfg.batch_tokens,
-                                  cfg.max_batch_size, cfg.sort_window, policy), ahead):
+        for b in background(front(rows(), renderer, tag, vocab_size, batching, policy), ahead):
             send(_pack(b))
         send("end")
     except _ParentGone:  # the parent closed the pipes or died

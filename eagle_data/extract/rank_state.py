@@ -23,12 +23,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-from eagle_data.extract.config import ExtractConfig, rows_to_read
 from eagle_data.extract.fault import Skip
-from eagle_data.extract.manifest import check_resume, config_hash, load_progress, repair_rank
+from eagle_data.extract.resume import check_resume, config_hash, load_progress, repair_rank
 from eagle_data.format.records import note_reasons
 from eagle_data.extract.sink import atomic_write_bytes, atomic_write_json
-from eagle_data.extract.sources import check_unchanged, combine, iter_records, record_fingerprint, resolve
+from eagle_data.extract.sources import RowSource, check_unchanged, combine, record_fingerprint, resolve
 from eagle_data.format.fingerprint import files_fingerprint
 from eagle_data.format.layout import (CARD_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_GLOB, is_own_name,
                                       parse_progress_name, parse_shard_name, progress_path, rank_shard_prefix,
@@ -40,50 +39,57 @@ class RankState:
     """The progress record of one rank (``state``: config, model facts, shards, skipped, notes,
     finished), thread-safe. Use as a context manager (closes the skip log)."""
 
-    def __init__(self, cfg: ExtractConfig, out: Path, run_cfg: dict[str, Any], model_facts: dict[str, Any],
+    def __init__(self, rows: RowSource, out: Path, run_cfg: dict[str, Any], model_facts: dict[str, Any],
                  tag: str):
         """Resume or start this rank's record and make the directory agree with it.
+
+        Args:
+            rows: the source rows this rank reads (``num_rows``: the run's ``num_samples``, resolved).
+            out: the output directory.
+            run_cfg: the run configuration recorded (:func:`~eagle_data.extract.rerun.run_config`).
+            model_facts: the model facts of the manifest.
+            tag: the dataset tag of the sample keys.
 
         Raises:
             ValueError: the directory holds a dataset this rank does not own, another rank or an
                 earlier run of this rank used another configuration, or the source rows already
                 extracted changed since (see :func:`eagle_data.extract.sources.check_unchanged`).
         """
-        self.cfg, self.out, self.tag = cfg, out, tag
-        self.path = progress_path(out, cfg.rank)
+        self.rows, self.out, self.tag = rows, out, tag
+        self.path = progress_path(out, rows.rank)
         self._lock = threading.Lock()
-        prev = _previous(out, cfg.rank, run_cfg)
+        prev = _previous(out, rows.rank, run_cfg)
         if prev is not None:
             check_resume(prev, run_cfg, str(self.path))
             old = prev["config"].get("num_samples")  # more rows extend the run; fewer do not shrink it
-            prev["config"]["num_samples"] = None if None in (old, cfg.num_samples) else max(old, cfg.num_samples)
-        self.state = prev or {"config": run_cfg, "config_hash": config_hash(run_cfg), "rank": cfg.rank,
-                              "world_size": cfg.world_size, "model": model_facts, "shards": [], "skipped": {},
+            prev["config"]["num_samples"] = None if None in (old, rows.num_rows) else max(old, rows.num_rows)
+        self.state = prev or {"config": run_cfg, "config_hash": config_hash(run_cfg), "rank": rows.rank,
+                              "world_size": rows.world_size, "model": model_facts, "shards": [], "skipped": {},
                               "finished": False}
-        if repair_rank(out, cfg.rank, self.state) and (out / MANIFEST_NAME).exists():
+        if repair_rank(out, rows.rank, self.state) and (out / MANIFEST_NAME).exists():
             (out / MANIFEST_NAME).unlink()  # no longer describes the directory; merged again at the end
         self.state["finished"] = False
         self.done = {k for s in self.state["shards"] for k in s["keys"]}
         self._check_source()
-        self.state["source"] = source_record(cfg.data)  # what this run reads: the merge compares the ranks'
+        self.state["source"] = source_record(rows.data)  # what this run reads: the merge compares the ranks'
         self._prune()
         atomic_write_json(self.path, self.state)
         # str(row) -> reason (skipped) or [reasons] (notes)
         self._unsaved: dict[str, dict[str, Any]] = {"skipped": {}, "notes": {}}
         self._fps: dict[str, int] = {}  # key -> fingerprint of its source row, until published or skipped
-        self._log = _reopen_skip_log(out / skip_log_name(cfg.rank), self.state)
+        self._log = _reopen_skip_log(out / skip_log_name(rows.rank), self.state)
 
     def _check_source(self) -> None:  # before anything is changed
         shards = self.state["shards"]
         if self.done and all("source_digest" in s for s in shards):
-            c = self.cfg
+            c = self.rows
             check_unchanged(c.data, c.split, c.rank, c.world_size, self.done, lambda r: sample_key(self.tag, r),
                             combine(int(s["source_digest"], 16) for s in shards))
 
     def _prune(self) -> None:
         """Rows an earlier run skipped or noted are decided again (a row fixed in the source since is
         extracted), except those beyond a smaller num_samples, which this run does not read."""
-        n = rows_to_read(self.cfg)
+        n = self.rows.num_rows
         beyond = (lambda r: n is not None and int(r) >= n)
         st = self.state
         st["skipped"] = {r: v for r, v in st["skipped"].items() if beyond(r)}
@@ -138,7 +144,7 @@ class RankState:
 
     def fresh_records(self) -> Iterator[tuple[int, Any]]:
         """``(row, record)`` of this rank's source rows not extracted yet (fingerprinted)."""
-        for r, rec, key, fp in fresh_rows(self.cfg, self.tag, self.done):
+        for r, rec, key, fp in fresh_rows(self.rows, self.tag, self.done):
             self.fingerprint(key, fp)
             yield r, rec
 
@@ -154,9 +160,9 @@ class RankState:
         self._log.close()
 
 
-def fresh_rows(cfg: ExtractConfig, tag: str, done: set[str]) -> Iterator[tuple[int, Any, str, int]]:
+def fresh_rows(rows: RowSource, tag: str, done: set[str]) -> Iterator[tuple[int, Any, str, int]]:
     """``(row, record, key, fingerprint)`` of the rank's source rows whose key is not in ``done``."""
-    for r, rec in iter_records(cfg.data, cfg.split, cfg.rank, cfg.world_size, rows_to_read(cfg)):
+    for r, rec in rows.records():
         if (key := sample_key(tag, r)) not in done:
             yield r, rec, key, record_fingerprint(r, rec)
 

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from eagle_data.extract.chat import ChatRenderer
-from eagle_data.extract.config import ExtractConfig, final_storage_dtype, storage_dtype
-from eagle_data.extract.manifest import RanksDisagree, check_resume, load_progress, merge
+from eagle_data.extract.config import ExtractConfig
+from eagle_data.extract.manifest import RanksDisagree, merge
+from eagle_data.extract.resume import check_resume, load_progress
 from eagle_data.extract.rank_state import source_record
 from eagle_data.format.fingerprint import weights_fingerprint
 
@@ -33,11 +34,11 @@ DECIDED_BY_STATES = frozenset({"non_finite_hidden_states"})
 
 def run_config(cfg: ExtractConfig, aux_layer_ids: Sequence[int], renderer: ChatRenderer, model_path: str,
                tag: str) -> dict[str, Any]:
-    """The run configuration a rank's progress file records (what a resume must match)."""
+    """The run configuration a rank's progress file records (what a resume must match); ``cfg``
+    as :func:`~eagle_data.extract.run.run_extract` resolved it (``num_samples``, storage dtypes)."""
     tok_json = Path(model_path) / "tokenizer.json"
     run_cfg: dict[str, Any] = {
-        **asdict(cfg), "model_path": model_path, "dataset_tag": tag, "storage_dtype": storage_dtype(cfg),
-        "final_storage_dtype": final_storage_dtype(cfg), "aux_layer_ids": list(aux_layer_ids),
+        **asdict(cfg), "model_path": model_path, "dataset_tag": tag, "aux_layer_ids": list(aux_layer_ids),
         "weights_fingerprint": weights_fingerprint(model_path),
         "tokenizer_sha256": hashlib.sha256(tok_json.read_bytes()).hexdigest() if tok_json.exists() else None,
         "template": renderer.describe()}
@@ -59,7 +60,7 @@ def finished_result(cfg: ExtractConfig, out: Path, renderer: ChatRenderer, model
             not (out / s["name"]).is_file() or (out / s["name"]).stat().st_size != s["bytes"] for s in prev["shards"]):
         return None
     try:
-        ids = _aux_layer_ids(cfg, model_path)
+        ids = _aux_layer_ids(cfg.aux_layer_ids, model_path, cfg.trust_remote_code)
         check_resume(prev, run_config(cfg, ids, renderer, model_path, tag), "")
         if source_record(cfg.data)["fingerprint"] != prev["source"]["fingerprint"]:
             return None
@@ -87,12 +88,12 @@ def merged_result(out: Path, rank: int, result: dict[str, Any]) -> dict[str, Any
         return {**result, "merge_error": str(e)}
 
 
-def _aux_layer_ids(cfg: ExtractConfig, model_path: str) -> list[int]:
+def _aux_layer_ids(aux_layer_ids: Sequence[int] | None, model_path: str, trust_remote_code: bool) -> list[int]:
     """The aux ids a backend would resolve, from the model's config alone (no weights)."""
     from transformers import AutoConfig
 
     from eagle_data.engines.base import default_aux_layer_ids, validate_aux_layer_ids
 
-    top = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
+    top = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     n = int((getattr(top, "text_config", None) or top).num_hidden_layers)
-    return validate_aux_layer_ids(cfg.aux_layer_ids, n) if cfg.aux_layer_ids is not None else default_aux_layer_ids(n)
+    return validate_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids is not None else default_aux_layer_ids(n)

@@ -5,7 +5,7 @@ Stages are iterators (:mod:`stages`); :func:`run_extract` wires them. The rank's
 (resume, skips, notes) is :class:`~eagle_data.extract.rank_state.RankState`; signals are
 :mod:`~eagle_data.extract.signals`.
 
-Reliability contract (see also :mod:`eagle_data.extract.sink` and :mod:`eagle_data.extract.manifest`):
+Reliability contract (see also :mod:`eagle_data.extract.sink`, :mod:`eagle_data.extract.resume` and :mod:`eagle_data.extract.manifest`):
 
 * work split: rank ``r`` of ``w`` takes source rows ``row % w == r``; keys are ``TAG_ROW``,
   so ranks need no coordination and their keys are disjoint;
@@ -43,17 +43,17 @@ from eagle_data.extract.async_sink import AsyncShardWriter
 from eagle_data.engines.base import Backend
 from eagle_data.background import background, timed
 from eagle_data.extract.chat import ChatRenderer, TokenizedSample
-from eagle_data.extract.config import (ExtractConfig, check_paths, final_storage_dtype, front_in_process, model_dir,
-                                       rows_to_read, storage_dtype)
+from eagle_data.extract.config import (ExtractConfig, check_paths, front_in_process, model_dir, rows_to_read,
+                                       stored_dtypes)
 from eagle_data.extract.front_process import FrontProcess
 from eagle_data.extract.fault import ErrorPolicy
-from eagle_data.extract.manifest import load_progress, open_out, out_path
+from eagle_data.extract.resume import load_progress, open_out, out_path
 from eagle_data.extract.rank_state import RankState, refuse_foreign
 from eagle_data.extract.rerun import finished_result, merged_result, run_config
 from eagle_data.extract.signals import ExtractionInterrupted, Signals, interruptible_iter
 from eagle_data.extract.sink import ShardSink
-from eagle_data.extract.sources import resolve
-from eagle_data.extract.stages import capture, front, to_samples
+from eagle_data.extract.sources import RowSource, resolve
+from eagle_data.extract.stages import Batching, capture, front, to_samples
 from eagle_data.format.schema import sample_key, storage_dtype_of
 from eagle_data.format.layout import INDEX_DIR, LOCK_NAME, progress_path, rank_shard_prefix, skip_log_name
 
@@ -80,7 +80,10 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
         ExtractionInterrupted: SIGINT (or a SIGTERM with a non-default previous handler);
             a SIGTERM with the default handler terminates the process after cleanup.
     """
-    cfg = replace(cfg, out=str(out_path(cfg.out)))  # "m/n/.." is m: checked, written and reported as m
+    aux_dtype, final_dtype = stored_dtypes(cfg.dtype, cfg.storage_dtype, cfg.final_storage_dtype)
+    # resolved, as recorded and run: "m/n/.." is m (checked, written and reported as m), the rows, the dtypes
+    cfg = replace(cfg, out=str(out_path(cfg.out)), num_samples=rows_to_read(cfg.num_samples, cfg.data),
+                  storage_dtype=aux_dtype, final_storage_dtype=final_dtype)
     check_paths(cfg)
     refuse_foreign(Path(cfg.out))
     created = _missing_folders(Path(cfg.out))  # the folders this run creates
@@ -89,7 +92,7 @@ def run_extract(cfg: ExtractConfig, backend: Backend | None = None, tokenizer=No
     # shard is written): the cleanup below runs first, a default SIGTERM then ends the process
     with Signals() as sigs:
         try:
-            return _run(replace(cfg, num_samples=rows_to_read(cfg)), out, backend, tokenizer, sigs)
+            return _run(cfg, out, backend, tokenizer, sigs)
         except BaseException as e:
             if lock is not None:  # failed before this rank recorded anything: nothing of it left behind
                 _remove_unrecorded(out, cfg.rank, lock, created)
@@ -140,6 +143,16 @@ def _remove_unrecorded(out: Path, rank: int, lock: int, created: list[Path]) -> 
             pass
 
 
+def row_source(cfg: ExtractConfig) -> RowSource:
+    """The source rows this rank of ``cfg`` reads."""
+    return RowSource(cfg.data, cfg.split, cfg.rank, cfg.world_size, rows_to_read(cfg.num_samples, cfg.data))
+
+
+def batching(cfg: ExtractConfig) -> Batching:
+    """How ``cfg``'s front cuts and batches its samples."""
+    return Batching(cfg.max_length, cfg.batch_tokens, cfg.max_batch_size, cfg.sort_window)
+
+
 def load_tokenizer(model_path: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
@@ -172,10 +185,10 @@ def _run(cfg: ExtractConfig, out: Path, backend: Backend | None, tokenizer, sigs
 
 def _start_front(cfg: ExtractConfig, renderer: ChatRenderer, tag: str) -> FrontProcess | None:
     """The front's child process (None: the front runs in a thread, logged when it was asked for)."""
-    if not front_in_process(cfg):
+    if not front_in_process(cfg.front, cfg.device):
         return None
     try:
-        return FrontProcess(cfg, renderer, tag, FRONT_AHEAD)
+        return FrontProcess(row_source(cfg), batching(cfg), cfg.on_bad_sample, renderer, tag, FRONT_AHEAD)
     except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:  # no process, or a tokenizer that does not pickle
         log.warning("the extraction front process could not be started (%s: %s); the front runs in a thread",
                     type(e).__name__, e)
@@ -190,14 +203,14 @@ def _run_with(cfg: ExtractConfig, out: Path, backend: Backend | None, renderer: 
     if backend is None:
         extra = {"trust_remote_code": True} if cfg.trust_remote_code and cfg.backend == "hf" else {}
         if cfg.backend == "hf":  # cast / quantise on the device: less to copy to the host
-            extra.update(out_dtype=storage_dtype(cfg), final_out_dtype=final_storage_dtype(cfg))
+            extra.update(out_dtype=cfg.storage_dtype, final_out_dtype=cfg.final_storage_dtype)
         with sigs.interruptible():  # minutes for a large target; nothing written yet
             backend = make_backend(cfg.backend, model_path=model_path, aux_layer_ids=cfg.aux_layer_ids,
                                    dtype=compute_dtype(cfg.dtype, cfg.device), device=cfg.device,
                                    **{**extra, **cfg.backend_kwargs})
     try:
         run_cfg, facts = _run_facts(cfg, backend, renderer, model_path, tag)
-        with RankState(cfg, out, run_cfg, facts, tag) as state:
+        with RankState(row_source(cfg), out, run_cfg, facts, tag) as state:
             stats = _extract(cfg, out, backend, renderer, tag, state, sigs, front_proc)
     finally:
         backend.close()
@@ -213,12 +226,12 @@ def _run_facts(cfg: ExtractConfig, backend: Backend, renderer: ChatRenderer, mod
     """The run configuration recorded in the progress file (what a resume must match) and the
     model facts of the manifest."""
     info = backend.info
-    fin = final_storage_dtype(cfg)
     run_cfg = run_config(cfg, info.aux_layer_ids, renderer, model_path, tag)
     _check_regenerator(cfg.data, run_cfg)
     facts = {"model_path": model_path, "backend": info.name, "hidden_size": info.hidden_size,
              "num_layers": info.num_layers, "vocab_size": info.vocab_size,
-             "aux_layer_ids": list(info.aux_layer_ids), "dtype": storage_dtype(cfg), "final_dtype": fin,
+             "aux_layer_ids": list(info.aux_layer_ids), "dtype": cfg.storage_dtype,
+             "final_dtype": cfg.final_storage_dtype,
              "final_rows": cfg.final_rows,
              "compute_dtype": info.dtype,
              "backend_extra": info.extra}
@@ -257,8 +270,7 @@ def _front(cfg: ExtractConfig, renderer: ChatRenderer, tag: str, vocab_size: int
     child process (:mod:`~eagle_data.extract.front_process`) or, without one, in a thread."""
     if front_proc is not None and front_proc.ready():
         return front_proc.batches(state.done, vocab_size, state.fingerprint, policy)
-    return background(front(state.fresh_records(), renderer, tag, vocab_size, cfg.max_length, cfg.batch_tokens,
-                            cfg.max_batch_size, cfg.sort_window, policy), FRONT_AHEAD)
+    return background(front(state.fresh_records(), renderer, tag, vocab_size, batching(cfg), policy), FRONT_AHEAD)
 
 
 def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRenderer, tag: str,
@@ -270,8 +282,8 @@ def _extract(cfg: ExtractConfig, out: Path, backend: Backend, renderer: ChatRend
     source = _front(cfg, renderer, tag, backend.info.vocab_size, state, policy, front_proc)
     front_start = time.perf_counter() - t_start  # waiting for the front process to start (overlaps the model's load)
     batches = interruptible_iter(timed(source, waits, "front"), sigs)
-    extracted = timed(to_samples(capture(batches, backend, sigs), (storage_dtype_of(storage_dtype(cfg)),
-                                                                   storage_dtype_of(final_storage_dtype(cfg))),
+    extracted = timed(to_samples(capture(batches, backend, sigs), (storage_dtype_of(cfg.storage_dtype),
+                                                                   storage_dtype_of(cfg.final_storage_dtype)),
                                  cfg.data, tag, policy, cfg.final_rows), waits, "capture")
     # Writer w of W fills shards next_shard + w, + W, ... of this rank's series; the next batch's
     # forward runs while writer threads hash and write (bounded queue).

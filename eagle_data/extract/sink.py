@@ -6,7 +6,7 @@ and only then recorded: its index rows go to ``index/{shard}.parquet`` and the r
 progress file ``progress-{rank:05d}.json`` is rewritten atomically (tmp + fsync + rename).
 So a listed shard is never partial; a ``.tmp`` left by a crash is deleted on resume and
 its samples are redone. A shard (or index part) renamed but not yet listed when the process
-died is not listed either: resume deletes it (see :func:`eagle_data.extract.manifest.repair_rank`).
+died is not listed either: resume deletes it (see :func:`eagle_data.extract.resume.repair_rank`).
 
 Every temporary file is named ``NAME.<pid>.tmp`` (or ``.tar.tmp`` for shards, whose name is
 already unique per rank), so concurrent writers of the same file (several ranks merging the

@@ -34,8 +34,9 @@ import hashlib
 import json
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 from eagle_data.extract.fault import Skip
 from eagle_data.format.names import MAX_TAG_BYTES
@@ -256,6 +257,22 @@ def iter_records(data: str, split: str = "train", rank: int = 0, world_size: int
             if isinstance(rec, Skip):
                 rec.row = row
             yield row, rec
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """The source rows one rank reads: row ``r`` of ``data`` (its ``split``) with
+    ``r % world_size == rank``, among the first ``num_rows`` (``None``: every row)."""
+
+    data: str
+    split: str = "train"
+    rank: int = 0
+    world_size: int = 1
+    num_rows: Optional[int] = None
+
+    def records(self) -> Iterator[tuple[int, Any]]:
+        """``(row, record)`` of these rows (:func:`iter_records`)."""
+        return iter_records(self.data, self.split, self.rank, self.world_size, self.num_rows)
 
 
 def _canonical(x: Any) -> Any:

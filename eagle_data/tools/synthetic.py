@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from eagle_data.extract.manifest import config_hash, merge
+from eagle_data.extract.manifest import merge
+from eagle_data.extract.resume import config_hash
 from eagle_data.format.layout import progress_path
 from eagle_data.extract.sink import ShardSink, atomic_write_json
 
@@ -48,12 +49,14 @@ def write_synthetic(out: str | Path, shard_sizes: Sequence[int], hidden_size: in
     out = Path(out)
     dt = HIDDEN_DTYPES[dtype]
     naux = len(aux_layer_ids)
-    cfg = {"world_size": world_size, "dtype": dtype, "aux_layer_ids": list(aux_layer_ids), "data": "synthetic",
-           "dataset_tag": tag, "model_path": "synthetic"}
+    cfg = {"world_size": world_size, "dtype": dtype, "storage_dtype": dtype, "final_storage_dtype": dtype,
+           "final_rows": "all", "aux_layer_ids": list(aux_layer_ids), "data": "synthetic", "dataset_tag": tag,
+           "model_path": "synthetic"}
     state = {"config": cfg, "config_hash": config_hash(cfg), "rank": rank, "world_size": world_size,
              "model": {"model_path": "synthetic", "backend": "synthetic", "hidden_size": hidden_size,
                        "num_layers": max(aux_layer_ids) + 2, "vocab_size": 1 << 20,
-                       "aux_layer_ids": list(aux_layer_ids), "dtype": dtype, "compute_dtype": dtype},
+                       "aux_layer_ids": list(aux_layer_ids), "dtype": dtype, "final_dtype": dtype, "final_rows": "all",
+                       "compute_dtype": dtype},
              "shards": [], "skipped": {}, "finished": False}
     g0 = rank * 10**6
     sink = ShardSink(out, rank=rank, max_samples=1 << 30, max_bytes=1e15,

@@ -18,7 +18,8 @@ Checks (each problem names the shard/sample/file it is about):
   (model, aux ids and compute dtype from the manifest), max relative error per layer
   (``max|stored - recomputed| / max|recomputed|``) against ``rtol``; also per token
   (``||stored_t - recomputed_t|| / ||recomputed_t||``: median, p99, max) and the smallest
-  per-token cosine, beside what the storage dtype alone gives (:data:`EXPECTED_TOKEN_REL`). fp8
+  per-token cosine, beside what the storage dtype alone gives
+  (:data:`eagle_data.tools.recompute.EXPECTED_TOKEN_REL`). fp8
   fields are compared against their quantisation bound (:func:`eagle_data.format.fp8.error_bound`
   of the recomputed values: ``recompute_bound`` <= 1 means within it; rtol default 2^-4).
 
@@ -38,25 +39,16 @@ from typing import Any, Iterator
 import torch
 
 from eagle_data.format.records import read_manifest
-from eagle_data.format.final_rows import layout as final_rows_layout, taught as taught_rows
-from eagle_data.format.fp8 import dequantize, error_bound, scale_name
+from eagle_data.format.final_rows import layout as final_rows_layout
 from eagle_data.format.schema import (META_EXT, STORAGE_DTYPES, TENSOR_EXT, check_manifest_compat, decode_tensors,
                                       sample_key)
 from eagle_data.checks import check_device
 from eagle_data.format.layout import INDEX_NAME, MANIFEST_NAME, parse_shard_name
 from eagle_data.format.layout import INDEX_DIR
 from eagle_data.format.tar import CorruptTar, TarWalk
+from eagle_data.tools.recompute import compare, ids_outside, stored_values
 
 CATEGORIES = ("manifest", "shards", "samples", "keys", "index", "directory", "recompute")
-#: fp8: the quantisation bound relative to a row's max, 2^-4 (eagle_data.format.fp8), + slack
-DEFAULT_RTOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2, "float8_e4m3fn": 2.0 ** -4 + 1e-3}
-#: per-token relative error from rounding to the storage dtype alone (unit roundoff / sqrt(3),
-#: the RMS of a uniform rounding error): bf16 ~2.3e-3, fp16 ~2.8e-4, fp32 ~3.4e-8. Recomputing in
-#: a low-precision compute dtype adds more (another batch composition changes bf16 kernels'
-#: accumulation order): per-token errors of 1-8 % in bf16 are normal there, not in fp32.
-EXPECTED_TOKEN_REL = {"float32": 2.0 ** -24 / 3 ** 0.5, "float16": 2.0 ** -11 / 3 ** 0.5,
-                      "bfloat16": 2.0 ** -8 / 3 ** 0.5, "float8_e4m3fn": 2.0 ** -4 / 3 ** 0.5}
-
 
 @dataclass
 class VerifyReport:
@@ -142,13 +134,6 @@ def _iter_tar(path: Path, rep: VerifyReport, shard: str, result: dict[str, Any])
     result.update(bytes=r.n, sha256=r.h.hexdigest())
 
 
-def _ids_outside(ids: torch.Tensor, vocab: int) -> str | None:
-    """The problem of token ids [T] outside ``[0, vocab)``, or None."""
-    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
-        return f"token ids {int(ids.min())}..{int(ids.max())} outside the model's vocabulary [0, {vocab})"
-    return None
-
-
 def _check_sample(key, tb, jb, m, shard, rank, world, rep) -> dict[str, Any] | None:
     where = f"{shard}:{key}"
     try:
@@ -163,21 +148,20 @@ def _check_sample(key, tb, jb, m, shard, rank, world, rep) -> dict[str, Any] | N
         return None
     n, h = t["input_ids"].shape[0], m.get("hidden_size")
     fin, aux = t["hidden_states"], t["aux_hidden_states"]
-    final_dtype = m.get("final_dtype") or m.get("dtype")
-    if aux.dtype != STORAGE_DTYPES.get(m.get("dtype")) or fin.dtype != STORAGE_DTYPES.get(final_dtype):
+    if aux.dtype != STORAGE_DTYPES.get(m.get("dtype")) or fin.dtype != STORAGE_DTYPES.get(m.get("final_dtype")):
         rep.add("samples", where, f"stored dtypes aux {aux.dtype} / final {fin.dtype}, manifest says "
-                                  f"{m.get('dtype')} / {final_dtype}")
+                                  f"{m.get('dtype')} / {m.get('final_dtype')}")
     if fin.shape[1] != h or aux.shape[1] != len(m.get("aux_layer_ids", ())) * h:
         rep.add("samples", where, f"widths aux {aux.shape[1]} / final {fin.shape[1]} do not match "
                                   f"H={h} x {len(m.get('aux_layer_ids', ()))} aux layers")
     rows = final_rows_layout(fin.shape[0], t["loss_mask"])
-    if rows != (m.get("final_rows") or "all"):
+    if rows != m.get("final_rows"):
         rep.add("samples", where, f"hidden_states holds {rows!r} rows ({fin.shape[0]} of {n} tokens), manifest "
-                                  f"says final_rows {m.get('final_rows') or 'all'!r}")
+                                  f"says final_rows {m.get('final_rows')!r}")
     for name in ("aux_hidden_states", "hidden_states"):
         if not torch.isfinite(stored_values(t, name)).all():
             rep.add("samples", where, f"{name} contains NaN/Inf")
-    if m.get("vocab_size") is not None and (why := _ids_outside(t["input_ids"], int(m["vocab_size"]))):
+    if m.get("vocab_size") is not None and (why := ids_outside(t["input_ids"], int(m["vocab_size"]))):
         rep.add("samples", where, why)
     if meta.get("num_tokens") != n:
         rep.add("samples", where, f"metadata num_tokens {meta.get('num_tokens')} != {n} stored tokens")
@@ -191,12 +175,6 @@ def _check_sample(key, tb, jb, m, shard, rank, world, rep) -> dict[str, Any] | N
     return {"shard": shard, "num_tokens": n, "num_loss_tokens": int(mask.sum()), "source_row": row,
             "source_id": str(meta.get("source_id")), "loss_token_ids": ids.tolist(),
             "loss_token_counts": counts.tolist()}
-
-
-def stored_values(t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """Field ``name`` of a decoded sample as float32 (fp8 dequantised with its scales)."""
-    sn = scale_name(name)
-    return dequantize(t[name], t[sn], torch.float32) if sn in t else t[name].float()
 
 
 def _check_index(out: Path, facts: dict[str, dict[str, Any]], rep: VerifyReport, stored: set[str] = frozenset()
@@ -274,7 +252,7 @@ def verify_dataset(path: str | Path, recompute: int = 0, seed: int = 0, device: 
     rep = VerifyReport(str(out))
     try:
         m = read_manifest(out)
-        check_manifest_compat(m)
+        check_manifest_compat(m, where=str(out / MANIFEST_NAME))
     except (ValueError, KeyError) as e:
         rep.add("manifest", MANIFEST_NAME, str(e))
         return rep
@@ -333,31 +311,10 @@ def _check_shards(out: Path, m: dict[str, Any], shards: list[dict[str, Any]], re
     return facts
 
 
-def _recompute_pairs(t: dict[str, torch.Tensor], c, aux_ids: list[int]):
-    """``(layer name, stored [T, H] f32, recomputed [T, H] f32, fp8 bound or None)`` per layer: the
-    recomputed states rounded to the stored dtype (fp8: compared unrounded, against
-    :func:`eagle_data.format.fp8.error_bound` of the recomputed values with the stored scales)."""
-    h = t["hidden_states"].shape[1]
-    out = []
-    for field, cols in (("aux_hidden_states", [(f"aux layer {lid}", j) for j, lid in enumerate(aux_ids)]),
-                        ("hidden_states", [("final (post-norm)", 0)])):
-        a_all, b_all = stored_values(t, field), getattr(c, field).float()
-        if a_all.shape[0] != b_all.shape[0]:  # final_rows="taught": the stored rows only
-            b_all = b_all[taught_rows(t["loss_mask"])]
-        for name, j in cols:
-            a, b = a_all[:, j * h:(j + 1) * h], b_all[:, j * h:(j + 1) * h]
-            if scale_name(field) in t:
-                out.append((name, a, b, error_bound(b, t[scale_name(field)][:, j:j + 1])))
-            else:
-                out.append((name, a, b.to(t[field].dtype).float(), None))
-    return out
-
-
 def _recompute(out: Path, m: dict[str, Any], facts: dict[str, dict[str, Any]], n: int, seed: int,
                device: str, rtol: float | None, rep: VerifyReport) -> None:
-    """Re-run ``n`` random stored samples through the HF reference backend, one at a time."""
-    from eagle_data.engines.hf import HFBackend
-
+    """Re-run ``n`` random stored samples through the HF reference backend, one at a time
+    (:func:`~eagle_data.tools.recompute.compare`)."""
     chosen = sorted(random.Random(seed).sample(sorted(facts), min(n, len(facts))))
     rep.recompute_keys = chosen
     want, stored = set(chosen), {}
@@ -368,45 +325,4 @@ def _recompute(out: Path, m: dict[str, Any], facts: dict[str, dict[str, Any]], n
                     stored[key] = decode_tensors(tb, key)
                 except ValueError as e:  # a damaged payload: reported, the other samples recomputed
                     rep.add("recompute", key, f"cannot decode the stored sample: {e}")
-    model_path = m.get("model_path") or m.get("config", {}).get("model_path")
-    aux_ids = list(m.get("aux_layer_ids", []))
-    try:
-        be = HFBackend(model_path, aux_layer_ids=aux_ids, dtype=m.get("compute_dtype", m.get("dtype")),
-                       device=device, trust_remote_code=bool(m.get("config", {}).get("trust_remote_code")))
-    except Exception as e:  # any load failure is a verification failure, reported not raised
-        rep.add("recompute", str(model_path), f"cannot load the reference model: {type(e).__name__}: {e}")
-        return
-    per_token: dict[str, list[torch.Tensor]] = defaultdict(list)
-    cosines: dict[str, list[torch.Tensor]] = defaultdict(list)
-    try:
-        vocab = be.info.vocab_size
-        for key in chosen:
-            t = stored.get(key)
-            if t is None:
-                continue  # unreadable: reported above or among the shard's problems
-            if why := _ids_outside(t["input_ids"], vocab):
-                rep.add("recompute", key, why)
-                continue
-            (c,) = be.capture([(key, t["input_ids"])])
-            for name, a, b, bound in _recompute_pairs(t, c, aux_ids):
-                err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-                rep.recompute[name] = max(rep.recompute.get(name, 0.0), err)
-                if bound is not None:  # fp8: the error against the quantisation bound of the recomputed values
-                    over = float(((a - b).abs() / bound).max())
-                    rep.recompute_bound[name] = max(rep.recompute_bound.get(name, 0.0), over)
-                per_token[name].append((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12))
-                cosines[name].append(torch.nn.functional.cosine_similarity(a, b, dim=-1))
-    finally:
-        be.close()
-    for name, errs in per_token.items():
-        e = torch.cat(errs).double()
-        rep.recompute_tokens[name] = {"token_rel_p50": float(e.quantile(0.5)), "token_rel_p99": float(e.quantile(0.99)),
-                                      "token_rel_max": float(e.max()),
-                                      "min_cosine": float(torch.cat(cosines[name]).min())}
-    tol = rtol if rtol is not None else max(DEFAULT_RTOL.get(m.get("compute_dtype"), 5e-2),
-                                            DEFAULT_RTOL.get(m.get("dtype"), 5e-2),
-                                            DEFAULT_RTOL.get(m.get("final_dtype") or m.get("dtype"), 5e-2))
-    rep.rtol, rep.dtype = tol, m.get("dtype")
-    for name, err in rep.recompute.items():
-        if err > tol:
-            rep.add("recompute", name, f"max relative error {err:.3g} > rtol {tol:.3g} over {len(chosen)} sample(s)")
+    compare(stored, chosen, m, device, rtol, rep)
