@@ -152,7 +152,7 @@ PY
 fi
 LR=${LR:-$(cat "$OUT/lr.txt" 2>/dev/null || true)}
 
-# TRAIN_ARGS: more `eagle-data train` options for the run and the control (e.g. "--model.step_weight 0.9");
+# TRAIN_ARGS: more `eagle-data train` options for the run and the control (e.g. "--model.loss.step_weight 0.9");
 # default: the tune's best variant (OUT/train_args.txt), when there was a tune
 TRAIN_ARGS=${TRAIN_ARGS:-$(cat "$OUT/train_args.txt" 2>/dev/null || true)}
 if has train; then train "$OUT/run" "$MINUTES" "$LR" false ${TRAIN_ARGS:-}; fi

@@ -87,8 +87,11 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
     """
     from eagle_train.evaluate import evaluate as _evaluate
 
-    s = _evaluate(path, checkpoint, out, heldout_keys, heldout_fraction, num_samples, positions_per_sample,
-                  steps, compare_untrained, target_model, max_length, device, prompt_lookup_max)
+    s = _evaluate(dataset_dir=path, checkpoint=checkpoint, out_dir=out, heldout_keys=heldout_keys,
+                  heldout_fraction=heldout_fraction, num_samples=num_samples,
+                  positions_per_sample=positions_per_sample, steps=steps, compare_untrained=compare_untrained,
+                  target_model=target_model, max_length=max_length, device=device,
+                  prompt_lookup_max=prompt_lookup_max)
     print(json.dumps({k: ({"tau": v["tau"], "tau_ci95": v["tau_ci95"], "num_chains": v["num_chains"]}
                           if isinstance(v, dict) and "tau" in v else v)
                       for k, v in s.items() if k != "heldout_keys"}, indent=1))
@@ -184,7 +187,7 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
 
     from eagle_data.checks import check_positive
     from eagle_data.format.records import read_manifest
-    from eagle_train.evaluate import heldout_split
+    from eagle_train.heldout import heldout_split
     from eagle_train.serve_check import heldout_prompts, run_serve_check
     from eagle_train.vocab import read_key_list
 

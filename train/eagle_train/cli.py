@@ -73,14 +73,14 @@ def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
     """
     from jsonargparse import ArgumentError
 
-    from eagle_train.module import _load_checkpoint_file
+    from eagle_train.checkpoint import load_checkpoint_file
 
     if ckpt_path == "last":
         root = (config.get("trainer") or {}).get("default_root_dir") or "."
         ckpt_path = last_checkpoint(root)
         log.info("--ckpt_path last: %s", ckpt_path or f"no last*.ckpt below {root}; starting from scratch")
     if ckpt_path is not None:  # refused here, with our message, before Lightning unpickles it
-        _check_resume(_load_checkpoint_file(ckpt_path), ckpt_path, config.get("model") or {})
+        _check_resume(load_checkpoint_file(ckpt_path), ckpt_path, config.get("model") or {})
     argv, sys.argv = sys.argv, sys.argv[:1]  # the sections are the arguments (LightningCLI warns on both)
     try:
         cli = make_cli(args={k: v for k, v in config.items() if v is not None}, run=False,
