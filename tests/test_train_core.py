@@ -841,3 +841,53 @@ def test_cli_train_bad_option_is_one_clear_error(tmp_path, capsys, args, msg):
     assert e.value.code == 2 and "error: train: " in err and msg in err, err
     assert "usage:" not in err and "main.py" not in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_grouped_option_on_the_train_command_line_keeps_the_configs_others(monkeypatch):
+    """`eagle-data train --config C --model.loss.step_weight 0.9`: the model section is a plain
+    dict there, in which jsonargparse replaced C's whole loss group by the one field (ttt_steps
+    and exclude_oov silently back to their defaults); the field joins C's group instead."""
+    import eagle_train.cli as train_cli
+    from eagle_data.cli import main as cli
+
+    seen = {}
+
+    def capture(args=None, **kw):
+        seen.update(args)
+        raise KeyboardInterrupt  # stop before anything is built
+
+    monkeypatch.setattr(train_cli, "make_cli", capture)
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--config", str(ROOT / "configs" / "train" / "smollm2_cpu.yaml"),
+                  "--model.loss.step_weight", "0.9", "--model.optim.warmup_steps=3", "--model.ttt_steps", "5"])
+    assert seen["model"]["loss"] == {"ttt_steps": 5, "step_weight": 0.9, "exclude_oov": False}
+    assert seen["model"]["optim"] == {"warmup_steps": 3, "min_lr_ratio": 0.1} and seen["model"]["lr"] == 0.0003
+
+
+def test_checkpoints_of_flat_options_load_and_eval_refuses_one_without_held_out_keys(tmp_path):
+    """A checkpoint written before the option groups (flat ttt_steps, aux_layer_ids, ...) loads
+    into its groups; one written before the held-out keys were recorded is refused by eval (its
+    held-out samples are unknown), not scored on a guess."""
+    import lightning.pytorch as pl
+
+    from eagle_train.evaluate import evaluate
+    from eagle_train.module import EagleDrafterModule
+
+    mod = tiny_module(tmp_path, ttt_steps=2, warmup_steps=3)
+    tr = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    tr.fit(mod, train_dataloaders=ListLoader([tiny_batch(tiny_target(), n=1, t=12)]))
+    tr.save_checkpoint(str(tmp_path / "a.ckpt"))
+    state = torch.load(tmp_path / "a.ckpt", weights_only=True)
+    hp = state["hyper_parameters"]
+    for group in ("drafter", "loss", "optim"):
+        hp.update(hp.pop(group))
+    torch.save(state, tmp_path / "flat.ckpt")
+    back = EagleDrafterModule.load_from_checkpoint(str(tmp_path / "flat.ckpt"))
+    assert back.loss_options.ttt_steps == 2 and back.optim_options.warmup_steps == 3
+    assert back.aux_layer_ids == TINY_AUX and back.excluded_keys == []
+    del state["eagle"]["excluded_keys"]
+    torch.save(state, tmp_path / "old.ckpt")
+    with pytest.raises(ValueError, match=r"old.ckpt: the checkpoint records no held-out keys"):
+        evaluate(dataset_dir=str(tmp_path), checkpoint=str(tmp_path / "old.ckpt"), out_dir=str(tmp_path / "ev"),
+                 device="cpu")

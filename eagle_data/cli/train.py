@@ -43,7 +43,8 @@ def train(model: Optional[dict[str, Any]] = None, data: Optional[Union[dict[str,
     --model.*, --data.* and --trainer.* option with its type, default and doc.
 
     Args:
-        model: eagle_train.module.EagleDrafterModule arguments (e.g. --model.lr 3e-4).
+        model: eagle_train.module.EagleDrafterModule arguments (e.g. --model.lr 3e-4; grouped
+            ones as --model.loss.ttt_steps 5 or, alike, --model.ttt_steps 5).
         data: eagle_data.stream.datamodule.EagleDataModule arguments (e.g. --data.batch_size 4), or a
             YAML file of them (--data configs/datamodule.yaml).
         trainer: lightning Trainer arguments (e.g. --trainer.max_steps 100, --trainer.strategy ddp).
@@ -53,6 +54,24 @@ def train(model: Optional[dict[str, Any]] = None, data: Optional[Union[dict[str,
     from eagle_train.cli import fit
 
     print(fit({"model": model, "data": data, "trainer": trainer, "seed_everything": seed_everything}, ckpt_path))
+
+
+def model_group_fields(argv: list[str]) -> list[str]:
+    """``eagle-data train``'s ``--model.<group>.<field>`` options as ``--model.<field>``. The
+    model section is a plain dict here, in which jsonargparse would replace a config's whole
+    ``<group>`` by the one field given; :func:`eagle_train.cli.fit` puts the field back into its
+    group (:func:`eagle_train.options.nest_groups`), beside the config's others."""
+    if not argv or argv[0] != "train":
+        return argv
+    from eagle_train.options import GROUPS
+
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        parts = name.split(".")
+        out.append(f"--model.{parts[2]}{eq}{value}" if len(parts) == 3 and parts[0] == "--model"
+                   and parts[1] in GROUPS else arg)
+    return out
 
 
 def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Optional[str] = None,

@@ -64,9 +64,11 @@ def _check_resume(ckpt: Any, path: str, model: dict[str, Any]) -> None:
 
 
 def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
-    """Train from LightningCLI-style sections (``model``, ``data``, ``trainer``, ``seed_everything``);
-    resumes from ``ckpt_path``: a file, or "last" = the newest ``last*.ckpt`` below the trainer's
-    ``default_root_dir`` (none yet: a fresh start, logged). Returns the best/last checkpoint path.
+    """Train from LightningCLI-style sections (``model``, ``data``, ``trainer``, ``seed_everything``;
+    a grouped model option may also be given by its field name alone, ``ttt_steps``: it joins
+    its group, :func:`eagle_train.options.nest_groups`); resumes from ``ckpt_path``: a file, or
+    "last" = the newest ``last*.ckpt`` below the trainer's ``default_root_dir`` (none yet: a
+    fresh start, logged). Returns the best/last checkpoint path.
 
     Raises:
         ValueError: ``ckpt_path`` is not a checkpoint this module can load safely (no unpickling).
@@ -74,7 +76,10 @@ def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
     from jsonargparse import ArgumentError
 
     from eagle_train.checkpoint import load_checkpoint_file
+    from eagle_train.options import nest_groups
 
+    if config.get("model") is not None:  # --model.ttt_steps: loss.ttt_steps
+        config = {**config, "model": nest_groups(config["model"])}
     if ckpt_path == "last":
         root = (config.get("trainer") or {}).get("default_root_dir") or "."
         ckpt_path = last_checkpoint(root)
