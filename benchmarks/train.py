@@ -53,10 +53,11 @@ def bench_train(dataset_dir: str, target_model_path: str, max_tokens: int = 1638
 
     from eagle_train.loss import ttt_loss
     from eagle_train.module import EagleDrafterModule
+    from eagle_train.options import LossOptions
 
     dev = torch.device(device)
     mod = EagleDrafterModule(target_model_path, dataset_dir=dataset_dir, draft_vocab_size=draft_vocab_size,
-                             ttt_steps=ttt_steps).to(dev)
+                             loss=LossOptions(ttt_steps=ttt_steps)).to(dev)
     opt = torch.optim.AdamW([p for p in mod.drafter.parameters() if p.requires_grad], lr=1e-4)
     amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     dm = EagleDataModule(train=dataset_dir, max_tokens=max_tokens, max_length=max_length, num_workers=num_workers,

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle_train.options import DrafterOptions
 from train_tiny import TINY_AUX, ListLoader, tiny_batch, tiny_module, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,18 +158,20 @@ def test_module_vocab_built_from_the_dataset_leaves_its_held_out_keys_out(tmp_pa
     _vocab_dataset(tmp_path, vocab_size=256)
     (tmp_path / "held.json").write_text('["b"]')
     mod = EagleDrafterModule(target_model_path=str(tiny_target_dir(tmp_path)), dataset_dir=str(tmp_path),
-                             draft_vocab_size=4, aux_layer_ids=TINY_AUX, exclude_keys=str(tmp_path / "held.json"))
+                             draft_vocab_size=4, drafter=DrafterOptions(aux_layer_ids=TINY_AUX),
+                             exclude_keys=str(tmp_path / "held.json"))
     assert (torch.arange(4) + mod.drafter.d2t).tolist() == [0, 1, 2, 7]  # 9 is only in "b"
-    assert mod._exclude == {"b"}
+    assert mod.held_out.keys == {"b"}
     vf = tmp_path / "v4.safetensors"  # a file built with "b" counted is not reused once "b" is held out
     EagleDrafterModule(target_model_path=str(tiny_target_dir(tmp_path)), dataset_dir=str(tmp_path),
-                       draft_vocab=str(vf), draft_vocab_size=4, aux_layer_ids=TINY_AUX)
+                       draft_vocab=str(vf), draft_vocab_size=4, drafter=DrafterOptions(aux_layer_ids=TINY_AUX))
     with pytest.raises(ValueError, match=r"v4.safetensors was built from other inputs: exclude"):
         EagleDrafterModule(target_model_path=str(tiny_target_dir(tmp_path)), dataset_dir=str(tmp_path),
-                           draft_vocab=str(vf), draft_vocab_size=4, aux_layer_ids=TINY_AUX,
+                           draft_vocab=str(vf), draft_vocab_size=4, drafter=DrafterOptions(aux_layer_ids=TINY_AUX),
                            exclude_keys=str(tmp_path / "held.json"))
     again = EagleDrafterModule(target_model_path=str(tiny_target_dir(tmp_path)), dataset_dir=str(tmp_path),
-                               draft_vocab=str(vf), draft_vocab_size=4, aux_layer_ids=TINY_AUX)  # same inputs: reused
+                               draft_vocab=str(vf), draft_vocab_size=4,
+                               drafter=DrafterOptions(aux_layer_ids=TINY_AUX))  # same inputs: reused
     assert 9 in (torch.arange(4) + again.drafter.d2t).tolist()
 
 
@@ -422,7 +425,7 @@ def test_train_configs_parse(path):
 
     cli = make_cli(args=["--config", path], run=False, parse_only=True)
     cfg = cli.config
-    assert cfg.model.target_model_path and cfg.model.ttt_steps >= 1
+    assert cfg.model.target_model_path and cfg.model.loss.ttt_steps >= 1
     assert cfg.trainer.precision in ("32-true", "bf16-mixed")
 
 
@@ -525,7 +528,7 @@ def test_timed_checkpoints_save_once_per_mark(tmp_path):
     tr.fit(mod, train_dataloaders=ListLoader([tiny_batch(tiny_target(), n=1, t=12, seed=s) for s in range(3)]))
     assert [Path(p).name for p in cb.saved] == ["at_1e-06min.ckpt", "at_2e-06min.ckpt"]  # the 1e6 mark never
     back = EagleDrafterModule.load_from_checkpoint(cb.saved[0])
-    assert back.hparams.ttt_steps == 1
+    assert back.hparams.loss["ttt_steps"] == 1
     with pytest.raises(ValueError, match="positive marks"):
         TimedCheckpoints(minutes=[0])
 
@@ -620,7 +623,8 @@ def test_dataset_directory_is_only_read_and_outputs_are_world_readable(tmp_path,
     _vocab_dataset(data, vocab_size=256)
     before = sorted(p.name for p in data.iterdir())
     target = str(tiny_target_dir(tmp_path))
-    mod = EagleDrafterModule(target_model_path=target, dataset_dir=str(data), draft_vocab_size=4, aux_layer_ids=TINY_AUX)
+    mod = EagleDrafterModule(target_model_path=target, dataset_dir=str(data), draft_vocab_size=4,
+                             drafter=DrafterOptions(aux_layer_ids=TINY_AUX))
     assert (torch.arange(4) + mod.drafter.d2t).tolist() == [0, 2, 7, 9]
     (tmp_path / "run").mkdir()
     monkeypatch.chdir(tmp_path / "run")
@@ -748,9 +752,11 @@ def test_vocab_out_folder_and_eval_flags_name_themselves(tmp_path, capsys):
     from eagle_train.evaluate import evaluate
 
     with pytest.raises(ValueError, match="prompt_lookup_max must be an integer >= 1"):
-        evaluate(str(tmp_path), None, str(tmp_path / "o"), device="cpu", prompt_lookup_max=0)
+        evaluate(dataset_dir=str(tmp_path), checkpoint=None, out_dir=str(tmp_path / "o"),
+                 device="cpu", prompt_lookup_max=0)
     with pytest.raises(ValueError, match=r"^heldout_keys: .*missing.json does not exist"):
-        evaluate(str(tmp_path), None, str(tmp_path / "o"), device="cpu", heldout_keys=str(tmp_path / "missing.json"))
+        evaluate(dataset_dir=str(tmp_path), checkpoint=None, out_dir=str(tmp_path / "o"),
+                 device="cpu", heldout_keys=str(tmp_path / "missing.json"))
 
 
 def test_resume_checkpoint_must_be_this_modules_with_the_configured_size(tmp_path):
@@ -800,14 +806,14 @@ def test_compile_warmup_learns_nothing_and_keeps_the_rng(tmp_path):
     assert all(p.grad is None for p in mod.parameters())
     after = mod.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert mod.hparams.compile_warmup is True  # the default; on CPU on_train_start skips it
+    assert mod.hparams.drafter["compile_warmup"] is True  # the default; on CPU on_train_start skips it
 
 
 def test_warm_up_shapes_reach_the_token_budget():
     """The warm-up covers the static, dynamic and B = 1 compiles and, when batches are bigger than
     those, one batch of about the data's token budget (inductor specialises on the row count:
     without it, real 32k-token batches recompiled inside the timed run on the H200)."""
-    from eagle_train.module import warm_up_shapes
+    from eagle_train.warmup import warm_up_shapes
 
     small = [(2, 384), (5, 1000), (1, 640)]
     assert warm_up_shapes(2048, None) == small
@@ -835,3 +841,53 @@ def test_cli_train_bad_option_is_one_clear_error(tmp_path, capsys, args, msg):
     assert e.value.code == 2 and "error: train: " in err and msg in err, err
     assert "usage:" not in err and "main.py" not in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_grouped_option_on_the_train_command_line_keeps_the_configs_others(monkeypatch):
+    """`eagle-data train --config C --model.loss.step_weight 0.9`: the model section is a plain
+    dict there, in which jsonargparse replaced C's whole loss group by the one field (ttt_steps
+    and exclude_oov silently back to their defaults); the field joins C's group instead."""
+    import eagle_train.cli as train_cli
+    from eagle_data.cli import main as cli
+
+    seen = {}
+
+    def capture(args=None, **kw):
+        seen.update(args)
+        raise KeyboardInterrupt  # stop before anything is built
+
+    monkeypatch.setattr(train_cli, "make_cli", capture)
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--config", str(ROOT / "configs" / "train" / "smollm2_cpu.yaml"),
+                  "--model.loss.step_weight", "0.9", "--model.optim.warmup_steps=3", "--model.ttt_steps", "5"])
+    assert seen["model"]["loss"] == {"ttt_steps": 5, "step_weight": 0.9, "exclude_oov": False}
+    assert seen["model"]["optim"] == {"warmup_steps": 3, "min_lr_ratio": 0.1} and seen["model"]["lr"] == 0.0003
+
+
+def test_checkpoints_of_flat_options_load_and_eval_refuses_one_without_held_out_keys(tmp_path):
+    """A checkpoint written before the option groups (flat ttt_steps, aux_layer_ids, ...) loads
+    into its groups; one written before the held-out keys were recorded is refused by eval (its
+    held-out samples are unknown), not scored on a guess."""
+    import lightning.pytorch as pl
+
+    from eagle_train.evaluate import evaluate
+    from eagle_train.module import EagleDrafterModule
+
+    mod = tiny_module(tmp_path, ttt_steps=2, warmup_steps=3)
+    tr = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    tr.fit(mod, train_dataloaders=ListLoader([tiny_batch(tiny_target(), n=1, t=12)]))
+    tr.save_checkpoint(str(tmp_path / "a.ckpt"))
+    state = torch.load(tmp_path / "a.ckpt", weights_only=True)
+    hp = state["hyper_parameters"]
+    for group in ("drafter", "loss", "optim"):
+        hp.update(hp.pop(group))
+    torch.save(state, tmp_path / "flat.ckpt")
+    back = EagleDrafterModule.load_from_checkpoint(str(tmp_path / "flat.ckpt"))
+    assert back.loss_options.ttt_steps == 2 and back.optim_options.warmup_steps == 3
+    assert back.aux_layer_ids == TINY_AUX and back.excluded_keys == []
+    del state["eagle"]["excluded_keys"]
+    torch.save(state, tmp_path / "old.ckpt")
+    with pytest.raises(ValueError, match=r"old.ckpt: the checkpoint records no held-out keys"):
+        evaluate(dataset_dir=str(tmp_path), checkpoint=str(tmp_path / "old.ckpt"), out_dir=str(tmp_path / "ev"),
+                 device="cpu")

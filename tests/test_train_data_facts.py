@@ -12,13 +12,14 @@ from eagle_data.stream.datamodule import EagleDataModule
 from eagle_train.evaluate import evaluate
 from eagle_train.export import export_checkpoint
 from eagle_train.module import EagleDrafterModule
+from eagle_train.options import nest_groups
 from eagle_train.vocab import build_vocab
 
 
 def _module(model, dataset, tmp_path, **kw):
     _, _, vf = build_vocab(dataset, 32, out=tmp_path / "vocab.safetensors")
-    return EagleDrafterModule(target_model_path=str(model), draft_vocab=str(vf), draft_vocab_size=32, ttt_steps=2,
-                              exclude_oov=False, **kw)
+    return EagleDrafterModule(**nest_groups(dict(target_model_path=str(model), draft_vocab=str(vf), draft_vocab_size=32,
+                                                 ttt_steps=2, exclude_oov=False, **kw)))  # grouped by field name
 
 
 def _fit(mod, dataset, tmp_path, **dm_kw):
@@ -102,16 +103,19 @@ def test_eval_and_export_take_a_moved_target_and_refuse_foreign_data(tiny, refer
     with pytest.raises(ValueError, match=r"its target folder, .*target \(target_model_path\), has no config.json"):
         EagleDrafterModule.load_from_checkpoint(str(ck))
     kw = dict(num_samples=2, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
-    s = evaluate(str(reference), str(ck), str(tmp_path / "ev"), target_model=str(model), **kw)
+    s = evaluate(dataset_dir=str(reference), checkpoint=str(ck), out_dir=str(tmp_path / "ev"),
+                 target_model=str(model), **kw)
     assert s["trained"]["num_chains"] > 0 and s["target_agreement"] > 0.95
     assert (export_checkpoint(str(ck), str(tmp_path / "ex"), target_model=str(model)) / "config.json").is_file()
     empty = tmp_path / "empty.json"
     empty.write_text("[]")
     with pytest.raises(ValueError, match="no held-out keys"):
-        evaluate(str(reference), str(ck), str(tmp_path / "ev2"), heldout_keys=str(empty), target_model=str(model), **kw)
+        evaluate(dataset_dir=str(reference), checkpoint=str(ck), out_dir=str(tmp_path / "ev2"),
+                 heldout_keys=str(empty), target_model=str(model), **kw)
     with pytest.raises(ValueError, match=r"evaluating the checkpoint's drafter\): aux_layer_ids is \[0, 2, 4\], "
                                          r"expected \[1, 3, 5\]"):
-        evaluate(str(other_layers), str(ck), str(tmp_path / "ev3"), target_model=str(model), **kw)
+        evaluate(dataset_dir=str(other_layers), checkpoint=str(ck), out_dir=str(tmp_path / "ev3"),
+                 target_model=str(model), **kw)
 
 
 def test_eval_refuses_a_same_shaped_target_that_did_not_make_the_data(tiny, reference, tmp_path):
@@ -127,9 +131,11 @@ def test_eval_refuses_a_same_shaped_target_that_did_not_make_the_data(tiny, refe
     LlamaForCausalLM(LlamaForCausalLM.config_class.from_pretrained(model)).save_pretrained(impostor)
     kw = dict(num_samples=2, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
     with pytest.raises(ValueError, match=r"does not produce this dataset's states: its greedy token equals"):
-        evaluate(str(reference), str(ck), str(tmp_path / "ev"), target_model=str(impostor), **kw)
+        evaluate(dataset_dir=str(reference), checkpoint=str(ck), out_dir=str(tmp_path / "ev"),
+                 target_model=str(impostor), **kw)
     with pytest.raises(ValueError, match=r"does not produce this dataset's states"):  # prompt lookup alone too
-        evaluate(str(reference), None, str(tmp_path / "ev2"), target_model=str(impostor), **kw)
+        evaluate(dataset_dir=str(reference), checkpoint=None, out_dir=str(tmp_path / "ev2"),
+                 target_model=str(impostor), **kw)
 
 
 def test_eval_names_a_target_of_another_width_and_reports_no_agreement_without_positions(tiny, reference, tmp_path):
@@ -143,10 +149,12 @@ def test_eval_names_a_target_of_another_width_and_reports_no_agreement_without_p
     LlamaForCausalLM(cfg).save_pretrained(wide)
     kw = dict(num_samples=2, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
     with pytest.raises(ValueError, match=r"hidden size is 128, the dataset's states are 64 wide"):
-        evaluate(str(reference), None, str(tmp_path / "ev"), target_model=str(wide), **kw)
+        evaluate(dataset_dir=str(reference), checkpoint=None, out_dir=str(tmp_path / "ev"),
+                 target_model=str(wide), **kw)
     with pytest.raises(ValueError, match=r"no position to score: none of the 2 held-out sample\(s\) has a "
                                          r"supervised token within max_length 2"):  # not tau = NaN, exit 0
-        evaluate(str(reference), None, str(tmp_path / "ev2"), target_model=str(model), max_length=2, **kw)
+        evaluate(dataset_dir=str(reference), checkpoint=None, out_dir=str(tmp_path / "ev2"),
+                 target_model=str(model), max_length=2, **kw)
     assert not (tmp_path / "ev2" / "acceptance.json").exists()
 
 
@@ -167,7 +175,8 @@ def test_eval_without_held_out_keys_warns_whatever_folder_it_reads(tiny, kr, ref
     kw = dict(num_samples=4, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
     for where, fraction in ((held, 1.0), (reference, 0.1)):
         caplog.clear()
-        s = evaluate(str(where), str(ck), str(tmp_path / "ev"), heldout_fraction=fraction, **kw)
+        s = evaluate(dataset_dir=str(where), checkpoint=str(ck), out_dir=str(tmp_path / "ev"),
+                     heldout_fraction=fraction, **kw)
         assert s["heldout_source"] == "index split (not checked against the training data)"
         assert any("unchecked against the training data" in r.getMessage() for r in caplog.records)
         if where == held:
@@ -175,7 +184,7 @@ def test_eval_without_held_out_keys_warns_whatever_folder_it_reads(tiny, kr, ref
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps(sorted(load_index(held)["key"])))
     caplog.clear()
-    s = evaluate(str(held), str(ck), str(tmp_path / "ev2"), heldout_keys=str(keys), **kw)
+    s = evaluate(dataset_dir=str(held), checkpoint=str(ck), out_dir=str(tmp_path / "ev2"), heldout_keys=str(keys), **kw)
     assert s["heldout_source"] == "heldout_keys" and s["heldout_keys"] == sorted(load_index(held)["key"])
     assert not any("unchecked" in r.getMessage() for r in caplog.records)
 
@@ -199,23 +208,27 @@ def test_held_out_keys_none_of_which_the_evaluated_folder_holds_are_named_with_t
     kw = dict(num_samples=4, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
     with pytest.raises(ValueError, match=r"held: none of the 3 held-out keys from the checkpoint is in this dataset.*"
                                          r"--heldout_fraction 1.0 for a set extracted apart"):
-        evaluate(str(held), str(ck), str(tmp_path / "ev"), **kw)
+        evaluate(dataset_dir=str(held), checkpoint=str(ck), out_dir=str(tmp_path / "ev"), **kw)
     # a set extracted apart, asked for explicitly: scored whole, with the recorded keys named as unused
-    with caplog.at_level(logging.WARNING, logger="eagle_train.evaluate"):
-        s = evaluate(str(held), str(ck), str(tmp_path / "ev"), heldout_fraction=1.0, **kw)
+    with caplog.at_level(logging.WARNING, logger="eagle_train.heldout"):
+        s = evaluate(dataset_dir=str(held), checkpoint=str(ck), out_dir=str(tmp_path / "ev"),
+                     heldout_fraction=1.0, **kw)
     assert s["heldout_source"] == "index split (not checked against the training data)"
     assert s["heldout_keys"] == sorted(load_index(held)["key"])
     assert any("heldout_fraction given: the 3 held-out keys the checkpoint records are not used" in r.getMessage()
                for r in caplog.records)
     with pytest.raises(ValueError, match=r"give heldout_keys or heldout_fraction, not both"):
-        evaluate(str(held), str(ck), str(tmp_path / "ev"), heldout_keys=str(excl), heldout_fraction=1.0, **kw)
+        evaluate(dataset_dir=str(held), checkpoint=str(ck), out_dir=str(tmp_path / "ev"),
+                 heldout_keys=str(excl), heldout_fraction=1.0, **kw)
     with pytest.raises(ValueError, match=r"none of the 3 held-out keys from heldout_keys \(.*excl.json\)"):
-        evaluate(str(held), None, str(tmp_path / "ev"), heldout_keys=str(excl), target_model=str(model), **kw)
-    s = evaluate(str(reference), str(ck), str(tmp_path / "ev"), **kw)
+        evaluate(dataset_dir=str(held), checkpoint=None, out_dir=str(tmp_path / "ev"),
+                 heldout_keys=str(excl), target_model=str(model), **kw)
+    s = evaluate(dataset_dir=str(reference), checkpoint=str(ck), out_dir=str(tmp_path / "ev"), **kw)
     assert s["heldout_source"] == "the checkpoint's held-out keys" and s["heldout_keys"] == json.loads(excl.read_text())
     both = tmp_path / "both.json"  # a key list spanning two folders: each folder evaluates its own keys
     both.write_text(json.dumps(json.loads(excl.read_text()) + sorted(load_index(held)["key"])[:2]))
-    s = evaluate(str(held), None, str(tmp_path / "ev"), heldout_keys=str(both), target_model=str(model), **kw)
+    s = evaluate(dataset_dir=str(held), checkpoint=None, out_dir=str(tmp_path / "ev"),
+                 heldout_keys=str(both), target_model=str(model), **kw)
     assert s["heldout_keys"] == sorted(load_index(held)["key"])[:2]
 
 
@@ -233,22 +246,25 @@ def test_eval_uses_the_keys_training_left_out_not_whatever_the_file_holds_now(ti
     ck = _fit(_module(model, reference, tmp_path, exclude_keys=str(excl)), reference, tmp_path)
     excl.write_text(json.dumps(keys[10:13]))                      # rewritten after training: trained-on keys
     kw = dict(num_samples=4, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
-    s = evaluate(str(reference), str(ck), str(tmp_path / "ev"), **kw)
+    s = evaluate(dataset_dir=str(reference), checkpoint=str(ck), out_dir=str(tmp_path / "ev"), **kw)
     assert s["heldout_source"] == "the checkpoint's held-out keys" and s["heldout_keys"] == keys[:3]
     assert EagleDrafterModule.load_from_checkpoint(str(ck)).excluded_keys == keys[:3]
     excl.write_text('{"not": "a list"}')                          # unreadable now: never read again
-    assert evaluate(str(reference), str(ck), str(tmp_path / "ev"), **kw)["heldout_keys"] == keys[:3]
+    assert evaluate(dataset_dir=str(reference), checkpoint=str(ck), out_dir=str(tmp_path / "ev"),
+                    **kw)["heldout_keys"] == keys[:3]
     excl.unlink()                                                  # gone: the recorded keys still serve
-    assert evaluate(str(reference), str(ck), str(tmp_path / "ev"), **kw)["heldout_keys"] == keys[:3]
+    assert evaluate(dataset_dir=str(reference), checkpoint=str(ck), out_dir=str(tmp_path / "ev"),
+                    **kw)["heldout_keys"] == keys[:3]
     given = tmp_path / "given.json"
     given.write_text(json.dumps(keys[1:5]))
     caplog.clear()
-    s = evaluate(str(reference), str(ck), str(tmp_path / "ev"), heldout_keys=str(given), **kw)
+    s = evaluate(dataset_dir=str(reference), checkpoint=str(ck), out_dir=str(tmp_path / "ev"),
+                 heldout_keys=str(given), **kw)
     assert s["heldout_keys"] == keys[1:5]
     assert any("2 of the 4 held-out keys given were not left out of this drafter's training" in r.getMessage()
                for r in caplog.records)
     with pytest.raises(ValueError, match="heldout_keys: an empty path"):
-        evaluate(str(reference), str(ck), str(tmp_path / "ev"), heldout_keys="", **kw)
+        evaluate(dataset_dir=str(reference), checkpoint=str(ck), out_dir=str(tmp_path / "ev"), heldout_keys="", **kw)
 
 
 def test_eval_refuses_damaged_held_out_samples_naming_them(tiny, reference, tmp_path, monkeypatch):
@@ -266,11 +282,13 @@ def test_eval_refuses_damaged_held_out_samples_naming_them(tiny, reference, tmp_
         return out
 
     kw = dict(num_samples=2, positions_per_sample=2, steps=2, compare_untrained=False, device="cpu")
-    assert evaluate(str(reference), None, str(tmp_path / "ok"), target_model=str(model), **kw)["num_samples"] == 2
+    assert evaluate(dataset_dir=str(reference), checkpoint=None, out_dir=str(tmp_path / "ok"),
+                    target_model=str(model), **kw)["num_samples"] == 2
     monkeypatch.setattr(E, "read_samples", damaged)
     with pytest.raises(ValueError, match=r"held-out sample\(s\) \S+ hold token ids outside the target's vocabulary "
                                          r"or non-finite states"):
-        evaluate(str(reference), None, str(tmp_path / "ev"), target_model=str(model), **kw)
+        evaluate(dataset_dir=str(reference), checkpoint=None, out_dir=str(tmp_path / "ev"),
+                 target_model=str(model), **kw)
 
 
 def test_training_refuses_data_extracted_by_other_weights_of_the_same_shape(tiny, reference, tmp_path):

@@ -119,18 +119,19 @@ def test_training_data_of_another_target_is_refused(tmp_path):
 
     mod = tiny_module(tmp_path, ttt_steps=2)
     mine = weights_fingerprint(tiny_target_dir(tmp_path))
-    mod._check_target({"vocab_size": 256, "weights_fingerprint": mine}, "ds")
-    mod._check_target({"vocab_size": 256, "weights_fingerprint": None}, "ds")
+    mod.target_check({"vocab_size": 256, "weights_fingerprint": mine}, "ds")
+    mod.target_check({"vocab_size": 256, "weights_fingerprint": None}, "ds")
     with pytest.raises(ValueError, match=r"ds: extracted by a model with vocab_size 300, the target .* has 256"):
-        mod._check_target({"vocab_size": 300, "weights_fingerprint": mine}, "ds")
+        mod.target_check({"vocab_size": 300, "weights_fingerprint": mine}, "ds")
     with pytest.raises(ValueError, match=r"ds: extracted from other weights than the target .*check_target false"):
-        mod._check_target({"vocab_size": 256, "weights_fingerprint": "0" * 16}, "ds")
-    tiny_module(tmp_path, ttt_steps=2, check_target=False)._check_target(
+        mod.target_check({"vocab_size": 256, "weights_fingerprint": "0" * 16}, "ds")
+    tiny_module(tmp_path, ttt_steps=2, check_target=False).target_check(
         {"vocab_size": 256, "weights_fingerprint": "0" * 16}, "ds")
 
 
 def test_a_draft_vocabulary_of_another_target_vocabulary_is_refused(tmp_path):
     from eagle_train.module import EagleDrafterModule
+    from eagle_train.options import DrafterOptions
     from eagle_train.vocab import save_vocab, select_vocab
     from train_tiny import tiny_target_dir
 
@@ -138,7 +139,7 @@ def test_a_draft_vocabulary_of_another_target_vocabulary_is_refused(tmp_path):
     vf = save_vocab(tmp_path / "v600.safetensors", d2t, t2d)
     with pytest.raises(ValueError, match=r"maps a target vocabulary of 600 tokens; the target .* has 256"):
         EagleDrafterModule(target_model_path=str(tiny_target_dir(tmp_path)), draft_vocab=str(vf),
-                           draft_vocab_size=48, aux_layer_ids=[1, 3, 5])
+                           draft_vocab_size=48, drafter=DrafterOptions(aux_layer_ids=[1, 3, 5]))
 
 
 def test_a_batch_without_supervised_tokens_does_not_pull_the_epoch_metrics_down(tmp_path, caplog):

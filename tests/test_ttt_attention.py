@@ -364,7 +364,7 @@ def test_ttt_loss_memory(tmp_path):
 
 # ---------------------------------------------------------------- memory-lean layer pieces
 def test_silu_mul_matches_autograd():
-    from eagle_train.model import _SiluMul
+    from eagle_train.layers import _SiluMul
 
     g = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     u = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
@@ -381,7 +381,7 @@ def test_silu_mul_matches_autograd():
 def test_cast_once_under_autocast_same_values(tmp_path):
     """The layer under bf16 autocast gives bit-identical outputs with the single cast of the
     projections' input (autocast would cast the same values for each projection)."""
-    from eagle_train.model import DraftMLP, cast_for_autocast
+    from eagle_train.layers import DraftMLP, cast_for_autocast
 
     mod = tiny_module(tmp_path)
     mlp: DraftMLP = mod.drafter.midlayer.mlp
@@ -395,7 +395,7 @@ def test_cast_once_under_autocast_same_values(tmp_path):
 
 
 def _rmsnorm_autograd(x, w, eps):
-    """RMSNorm as plain autograd ops (the formula of ``eagle_train.model.RMSNorm``)."""
+    """RMSNorm as plain autograd ops (the formula of ``eagle_train.layers.RMSNorm``)."""
     dt = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -404,7 +404,7 @@ def _rmsnorm_autograd(x, w, eps):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rmsnorm_function_matches_autograd(dtype):
-    from eagle_train.model import _RMSNormFn
+    from eagle_train.layers import _RMSNormFn
 
     x64 = torch.randn(3, 4, 8, dtype=torch.float64, requires_grad=True)
     w64 = torch.randn(8, dtype=torch.float64, requires_grad=True)

@@ -23,16 +23,19 @@ def tiny_target_dir(tmp_path: Path, seed: int = 0) -> Path:
 
 
 def tiny_module(tmp_path: Path, draft_vocab_size: int = 48, seed: int = 0, **kw):
-    """EagleDrafterModule over the tiny target; draft vocab from a fixed synthetic histogram."""
+    """EagleDrafterModule over the tiny target; draft vocab from a fixed synthetic histogram.
+    ``kw``: module options, grouped ones by their field name (``ttt_steps=2``: ``loss.ttt_steps``)."""
     from eagle_train.module import EagleDrafterModule
+    from eagle_train.options import nest_groups
     from eagle_train.vocab import save_vocab, select_vocab
 
     g = torch.Generator().manual_seed(123)
     counts = torch.randint(0, 50, (256,), generator=g)
     d2t, t2d = select_vocab(counts, 256, draft_vocab_size)
     vf = save_vocab(Path(tmp_path) / f"vocab_{draft_vocab_size}.safetensors", d2t, t2d)
-    return EagleDrafterModule(target_model_path=str(tiny_target_dir(tmp_path)), draft_vocab=str(vf),
-                              draft_vocab_size=draft_vocab_size, aux_layer_ids=TINY_AUX, seed=seed, **kw)
+    return EagleDrafterModule(**nest_groups(dict(target_model_path=str(tiny_target_dir(tmp_path)), draft_vocab=str(vf),
+                                                 draft_vocab_size=draft_vocab_size, aux_layer_ids=TINY_AUX, seed=seed,
+                                                 **kw)))
 
 
 def tiny_batch(target, n: int = 2, t: int = 24, seed: int = 0):

@@ -139,7 +139,9 @@ def _fail(e: BaseException, code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(COMMANDS, argv, "eagle-data", RUNNERS)
+    from eagle_data.cli.train import model_group_fields
+
+    run_cli(COMMANDS, model_group_fields(list(sys.argv[1:] if argv is None else argv)), "eagle-data", RUNNERS)
 
 
 if __name__ == "__main__":

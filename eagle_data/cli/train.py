@@ -43,7 +43,8 @@ def train(model: Optional[dict[str, Any]] = None, data: Optional[Union[dict[str,
     --model.*, --data.* and --trainer.* option with its type, default and doc.
 
     Args:
-        model: eagle_train.module.EagleDrafterModule arguments (e.g. --model.lr 3e-4).
+        model: eagle_train.module.EagleDrafterModule arguments (e.g. --model.lr 3e-4; grouped
+            ones as --model.loss.ttt_steps 5 or, alike, --model.ttt_steps 5).
         data: eagle_data.stream.datamodule.EagleDataModule arguments (e.g. --data.batch_size 4), or a
             YAML file of them (--data configs/datamodule.yaml).
         trainer: lightning Trainer arguments (e.g. --trainer.max_steps 100, --trainer.strategy ddp).
@@ -53,6 +54,24 @@ def train(model: Optional[dict[str, Any]] = None, data: Optional[Union[dict[str,
     from eagle_train.cli import fit
 
     print(fit({"model": model, "data": data, "trainer": trainer, "seed_everything": seed_everything}, ckpt_path))
+
+
+def model_group_fields(argv: list[str]) -> list[str]:
+    """``eagle-data train``'s ``--model.<group>.<field>`` options as ``--model.<field>``. The
+    model section is a plain dict here, in which jsonargparse would replace a config's whole
+    ``<group>`` by the one field given; :func:`eagle_train.cli.fit` puts the field back into its
+    group (:func:`eagle_train.options.nest_groups`), beside the config's others."""
+    if not argv or argv[0] != "train":
+        return argv
+    from eagle_train.options import GROUPS
+
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        parts = name.split(".")
+        out.append(f"--model.{parts[2]}{eq}{value}" if len(parts) == 3 and parts[0] == "--model"
+                   and parts[1] in GROUPS else arg)
+    return out
 
 
 def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Optional[str] = None,
@@ -87,8 +106,11 @@ def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Op
     """
     from eagle_train.evaluate import evaluate as _evaluate
 
-    s = _evaluate(path, checkpoint, out, heldout_keys, heldout_fraction, num_samples, positions_per_sample,
-                  steps, compare_untrained, target_model, max_length, device, prompt_lookup_max)
+    s = _evaluate(dataset_dir=path, checkpoint=checkpoint, out_dir=out, heldout_keys=heldout_keys,
+                  heldout_fraction=heldout_fraction, num_samples=num_samples,
+                  positions_per_sample=positions_per_sample, steps=steps, compare_untrained=compare_untrained,
+                  target_model=target_model, max_length=max_length, device=device,
+                  prompt_lookup_max=prompt_lookup_max)
     print(json.dumps({k: ({"tau": v["tau"], "tau_ci95": v["tau_ci95"], "num_chains": v["num_chains"]}
                           if isinstance(v, dict) and "tau" in v else v)
                       for k, v in s.items() if k != "heldout_keys"}, indent=1))
@@ -229,7 +251,7 @@ def _serve_prompts(drafter: str, data: str, target: Optional[str], heldout_keys:
         ValueError: no target folder, a bad export, no held-out key, or no prompt within the limit.
     """
     from eagle_data.format.records import read_manifest
-    from eagle_train.evaluate import heldout_split
+    from eagle_train.heldout import heldout_split
     from eagle_train.export import load_exported_drafter
     from eagle_train.model import resolve_model_path
     from eagle_train.serve_check import heldout_prompts

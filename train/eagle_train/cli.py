@@ -64,23 +64,28 @@ def _check_resume(ckpt: Any, path: str, model: dict[str, Any]) -> None:
 
 
 def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
-    """Train from LightningCLI-style sections (``model``, ``data``, ``trainer``, ``seed_everything``);
-    resumes from ``ckpt_path``: a file, or "last" = the newest ``last*.ckpt`` below the trainer's
-    ``default_root_dir`` (none yet: a fresh start, logged). Returns the best/last checkpoint path.
+    """Train from LightningCLI-style sections (``model``, ``data``, ``trainer``, ``seed_everything``;
+    a grouped model option may also be given by its field name alone, ``ttt_steps``: it joins
+    its group, :func:`eagle_train.options.nest_groups`); resumes from ``ckpt_path``: a file, or
+    "last" = the newest ``last*.ckpt`` below the trainer's ``default_root_dir`` (none yet: a
+    fresh start, logged). Returns the best/last checkpoint path.
 
     Raises:
         ValueError: ``ckpt_path`` is not a checkpoint this module can load safely (no unpickling).
     """
     from jsonargparse import ArgumentError
 
-    from eagle_train.module import _load_checkpoint_file
+    from eagle_train.checkpoint import load_checkpoint_file
+    from eagle_train.options import nest_groups
 
+    if config.get("model") is not None:  # --model.ttt_steps: loss.ttt_steps
+        config = {**config, "model": nest_groups(config["model"])}
     if ckpt_path == "last":
         root = (config.get("trainer") or {}).get("default_root_dir") or "."
         ckpt_path = last_checkpoint(root)
         log.info("--ckpt_path last: %s", ckpt_path or f"no last*.ckpt below {root}; starting from scratch")
     if ckpt_path is not None:  # refused here, with our message, before Lightning unpickles it
-        _check_resume(_load_checkpoint_file(ckpt_path), ckpt_path, config.get("model") or {})
+        _check_resume(load_checkpoint_file(ckpt_path), ckpt_path, config.get("model") or {})
     argv, sys.argv = sys.argv, sys.argv[:1]  # the sections are the arguments (LightningCLI warns on both)
     try:
         cli = make_cli(args={k: v for k, v in config.items() if v is not None}, run=False,

@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-import logging
-import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,40 +34,6 @@ from eagle_data.tools.read_samples import read_samples  # also this module's pub
 from eagle_train.guard import damaged_samples
 
 log = logging.getLogger(__name__)
-
-
-def heldout_split(dataset_dir: str | Path, fraction: float = 0.1, seed: int = 0, min_count: int = 1) -> list[str]:
-    """Deterministic index split: keys ranked by ``sha256(f"{seed}:{key}")``, the first
-    ``max(min_count, round(fraction * n))`` are held out. Returned sorted."""
-    from eagle_data.stream.index import load_index
-
-    keys = list(load_index(dataset_dir)["key"])
-    n = max(min_count, round(fraction * len(keys)))
-    ranked = sorted(keys, key=lambda k: hashlib.sha256(f"{seed}:{k}".encode()).hexdigest())
-    return sorted(ranked[:n])
-
-
-def _keys_in(dataset_dir: str | Path, keys: list[str], source: str) -> list[str]:
-    """The held-out ``keys`` that ``dataset_dir`` holds (a key list may span several training
-    folders: the others are logged, not an error).
-
-    Raises:
-        ValueError: keys were given but the folder holds none of them, naming where they came from
-            (e.g. the checkpoint's held-out keys of its training folder, given another folder).
-    """
-    from eagle_data.stream.index import load_index
-
-    held = set(load_index(dataset_dir)["key"])
-    present = [k for k in keys if k in held]
-    if keys and not present:
-        raise ValueError(f"{dataset_dir}: none of the {len(keys)} held-out keys from {source} is in this dataset "
-                         f"(e.g. {sorted(keys)[:3]}): evaluate the dataset they were split from, or give "
-                         "--heldout_keys FILE listing the keys to score, or --heldout_fraction 1.0 for a set "
-                         "extracted apart from the training data")
-    if len(present) < len(keys):
-        log.warning("eval: %d of the %d held-out keys from %s are not in %s (other folders, or misspelt): "
-                    "%d evaluated at most", len(keys) - len(present), len(keys), source, dataset_dir, len(present))
-    return present
 
 
 def _cache_of(out):
@@ -318,11 +283,7 @@ def check_target_matches(target, samples: dict[str, dict[str, torch.Tensor]], or
     return share
 
 
-#: the index split's share of the keys when neither keys nor a fraction are given and the checkpoint records none
-DEFAULT_HELDOUT_FRACTION = 0.1
-
-
-def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_keys: Optional[str] = None,
+def evaluate(*, dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_keys: Optional[str] = None,
              heldout_fraction: Optional[float] = None, num_samples: int = 16, positions_per_sample: int = 8,
              steps: int = 7, compare_untrained: bool = True, target_model: Optional[str] = None,
              max_length: Optional[int] = None, device: Optional[str] = None,
@@ -330,88 +291,92 @@ def evaluate(dataset_dir: str, checkpoint: Optional[str], out_dir: str, heldout_
     """tau of the checkpoint, of the same drafter untrained, and of prompt-lookup speculation (the
     free baseline, :mod:`eagle_train.ngram`) on the same held-out positions; writes
     ``acceptance.json`` and ``acceptance.png`` to ``out_dir``. ``device``: where the drafter and
-    the target run (default: the GPU when there is one). Held-out keys: ``heldout_keys``, else an
-    index split of ``heldout_fraction`` when it is given, else the keys the checkpoint records as
-    left out of training, else an index split of 0.1."""
-    from eagle_train.module import EagleDrafterModule
-    from eagle_train.ngram import PromptLookupDrafter
+    the target run (default: the GPU when there is one). Held-out keys
+    (:func:`eagle_train.heldout.eval_keys`): ``heldout_keys``, else an index split of
+    ``heldout_fraction`` when it is given, else the keys the checkpoint records as left out of
+    training, else an index split of 0.1. Keyword arguments only (``eagle-data eval`` documents each).
 
-    from eagle_train.vocab import read_key_list
-
+    Raises:
+        ValueError: a bad argument, a checkpoint that records no held-out keys, a dataset of other
+            facts or another target, damaged held-out samples, or no position to score."""
     from eagle_data.checks import check_positive
+    from eagle_train.heldout import DEFAULT_HELDOUT_FRACTION, eval_keys
 
     fraction = DEFAULT_HELDOUT_FRACTION if heldout_fraction is None else heldout_fraction
     dev = _check_eval_args(device, num_samples, positions_per_sample, steps, fraction)
     check_positive(prompt_lookup_max=prompt_lookup_max)
-    over = {"target_model_path": target_model} if target_model else {}
-    mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu", **over) if checkpoint else None
-    if mod is not None:
-        _check_dataset(dataset_dir, mod)
-    if heldout_keys == "":
-        raise ValueError("heldout_keys: an empty path (give a JSON file of keys, or leave it out)")
-    recorded = mod.excluded_keys if mod is not None else None   # what training left out (None: not recorded)
-    trained_out = mod.hparams.get("exclude_keys") if mod is not None else None
-    unchecked = False  # an index split: nothing says the drafter did not train on it
-    if heldout_keys and heldout_fraction is not None:
-        raise ValueError("give heldout_keys or heldout_fraction, not both (the keys name the held-out samples)")
-    if heldout_keys is None and recorded and heldout_fraction is None:
-        keys, source = _keys_in(dataset_dir, recorded, "the checkpoint"), "the checkpoint's held-out keys"
-    elif heldout_keys is None and recorded is None and trained_out and Path(trained_out).is_file() \
-            and heldout_fraction is None:
-        source = "the checkpoint's exclude_keys"  # a checkpoint from before the keys were recorded: its file
-        keys = _keys_in(dataset_dir, read_key_list(trained_out, "exclude_keys"), f"{source} ({trained_out})")
-    elif heldout_keys:
-        source = "heldout_keys"
-        keys = _keys_in(dataset_dir, read_key_list(heldout_keys, "heldout_keys"), f"{source} ({heldout_keys})")
-        outside = len(set(keys) - set(recorded)) if recorded is not None else 0
-        if outside:
-            log.warning("eval: %d of the %d held-out keys given were not left out of this drafter's training (its "
-                        "checkpoint records %d left out): if it trained on those samples, tau is overstated",
-                        outside, len(keys), len(recorded))
-    else:
-        source, keys = "index split (not checked against the training data)", heldout_split(dataset_dir, fraction)
-        unchecked = True
-    if mod is not None and unchecked:
-        why = (f"heldout_fraction given: the {len(recorded)} held-out keys the checkpoint records are not used"
-               if recorded else "no held-out keys (none given, none recorded by the checkpoint: train with "
-               "--model.exclude_keys FILE)")
-        log.warning("eval: %s: an index split of %s is evaluated, unchecked against the training data. If the "
-                    "drafter trained on it, tau is overstated; a set extracted apart from the training data is fine",
-                    why, dataset_dir)
+    mod = _load_checkpoint(checkpoint, dataset_dir, target_model)
+    keys, source = eval_keys(dataset_dir, mod.excluded_keys if mod is not None else None, heldout_keys,
+                             heldout_fraction)
     keys = sorted(keys)[:num_samples]
     if not keys:
         raise ValueError(f"no held-out keys to evaluate ({source}: {heldout_keys or dataset_dir} gives none)")
     samples = read_samples(dataset_dir, keys)
     target = load_target(target_model or (mod.hparams.target_model_path if mod else None), dev)
-    damaged = damaged_samples(samples, int(target.get_output_embeddings().weight.shape[0]))
-    if damaged:
-        raise ValueError(f"{dataset_dir}: held-out sample(s) {', '.join(damaged[:8])} hold token ids outside the "
-                         "target's vocabulary or non-finite states (damaged shards or another model's data: run "
-                         "`eagle-data verify` on the dataset); they would be scored wrongly")
-    drafters: dict[str, Any] = {}
-    if mod is not None:
-        drafters["trained"] = mod.drafter
-        if compare_untrained:
-            drafters["untrained"] = EagleDrafterModule(**dict(mod.hparams),
-                                                       _vocab=(mod.drafter.d2t, mod.drafter.t2d)).drafter
-    drafters["prompt_lookup"] = PromptLookupDrafter(max_n=prompt_lookup_max)
+    _refuse_damaged(dataset_dir, samples, int(target.get_output_embeddings().weight.shape[0]))
     oracles: dict = {}
     agreement = check_target_matches(target, samples, oracles, max_length)
     results = {name: acceptance(d.float().to(dev) if isinstance(d, torch.nn.Module) else d, target, samples, steps,
                                 positions_per_sample, max_length, oracles)
-               for name, d in drafters.items()}
+               for name, d in _drafters(mod, compare_untrained, prompt_lookup_max).items()}
     if results["prompt_lookup"]["num_chains"] == 0:  # every drafter scores the same positions
         raise ValueError(f"no position to score: none of the {len(keys)} held-out sample(s) has a supervised token "
                          + (f"within max_length {max_length}" if max_length is not None else "after its first") +
                          " (give a larger --max_length or other held-out samples)")
-    out = Path(out_dir)
+    facts = {"heldout_keys": keys, "heldout_source": source, "num_samples": len(keys), "target_agreement": agreement}
+    return _write_summary(Path(out_dir), results, facts)
+
+
+def _load_checkpoint(checkpoint: Optional[str], dataset_dir: str, target_model: Optional[str]):
+    """The checkpoint's module (None without one), held to ``dataset_dir``'s facts.
+
+    Raises:
+        ValueError: the checkpoint records no held-out keys (written before they were recorded),
+            or the dataset holds other states than the drafter reads."""
+    from eagle_train.module import EagleDrafterModule
+
+    if not checkpoint:
+        return None
+    over = {"target_model_path": target_model} if target_model else {}
+    mod = EagleDrafterModule.load_from_checkpoint(checkpoint, map_location="cpu", **over)
+    if mod.excluded_keys is None:
+        raise ValueError(f"{checkpoint}: the checkpoint records no held-out keys (written before training "
+                         "recorded the keys it left out), so nothing tells which samples it did not train on: "
+                         "train it again with this version")
+    _check_dataset(dataset_dir, mod)
+    return mod
+
+
+def _refuse_damaged(dataset_dir: str, samples: dict[str, dict[str, torch.Tensor]], vocab_size: int) -> None:
+    """Raises ValueError naming held-out samples :func:`eagle_train.guard.damaged_samples` flags."""
+    damaged = damaged_samples(samples, vocab_size)
+    if damaged:
+        raise ValueError(f"{dataset_dir}: held-out sample(s) {', '.join(damaged[:8])} hold token ids outside the "
+                         "target's vocabulary or non-finite states (damaged shards or another model's data: run "
+                         "`eagle-data verify` on the dataset); they would be scored wrongly")
+
+
+def _drafters(mod, compare_untrained: bool, prompt_lookup_max: int) -> dict[str, Any]:
+    """The drafters scored: the checkpoint's ("trained") and the same at initialisation
+    ("untrained"), when there is a checkpoint; prompt lookup always."""
+    from eagle_train.ngram import PromptLookupDrafter
+
+    drafters: dict[str, Any] = {}
+    if mod is not None:
+        drafters["trained"] = mod.drafter
+        if compare_untrained:
+            drafters["untrained"] = mod.untrained_drafter()
+    drafters["prompt_lookup"] = PromptLookupDrafter(max_n=prompt_lookup_max)
+    return drafters
+
+
+def _write_summary(out: Path, results: dict[str, dict[str, Any]], facts: dict[str, Any]) -> dict[str, Any]:
+    """``acceptance.json`` (each result without its per-chain lists, plus ``facts``) and
+    ``acceptance.png`` in ``out``; returns the summary with ``plot``."""
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {name: {k: v for k, v in r.items() if k not in ("accepted", "chain_keys")}
                                for name, r in results.items()}
-    summary["heldout_keys"] = keys
-    summary["heldout_source"] = source
-    summary["num_samples"] = len(keys)
-    summary["target_agreement"] = agreement
+    summary.update(facts)
     (out / "acceptance.json").write_text(json.dumps(summary, indent=1))
     summary["plot"] = str(plot_acceptance(results, out / "acceptance.png"))
     return summary

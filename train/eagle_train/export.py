@@ -126,7 +126,7 @@ def export_drafter(drafter, target_config: dict[str, Any], aux_layer_ids: list[i
         raise ValueError("verifier must name the target (a hub name or a path), got an empty string")
     if not aux_layer_ids:
         raise ValueError("aux_layer_ids are required (the dataset manifest's ids): the checkpoint records none "
-                         "(trained without model.dataset_dir or model.aux_layer_ids); pass --aux_layer_ids")
+                         "(trained without model.dataset_dir or model.drafter.aux_layer_ids); pass --aux_layer_ids")
     if format == "sglang":
         from eagle_data.engines.base import check_served_aux_ids
 

@@ -62,21 +62,11 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
     """
     check_demo_args(minutes, draft_vocab_size, heldout_fraction, eval_samples, positions_per_sample, ttt_steps,
                     eval_steps, max_length, lr, threads)
-    import lightning.pytorch as pl
-
+    from eagle_train.heldout import heldout_split
     from eagle_train.quiet import quiet_lightning
-
-    quiet_lightning()
-
-    from eagle_data.stream.datamodule import EagleDataModule
-    from eagle_data.tools.read_samples import read_samples
-
-    from eagle_train.evaluate import acceptance, heldout_split, load_target, plot_acceptance
-    from eagle_train.export import default_verifier, export_drafter
-    from eagle_train.module import EagleDrafterModule
-    from eagle_train.ngram import PromptLookupDrafter
     from eagle_train.vocab import build_vocab
 
+    quiet_lightning()
     if threads:
         torch.set_num_threads(threads)
     out = Path(out_dir).expanduser().resolve()  # absolute: the checkpoint names files in it
@@ -86,13 +76,43 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
     (out / "heldout_keys.json").write_text(json.dumps(held))
     vocab_path = out / f"draft_vocab_{draft_vocab_size}.safetensors"
     build_vocab(dataset_dir, draft_vocab_size, out=vocab_path, exclude_keys=held, rebuild=True)  # a fresh run
+    module, untrained, steps, ckpt = _train(out, dataset_dir, target_model, vocab_path, draft_vocab_size, ttt_steps,
+                                            lr, seed, minutes, max_length)
+    keys = held[:eval_samples]
+    res, plot = _score(module, untrained, dataset_dir, keys, out, eval_steps, positions_per_sample, max_length)
+    exp, exp_vllm = _export(module, out)
+    summary = {"tau_trained": res["trained"]["tau"], "tau_untrained": res["untrained"]["tau"],
+               "tau_prompt_lookup": res["prompt_lookup"]["tau"], "tau_ci95_trained": res["trained"]["tau_ci95"],
+               "accept_at_least_trained": res["trained"]["accept_at_least"],
+               "accept_at_least_untrained": res["untrained"]["accept_at_least"],
+               "num_chains": res["trained"]["num_chains"], "heldout_samples": len(keys),
+               "train_steps": steps, "plot": str(plot), "checkpoint": str(ckpt), "export": str(exp),
+               "export_vllm": str(exp_vllm)}
+    (out / "demo_summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"tau trained       = {summary['tau_trained']:.3f} (95 % {summary['tau_ci95_trained']})\n"
+          f"tau untrained     = {summary['tau_untrained']:.3f}\n"
+          f"tau prompt lookup = {summary['tau_prompt_lookup']:.3f} (the free n-gram baseline)\n"
+          f"plot: {plot}\nexport: {exp} (SGLang), {exp_vllm} (vLLM, speculators format)")
+    return summary
 
-    hp = dict(target_model_path=target_model, draft_vocab=str(vocab_path), dataset_dir=dataset_dir,
-              draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, exclude_oov=False, lr=lr, warmup_steps=10,
-              min_lr_ratio=1.0, exclude_keys=str(out / "heldout_keys.json"), seed=seed)
+
+def _train(out: Path, dataset_dir: str, target_model: str, vocab_path: Path, draft_vocab_size: int, ttt_steps: int,
+           lr: float, seed: int, minutes: float, max_length: int):
+    """Train for ``minutes`` (held-out keys of ``out/heldout_keys.json`` dropped from batches);
+    returns the module, the same drafter untrained, the steps trained and the checkpoint."""
+    import lightning.pytorch as pl
+
+    from eagle_data.stream.datamodule import EagleDataModule
+    from eagle_train.module import EagleDrafterModule
+    from eagle_train.options import DrafterOptions, LossOptions, OptimOptions
+
     pl.seed_everything(seed)
-    module = EagleDrafterModule(**hp)
-    untrained = EagleDrafterModule(**hp).drafter  # identical init (same seed), never trained
+    module = EagleDrafterModule(target_model_path=target_model, draft_vocab=str(vocab_path), dataset_dir=dataset_dir,
+                                draft_vocab_size=draft_vocab_size, exclude_keys=str(out / "heldout_keys.json"), lr=lr,
+                                drafter=DrafterOptions(seed=seed),
+                                loss=LossOptions(ttt_steps=ttt_steps, exclude_oov=False),
+                                optim=OptimOptions(warmup_steps=10, min_lr_ratio=1.0))
+    untrained = module.untrained_drafter()  # identical init (same seed), never trained
     dm = EagleDataModule(train=dataset_dir, batch_size=1, max_length=max_length, num_workers=0, pin_memory=False,
                          seed=seed)
     trainer = pl.Trainer(accelerator="cpu", devices=1, precision="32-true", max_time={"minutes": minutes},
@@ -103,33 +123,32 @@ def demo(dataset_dir: str, out_dir: str, minutes: float = 5.0, draft_vocab_size:
     ckpt = out / "last.ckpt"
     trainer.save_checkpoint(str(ckpt), weights_only=False)  # a full checkpoint (resumable); says so
     log.info("trained %d steps -> %s", trainer.global_step, ckpt)
+    return module, untrained, trainer.global_step, ckpt
 
-    keys = held[:eval_samples]
+
+def _score(module, untrained, dataset_dir: str, keys: list[str], out: Path, eval_steps: int,
+           positions_per_sample: int, max_length: int):
+    """tau of the trained and untrained drafter and of prompt lookup on ``keys``; the results and their plot."""
+    from eagle_data.tools.read_samples import read_samples
+    from eagle_train.evaluate import acceptance, load_target, plot_acceptance
+    from eagle_train.ngram import PromptLookupDrafter
+
     samples = read_samples(dataset_dir, keys)
     target = load_target(module.hparams.target_model_path)
     oracles: dict = {}
-    res = {"trained": acceptance(module.drafter.eval(), target, samples, eval_steps, positions_per_sample,
-                                 max_length, oracles),
-           "untrained": acceptance(untrained.eval(), target, samples, eval_steps, positions_per_sample,
-                                   max_length, oracles),
-           "prompt_lookup": acceptance(PromptLookupDrafter(), target, samples, eval_steps, positions_per_sample,
-                                       max_length, oracles)}
-    plot = plot_acceptance(res, out / "acceptance.png")
+    res = {name: acceptance(d, target, samples, eval_steps, positions_per_sample, max_length, oracles)
+           for name, d in (("trained", module.drafter.eval()), ("untrained", untrained.eval()),
+                           ("prompt_lookup", PromptLookupDrafter()))}
+    return res, plot_acceptance(res, out / "acceptance.png")
+
+
+def _export(module, out: Path):
+    """SGLang and vLLM (speculators) exports of the trained drafter in ``out`` (a rerun replaces its own)."""
+    from eagle_train.export import default_verifier, export_drafter
+
     exp = export_drafter(module.drafter, module.target_config, module.aux_layer_ids, out / "sglang_drafter",
-                         overwrite=True)  # a rerun of the demo replaces its own exports
+                         overwrite=True)
     exp_vllm = export_drafter(module.drafter, module.target_config, module.aux_layer_ids, out / "vllm_drafter",
                               format="speculators", verifier=default_verifier(module.hparams.target_model_path),
                               overwrite=True)
-    summary = {"tau_trained": res["trained"]["tau"], "tau_untrained": res["untrained"]["tau"],
-               "tau_prompt_lookup": res["prompt_lookup"]["tau"], "tau_ci95_trained": res["trained"]["tau_ci95"],
-               "accept_at_least_trained": res["trained"]["accept_at_least"],
-               "accept_at_least_untrained": res["untrained"]["accept_at_least"],
-               "num_chains": res["trained"]["num_chains"], "heldout_samples": len(keys),
-               "train_steps": trainer.global_step, "plot": str(plot), "checkpoint": str(ckpt), "export": str(exp),
-               "export_vllm": str(exp_vllm)}
-    (out / "demo_summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"tau trained       = {summary['tau_trained']:.3f} (95 % {summary['tau_ci95_trained']})\n"
-          f"tau untrained     = {summary['tau_untrained']:.3f}\n"
-          f"tau prompt lookup = {summary['tau_prompt_lookup']:.3f} (the free n-gram baseline)\n"
-          f"plot: {plot}\nexport: {exp} (SGLang), {exp_vllm} (vLLM, speculators format)")
-    return summary
+    return exp, exp_vllm

@@ -94,7 +94,7 @@ def linear_soft_ce(x: torch.Tensor, w: torch.Tensor, teach: torch.Tensor, tc: to
     """
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")
-    from eagle_train.model import cast_for_autocast
+    from eagle_train.layers import cast_for_autocast
 
     x, w = cast_for_autocast(x), cast_for_autocast(w)
     if x.dtype != w.dtype:
