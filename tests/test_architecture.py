@@ -96,3 +96,38 @@ def test_the_rules_see_lazy_imports(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from eagle_data.extract.run import run_extract\n")
     assert "eagle_data.extract.run" in _imports(f) and _part("eagle_data.extract.run") == "extract"
+
+
+def _limits_broken(folders: tuple[str, ...]) -> list[str]:
+    """Modules over 400 lines, functions over 60 lines, ``__init__`` over 12 parameters."""
+    bad = []
+    for folder in folders:
+        for f in (ROOT / folder).rglob("*.py"):
+            src = f.read_text()
+            if src.count("\n") > 400:
+                bad.append(f"{f.relative_to(ROOT)}: {src.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(src)):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                if node.end_lineno - node.lineno + 1 > 60:
+                    bad.append(f"{f.relative_to(ROOT)}:{node.name}: {node.end_lineno - node.lineno + 1} lines")
+                a = node.args
+                n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) - 1 + (a.vararg is not None) + (a.kwarg is not None)
+                if node.name == "__init__" and n > 12:
+                    bad.append(f"{f.relative_to(ROOT)}:__init__: {n} parameters")
+    return bad
+
+
+def test_installed_code_keeps_the_size_rules():
+    """ARCHITECTURE.md's size rules hold for the package and the trainer."""
+    assert _limits_broken(("eagle_data", TRAIN)) == []
+
+
+def test_the_size_check_sees_a_long_function(tmp_path, monkeypatch):
+    """The checker itself: a 61-line function and a 13-parameter ``__init__`` are reported."""
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    (tmp_path / "p").mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(60))
+    params = ", ".join(f"a{i}" for i in range(13))
+    (tmp_path / "p" / "m.py").write_text(f"def f():\n{body}\n\nclass C:\n    def __init__(self, {params}):\n        pass\n")
+    assert sorted(b.split(":")[1] for b in _limits_broken(("p",))) == ["__init__", "f"]
