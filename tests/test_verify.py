@@ -287,3 +287,12 @@ def test_a_folder_that_is_no_dataset_is_named_so_and_an_unmerged_one_points_to_m
     (tmp_path / "manifest.json").mkdir()
     with pytest.raises(ValueError, match=r"manifest.json: not a manifest.json \(not a file\)"):
         read_manifest(tmp_path)
+
+
+def test_a_synthetic_dataset_verifies(tmp_path):
+    """docs/training.md's synthetic dataset passes verify: its samples record num_tokens as extraction does."""
+    from eagle_data.tools.synthetic import write_synthetic
+
+    write_synthetic(tmp_path / "syn", [3, 2], hidden_size=16)
+    rep = verify_dataset(tmp_path / "syn")
+    assert rep.ok and rep.num_tokens > 0, rep

@@ -93,7 +93,7 @@ def inspect_dataset(path: str, sample: int | None = None, max_chars: int = 3000,
         t.add_row(k, escape(str(m.get(k))))
     t.add_row("shards", f"{len(m['shards'])} ({', '.join(s['name'] for s in m['shards'][:4])}"
                         f"{', …' if len(m['shards']) > 4 else ''})")
-    t.add_row("template", escape(str(m["config"]["template"])))
+    t.add_row("template", escape(str(m.get("config", {}).get("template"))))
     con.print(t)
     if len(idx) == 0:
         con.print("[red]no samples[/]")

@@ -70,7 +70,7 @@ def write_synthetic(out: str | Path, shard_sizes: Sequence[int], hidden_size: in
             tensors = {"input_ids": torch.full((t,), g, dtype=torch.int64),
                        "loss_mask": (torch.arange(t) % 2).to(torch.uint8),
                        "aux_hidden_states": h.repeat(1, naux), "hidden_states": h}
-            meta = {"source_id": str(g), "source_row": g, "num_turns": 2, "truncated": False}
+            meta = {"source_id": str(g), "source_row": g, "num_tokens": t, "num_turns": 2, "truncated": False}
             sink.write(f"{tag}_{g:09d}", tensors, meta)
             g += 1
         sink.end_shard()  # publish this shard; the next write opens a new one
