@@ -12,6 +12,7 @@ if importlib.util.find_spec("sglang") is None:
 
 from eagle_data.extract.config import ExtractConfig
 from eagle_data.extract.run import run_extract  # noqa: E402
+from eagle_data.format.fp8 import dequantize, error_bound, scale_name  # noqa: E402
 from eagle_data.format.schema import decode_tensors  # noqa: E402
 
 from templates import TEMPLATES_DIR, family_tokenizer  # noqa: E402
@@ -56,6 +57,19 @@ def test_sglang_shards_equal_hf_shards(tmp_path):
             a, b = sg[k][f], hf[k][f]
             assert ((a - b).abs().max() / b.abs().max()) < 1e-4, (k, f)
     assert ms["backend"] == "sglang" and ms["aux_layer_ids"] == AUX
+    # fp8 storage, quantised in the scheduler: the shards hold a quantisation of the same states, within
+    # fp8's bound (bit-exactness against quantize() is the hook's test; two engine runs may batch the
+    # requests otherwise and round the last bit of fp32 otherwise)
+    m8, sg8 = _read_run(tmp_path / "sg8", {**base, "storage_dtype": "float8_e4m3fn"}, "sglang",
+                        {"chunked_prefill_size": 128})
+    assert sorted(sg8) == sorted(sg) and m8["skip_counts"] == ms["skip_counts"]
+    for k in sg:
+        assert torch.equal(sg8[k]["input_ids"], sg[k]["input_ids"])
+        for f in ("aux_hidden_states", "hidden_states"):
+            x, q, scale = sg[k][f], sg8[k][f], sg8[k][scale_name(f)]
+            assert q.dtype == torch.float8_e4m3fn and scale.shape == (x.shape[0], 3 if f == "aux_hidden_states" else 1), (k, f)
+            err = (dequantize(q, scale, torch.float32) - x).abs()
+            assert (err <= error_bound(x, scale) + 1e-6 * x.abs().amax()).all(), (k, f, err.max())
 
 
 def _read_run(out, base, backend, kw):

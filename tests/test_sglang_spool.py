@@ -39,14 +39,31 @@ def test_stitch_in_order_and_any_arrival_order():
     ids, aux, fin = _rows(300)
     ps = _pieces(ids, aux, fin, [128, 256])
     for order in (ps, ps[::-1], [ps[1], ps[0], ps[2]]):
-        a, f = stitch("s", ids, order)
-        assert torch.equal(a, aux) and torch.equal(f, fin)
+        got = stitch("s", ids, order)
+        assert torch.equal(got["aux"], aux) and torch.equal(got["final"], fin) and sorted(got) == ["aux", "final"]
 
 
 def test_stitch_single_piece():
     ids, aux, fin = _rows(5)
-    a, f = stitch("s", ids, _pieces(ids, aux, fin, []))
-    assert torch.equal(a, aux) and torch.equal(f, fin)
+    got = stitch("s", ids, _pieces(ids, aux, fin, []))
+    assert torch.equal(got["aux"], aux) and torch.equal(got["final"], fin)
+
+
+def test_stitch_joins_the_per_row_extras_and_checks_their_rows():
+    ids, aux, fin = _rows(300)
+    scale, ok = torch.rand(300, K), torch.rand(300) > 0.5
+    ps = _pieces(ids, aux, fin, [128, 256])
+    for p in ps:
+        p.extra = {"aux_scale": scale[p.offset:p.offset + p.input_ids.shape[0]],
+                   "ok": ok[p.offset:p.offset + p.input_ids.shape[0]]}
+    got = stitch("s", ids, ps[::-1])
+    assert torch.equal(got["aux_scale"], scale) and torch.equal(got["ok"], ok)
+    ps[1].extra["ok"] = ps[1].extra["ok"][:-1]
+    with pytest.raises(StitchError, match="chunk at offset 128 has 128 ids.*'ok': \\(127,\\)"):
+        stitch("s", ids, ps)
+    ps[1].extra = {"aux_scale": ps[1].extra["aux_scale"]}
+    with pytest.raises(StitchError, match="width/dtype"):  # a chunk without a field the others have
+        stitch("s", ids, ps)
 
 
 @pytest.mark.parametrize("case, pattern", [
@@ -96,7 +113,17 @@ def test_piece_files_round_trip_bit_exact(tmp_path, dtype):
     p = read_piece(files["ed1-7"][0][1])
     assert (p.offset, p.seq) == (128, 3)
     assert torch.equal(p.input_ids, ids) and torch.equal(p.aux, aux) and torch.equal(p.final, fin)
-    assert p.aux.dtype == dtype
+    assert p.aux.dtype == dtype and p.extra == {}
+
+
+def test_piece_files_round_trip_fp8_scales_and_flags(tmp_path):
+    from eagle_data.format.fp8 import quantize
+    ids, aux, fin = _rows(10)
+    (q, s), ok = quantize(aux, K), torch.tensor([True, False] * 5)
+    write_piece(tmp_path, "ed1-7", 0, 1, ids, q, fin.bfloat16(), {"aux_scale": s, "ok": ok})
+    p = read_piece(list_spool(tmp_path)["ed1-7"][0][1])
+    assert p.aux.dtype == torch.float8_e4m3fn and torch.equal(p.aux.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(p.extra["aux_scale"], s) and torch.equal(p.extra["ok"], ok) and p.final.dtype == torch.bfloat16
 
 
 def test_stale_spool_of_dead_pid_is_removed(tmp_path):
@@ -196,6 +223,30 @@ def test_hook_ignores_decode_and_refuses_mixed_and_bad_batches(tmp_path):
     assert "no aux hidden states" in read_error(list_spool(tmp_path)["ed1-4"][0][1])
 
 
+@pytest.mark.parametrize("final_dtype", [None, "bfloat16", "float8_e4m3fn"])
+def test_hook_stores_fp8_as_quantize_does_and_flags_non_finite_rows(tmp_path, final_dtype):
+    """out_dtype fp8: the chunk holds exactly ``quantize`` of the rows (values and scales), the final
+    rows in their own dtype; ``ok`` is False on the one row holding a NaN, True elsewhere."""
+    from eagle_data.format.fp8 import quantize
+    hook = make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-", "out_dtype": "float8_e4m3fn",
+                              "final_out_dtype": final_dtype})
+    args, (ids, aux, fin) = _fake_pass(Mode.EXTEND, ["ed1-1", "ed1-2"], [5, 4], [0, 0], packed=True)
+    args[4][6, 1] = float("nan")  # row 1 of ed1-2, aux layer 0
+    hook(None, args, None)
+    hook.drain()
+    p1, p2 = (read_piece(list_spool(tmp_path)[r][0][1]) for r in ("ed1-1", "ed1-2"))
+    q, sc = quantize(aux[:5], K)
+    assert p1.aux.dtype == torch.float8_e4m3fn and torch.equal(p1.aux.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(p1.extra["aux_scale"], sc) and p1.extra["ok"].tolist() == [True] * 5
+    assert p2.extra["ok"].tolist() == [True, False, True, True] and p2.extra["aux_scale"][1].isnan().any()
+    if final_dtype == "float8_e4m3fn":
+        fq, fs = quantize(fin[:5], 1)
+        assert torch.equal(p1.final.view(torch.uint8), fq.view(torch.uint8)) and torch.equal(p1.extra["final_scale"], fs)
+    else:
+        assert "final_scale" not in p1.extra
+        assert torch.equal(p1.final, fin[:5].to(torch.bfloat16 if final_dtype else torch.float32))
+
+
 @pytest.fixture
 def layer_hooks(tmp_path):
     specs = hook_specs(str(tmp_path), "ed1-", [1, 3, 5])
@@ -265,7 +316,7 @@ def test_writer_bounds_the_bytes_in_flight(tmp_path, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(hk, "write_piece", slow_write)
-    nbytes = 3 * ((K + 1) * H * 4 + 8)  # one 3-row pass: fp32 rows + int64 ids
+    nbytes = 3 * ((K + 1) * H * 4 + 8 + 1)  # one 3-row pass: fp32 rows + int64 ids + the ok flags
     hook = make_capture_hook({"spool_dir": str(tmp_path), "rid_prefix": "ed1-", "max_pending_bytes": 2 * nbytes})
 
     def run():

@@ -51,7 +51,8 @@ def make_backend(name: str, **kwargs) -> Backend:
     check_option_types(f"backend_kwargs of the {name} backend", kwargs, hints)
     if options is None:
         return cls(**kwargs)
-    knobs = {k: kwargs.pop(k) for k in list(kwargs) if k not in _SET_BY_RUN}
+    fields = {f.name for f in dataclasses.fields(options)}
+    knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
     return cls(**kwargs, options=options(**knobs))
 
 

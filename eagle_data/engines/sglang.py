@@ -49,11 +49,12 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from eagle_data.format.schema import hidden_dtype
+from eagle_data.format.schema import hidden_dtype, storage_dtype_of
 from eagle_data.engines.base import (BackendInfo, Captured, check_served_aux_ids, default_aux_layer_ids,
                                              validate_aux_layer_ids)
-from eagle_data.engines.sglang_engine import (CPU_KERNEL_DIR, base_engine_kwargs, check_version,  # noqa: F401
-                                              model_facts, prepare_cpu_environment, scoped_shutdown, start_engine)
+from eagle_data.engines.sglang_engine import (CPU_KERNEL_DIR, base_engine_kwargs, capture_info_extra,  # noqa: F401
+                                              check_capture_invariants, check_version, model_facts,
+                                              prepare_cpu_environment, scoped_shutdown, start_engine)
 from eagle_data.engines.sglang_hook import hook_specs
 from eagle_data.engines.sglang_spool import RowsMissing, Spool, StitchError, list_spool, read_error, read_piece, stitch
 
@@ -106,6 +107,12 @@ class SGLangBackend:
         dtype: ``"bfloat16"`` or ``"float32"``: engine dtype = stored dtype.
         device: ``"cpu"`` or ``"cuda"``.
         options: the engine and in-flight knobs (default: :class:`SGLangOptions`'s defaults).
+        out_dtype: dtype of the returned aux states, and of the final states unless
+            ``final_out_dtype`` (default: ``dtype``), cast in the scheduler on the engine's device;
+            ``"float8_e4m3fn"``: quantised there with scales (:attr:`Captured.aux_scale` /
+            ``hidden_scale``), half the bytes to the host. Every :class:`Captured` says whether its
+            stored values are finite (checked on the device).
+        final_out_dtype: dtype of the returned final states (default: ``out_dtype``).
 
     Raises:
         ValueError: bad dtype/device/aux ids, or engine_kwargs that override owned args.
@@ -116,10 +123,13 @@ class SGLangBackend:
     OPTIONS = SGLangOptions
 
     def __init__(self, model_path: str | Path, aux_layer_ids: Sequence[int] | None = None,
-                 dtype: str = "bfloat16", device: str = "cpu", options: SGLangOptions | None = None, *,
+                 dtype: str = "bfloat16", device: str = "cpu", options: SGLangOptions | None = None,
+                 out_dtype: str | None = None, final_out_dtype: str | None = None, *,
                  _allow_radix_cache: bool = False, _engine_aux: bool = False):
         o = options or SGLangOptions()
         hidden_dtype(dtype)  # ValueError naming an unknown dtype
+        self.dtypes = (storage_dtype_of(out_dtype or dtype, "out_dtype"),
+                       storage_dtype_of(final_out_dtype or out_dtype or dtype, "final_out_dtype"))
         dev = torch.device(device).type
         if dev not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -150,9 +160,10 @@ class SGLangBackend:
             self.startup_s = time.perf_counter() - t0
             Spool.install_signal_handlers()
             sa = self.engine.server_args
-            self._check_server_args(sa, _allow_radix_cache)
+            check_capture_invariants(sa, _allow_radix_cache)
+            extra = capture_info_extra(sglang.__version__, sa, dev, o.tp_size, o.cpu_kernel, _engine_aux)
             self.info = BackendInfo("sglang", model_path, hidden, n_layers, vocab, dtype, list(ids),
-                                    _info_extra(sglang.__version__, sa, dev, o, _engine_aux))
+                                    {**extra, "stored_dtypes": [str(d).removeprefix("torch.") for d in self.dtypes]})
             self._warmup(hidden)
         except BaseException:
             self.close()
@@ -165,8 +176,10 @@ class SGLangBackend:
         kw = base_engine_kwargs(model_path, dtype, dev, tp_size=o.tp_size, chunked_prefill_size=o.chunked_prefill_size,
                                 mem_fraction_static=o.mem_fraction_static, max_total_tokens=o.max_total_tokens,
                                 attention_backend=o.attention_backend, cpu_kernel=o.cpu_kernel, log_level=o.log_level)
+        names = [str(d).removeprefix("torch.") for d in self.dtypes]
         kw.update(disable_radix_cache=not allow_radix, enable_mixed_chunk=False,
-                  forward_hooks=hook_specs(str(self.spool.path), self._prefix, None if engine_aux else list(ids)))
+                  forward_hooks=hook_specs(str(self.spool.path), self._prefix, None if engine_aux else list(ids),
+                                           out_dtype=names[0], final_out_dtype=names[1]))
         if dev == "cuda":  # prefill only (max_new_tokens=0): capturing decode graphs would only slow the start
             kw["cuda_graph_backend_decode"] = "disabled"
         if engine_aux:  # tests only (sglang >= 0.5.23): the engine's own EAGLE-3 capture, to compare routes
@@ -174,21 +187,6 @@ class SGLangBackend:
                       return_aux_hidden_state_layer_ids=list(ids))
         kw.update(o.engine_kwargs or {})
         return kw
-
-    @staticmethod
-    def _check_server_args(sa, allow_radix: bool) -> None:
-        problems = []
-        if not getattr(sa, "disable_radix_cache", False) and not allow_radix:
-            problems.append("radix cache is on (cached prefixes would skip rows)")
-        if getattr(sa, "enable_mixed_chunk", False):
-            problems.append("mixed chunking is on")
-        for name in ("pp_size", "dp_size"):
-            if int(getattr(sa, name, 1) or 1) != 1:
-                problems.append(f"{name}={getattr(sa, name)} (only 1 is supported)")
-        if getattr(sa, "enable_dp_attention", False):
-            problems.append("attention DP is on")
-        if problems:
-            raise RuntimeError("SGLang engine violates capture invariants: " + "; ".join(problems))
 
     def _warmup(self, hidden: int) -> None:
         got = self.capture([("__warmup__", torch.arange(3, dtype=torch.long))])[0]
@@ -203,7 +201,8 @@ class SGLangBackend:
         """Capture ``(key, input_ids [T] int64)`` pairs; see :class:`eagle_data.engines.base.Backend`.
 
         Returns ``Captured`` in input order with ``aux_hidden_states`` [T, 3H] and
-        ``hidden_states`` [T, H] in the engine dtype, on CPU.
+        ``hidden_states`` [T, H] in the storage dtypes (``out_dtype`` / ``final_out_dtype``; fp8 with
+        scales), on CPU, and ``finite`` set.
 
         Raises:
             RuntimeError: closed backend; the engine rejected/aborted a request (e.g. longer
@@ -283,6 +282,8 @@ class SGLangBackend:
         tasks = [t for _, t in pending if isinstance(t, asyncio.Future)]
         rids = {rid for items, _ in pending for _, _, rid in items}
         pending.clear()
+        if self.engine is None:  # closed first (an interrupt): nothing left to wait for or cancel
+            return
         if cancel:
             for t in tasks:
                 t.cancel()
@@ -348,10 +349,12 @@ class SGLangBackend:
                 errs = [p for p in files if "@ERROR@" in p.name]
                 if errs:
                     raise RuntimeError(f"sample {key!r}: capture hook refused a forward pass: {read_error(errs[0])}")
-                aux, final = stitch(key, ids, [read_piece(p) for p in files])
+                # read and joined in a thread: the engine's event loop keeps sending and receiving meanwhile
+                got = await asyncio.to_thread(lambda: stitch(key, ids, [read_piece(p) for p in files]))
                 Spool.remove(files)
                 self._chunks[rid] = len(files)
-                return Captured(key, aux, final)
+                return Captured(key, got["aux"], got["final"], got.get("aux_scale"), got.get("final_scale"),
+                                bool(got["ok"].all()) if "ok" in got else None)
             except RowsMissing:  # pieces may still be arriving
                 if time.monotonic() > deadline:
                     Spool.remove(files)
@@ -382,17 +385,3 @@ class SGLangBackend:
     def __exit__(self, *exc):
         self.close()
         return False
-
-
-def _info_extra(version: str, sa, dev: str, o: SGLangOptions, engine_aux: bool) -> dict[str, Any]:
-    """``BackendInfo.extra`` of a started engine (server args ``sa``): how it captures."""
-    return {"sglang_version": version, "device": dev, "tp_size": int(o.tp_size),
-            "writer_tp_rank": 0, "attention_backend": getattr(sa, "attention_backend", None),
-            "chunked_prefill_size": getattr(sa, "chunked_prefill_size", None),
-            "prefill_cuda_graph": "disabled" if dev == "cuda" else "n/a (cpu)",
-            "decode_cuda_graph": getattr(sa, "cuda_graph_backend_decode", None) if dev == "cuda" else "n/a (cpu)",
-            "radix_cache": "disabled", "mixed_chunk": "disabled", "max_new_tokens": 0,
-            "capture": ("engine aux capture + forward_hook on logits_processor" if engine_aux else
-                        "forward_hooks on the aux decoder layers and logits_processor, safetensors spool"),
-            "cpu_sgl_kernel": ("eagle-data pure-torch stand-in" if dev == "cpu" and o.cpu_kernel == "standin"
-                               else "installed")}

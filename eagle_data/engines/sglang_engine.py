@@ -232,3 +232,38 @@ def scoped_shutdown(engine) -> None:
     finally:
         em.kill_process_tree = orig
     atexit.unregister(engine.shutdown)
+
+
+def check_capture_invariants(sa, allow_radix: bool = False) -> None:
+    """A started capture engine's server args ``sa`` keep the capture invariants (radix cache and
+    mixed chunking off, pp = dp = 1, no attention DP).
+
+    Raises:
+        RuntimeError: naming every violation.
+    """
+    problems = []
+    if not getattr(sa, "disable_radix_cache", False) and not allow_radix:
+        problems.append("radix cache is on (cached prefixes would skip rows)")
+    if getattr(sa, "enable_mixed_chunk", False):
+        problems.append("mixed chunking is on")
+    for name in ("pp_size", "dp_size"):
+        if int(getattr(sa, name, 1) or 1) != 1:
+            problems.append(f"{name}={getattr(sa, name)} (only 1 is supported)")
+    if getattr(sa, "enable_dp_attention", False):
+        problems.append("attention DP is on")
+    if problems:
+        raise RuntimeError("SGLang engine violates capture invariants: " + "; ".join(problems))
+
+
+def capture_info_extra(version: str, sa, dev: str, tp_size: int, cpu_kernel: str, engine_aux: bool) -> dict[str, Any]:
+    """``BackendInfo.extra`` of a started engine (server args ``sa``): how it captures."""
+    return {"sglang_version": version, "device": dev, "tp_size": int(tp_size),
+            "writer_tp_rank": 0, "attention_backend": getattr(sa, "attention_backend", None),
+            "chunked_prefill_size": getattr(sa, "chunked_prefill_size", None),
+            "prefill_cuda_graph": "disabled" if dev == "cuda" else "n/a (cpu)",
+            "decode_cuda_graph": getattr(sa, "cuda_graph_backend_decode", None) if dev == "cuda" else "n/a (cpu)",
+            "radix_cache": "disabled", "mixed_chunk": "disabled", "max_new_tokens": 0,
+            "capture": ("engine aux capture + forward_hook on logits_processor" if engine_aux else
+                        "forward_hooks on the aux decoder layers and logits_processor, safetensors spool"),
+            "cpu_sgl_kernel": ("eagle-data pure-torch stand-in" if dev == "cpu" and cpu_kernel == "standin"
+                               else "installed")}

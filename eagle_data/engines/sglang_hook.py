@@ -9,7 +9,7 @@ the same in both versions), one spec per aux layer and one on the logits process
     ...
     {"name": "eagle_data_capture", "target_modules": ["logits_processor"],
      "hook_factory": "eagle_data.engines.sglang_hook:make_capture_hook",
-     "config": {"spool_dir": "...", "rid_prefix": "...", "n_aux": 3}}
+     "config": {"spool_dir": "...", "rid_prefix": "...", "n_aux": 3, "out_dtype": "float8_e4m3fn"}}
 
 (:func:`hook_specs` builds the list.) Every pass runs the layers in order, then the logits processor:
 
@@ -30,7 +30,10 @@ the same in both versions), one spec per aux layer and one on the logits process
   ``[extend_prefix_len, extend_prefix_len + extend_seq_len)`` to the :class:`_Writer`, which
   writes one chunk file per request (:func:`eagle_data.engines.sglang_spool.write_piece`).
 
-Nothing stalls the scheduler on a GPU: the pass's rows are copied into fresh device tensors, then
+The rows leave in their storage dtypes (``out_dtype`` / ``final_out_dtype``: the model dtype, or fp8
+with per-(token, layer) scales, :func:`eagle_data.format.fp8.quantize`, on the device, as the HF
+backend does), with ``ok`` [N]: every stored value of the row finite, checked on the device.
+Nothing stalls the scheduler on a GPU: the pass's rows are cast into fresh device tensors, copied
 to pinned host memory on a side stream, and a writer thread waits for that copy's event and
 writes the files; the bytes in flight are bounded (``max_pending_bytes``; the hook waits only
 when the bound is reached). DECODE and IDLE passes are ignored; any other extend-like mode holding
@@ -55,6 +58,8 @@ from typing import Any
 import torch
 
 from eagle_data.engines.sglang_spool import write_error, write_piece
+from eagle_data.format.fp8 import to_storage
+from eagle_data.format.schema import storage_dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +71,11 @@ _SLOTS: dict[str, list[Any]] = {}
 
 
 def hook_specs(spool_dir: str, rid_prefix: str, aux_layer_ids: list[int] | None,
-               max_pending_bytes: int = 1 << 30) -> list[dict[str, Any]]:
+               max_pending_bytes: int = 1 << 30, out_dtype: str | None = None,
+               final_out_dtype: str | None = None) -> list[dict[str, Any]]:
     """The ``forward_hooks`` server arg. ``aux_layer_ids=None``: no layer hooks, the aux states come
-    from the engine's own EAGLE-3 capture (the logits processor's 5th argument; sglang >= 0.5.23)."""
+    from the engine's own EAGLE-3 capture (the logits processor's 5th argument; sglang >= 0.5.23).
+    ``out_dtype`` / ``final_out_dtype``: storage dtype names of the aux / final rows (None: as computed)."""
     n_aux = 0 if aux_layer_ids is None else len(aux_layer_ids)
     specs = [{"name": f"eagle_data_aux_{i}",
               "target_modules": [f"model.layers.{k + 1}.input_layernorm", f"*.model.layers.{k + 1}.input_layernorm"],
@@ -76,7 +83,8 @@ def hook_specs(spool_dir: str, rid_prefix: str, aux_layer_ids: list[int] | None,
              for i, k in enumerate(aux_layer_ids or [])]
     return specs + [{"name": "eagle_data_capture", "target_modules": ["logits_processor"], "hook_factory": CAPTURE_HOOK,
                      "config": {"spool_dir": spool_dir, "rid_prefix": rid_prefix, "n_aux": n_aux,
-                                "max_pending_bytes": int(max_pending_bytes)}}]
+                                "max_pending_bytes": int(max_pending_bytes), "out_dtype": out_dtype,
+                                "final_out_dtype": final_out_dtype}}]
 
 
 def _tp_rank() -> int:
@@ -117,9 +125,10 @@ def make_capture_hook(config: dict):
     """Hook factory for the logits processor.
 
     Args:
-        config: ``{"spool_dir": str, "rid_prefix": str, "n_aux": int, "max_pending_bytes": int}``;
-            ``rid_prefix`` selects the requests to capture (others, e.g. warm-up requests, are
-            skipped); ``n_aux = 0``: aux states from the engine (5th argument).
+        config: ``{"spool_dir": str, "rid_prefix": str, "n_aux": int, "max_pending_bytes": int,
+            "out_dtype": str | None, "final_out_dtype": str | None}``; ``rid_prefix`` selects the
+            requests to capture (others, e.g. warm-up requests, are skipped); ``n_aux = 0``: aux
+            states from the engine (5th argument); the dtypes: see :func:`stored_rows`.
 
     Returns:
         ``hook(module, args, output)`` with ``hook.drain()`` (wait until every chunk is written),
@@ -129,7 +138,9 @@ def make_capture_hook(config: dict):
     if _tp_rank() != 0:
         return None
     slots = _slots(spool, n_aux) if n_aux else None
-    writer = _Writer(spool, int(config.get("max_pending_bytes", 1 << 30)))
+    dtypes = tuple(None if config.get(k) is None else storage_dtype_of(config[k], k)
+                   for k in ("out_dtype", "final_out_dtype"))
+    writer = _Writer(spool, int(config.get("max_pending_bytes", 1 << 30)), dtypes)
 
     def hook(module, args, output):
         taken = list(slots) if slots else None
@@ -213,16 +224,33 @@ def _aux_of_pass(taken: list | None, engine_aux) -> tuple[torch.Tensor | None, s
     return torch.cat(taken, dim=-1), None
 
 
+def stored_rows(input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
+                dtypes: tuple[torch.dtype | None, torch.dtype | None]) -> dict[str, torch.Tensor]:
+    """A pass's rows as they will be stored, in fresh tensors on their device (the engine refills its
+    own buffers in place): ``input_ids`` [N] int64, ``aux`` [N, K*H] and ``final`` [N, H] in
+    ``dtypes`` (None: as computed; fp8: + ``aux_scale`` [N, K] / ``final_scale`` [N, 1] float32,
+    :func:`eagle_data.format.fp8.to_storage`, as the HF backend stores), and ``ok`` [N] bool: every
+    stored value of the row finite (fp8: its scales, which a NaN/Inf makes non-finite)."""
+    k = aux.shape[1] // max(1, final.shape[1])
+    a, a_s = to_storage(aux, dtypes[0] or aux.dtype, k, check=False)
+    f, f_s = to_storage(final, dtypes[1] or final.dtype, 1, check=False)
+    out = {"input_ids": input_ids.to(torch.int64, copy=True), "aux": a.clone() if a is aux else a,
+           "final": f.clone() if f is final else f}
+    out.update({name: x for name, x in (("aux_scale", a_s), ("final_scale", f_s)) if x is not None})
+    out["ok"] = (a_s if a_s is not None else a).isfinite().all(-1) & (f_s if f_s is not None else f).isfinite().all(-1)
+    return out
+
+
 class _Writer:
     """Copies a pass's rows off the device and writes their chunk files in a thread.
 
-    GPU: fresh device copies of the pass's ids, aux and final rows, copied to pinned host memory on a
+    GPU: the rows in their storage dtypes (:func:`stored_rows`) are copied to pinned host memory on a
     side stream; the thread waits for the copy's event, then writes. At most ``max_bytes`` of passes
     wait at once (a single larger pass waits alone); :meth:`put` blocks only at that bound.
     """
 
-    def __init__(self, spool: str, max_bytes: int):
-        self.spool, self.max_bytes = spool, max(1, max_bytes)
+    def __init__(self, spool: str, max_bytes: int, dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None)):
+        self.spool, self.max_bytes, self.dtypes = spool, max(1, max_bytes), dtypes
         self.seq, self.lock = itertools.count(), threading.Lock()
         self.busy, self.cond = 0, threading.Condition()
         self.q: queue.Queue = queue.Queue()
@@ -237,21 +265,20 @@ class _Writer:
         """``rows``: ``(rid, offset, seq, start, n)`` for each of our requests in the pass."""
         if not rows:
             return
-        # fresh tensors first (on the engine's stream): the engine refills its own buffers in place
-        fresh = [input_ids.to(torch.int64, copy=True), aux.clone(), final.clone()]
+        fresh = stored_rows(input_ids, aux, final, self.dtypes)  # on the engine's stream
         event = None
         if aux.device.type == "cuda":
             self.stream = self.stream or torch.cuda.Stream(aux.device)
             self.stream.wait_stream(torch.cuda.current_stream(aux.device))
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in fresh]
+            host = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in fresh.items()}
             with torch.cuda.stream(self.stream):
-                for h, t in zip(host, fresh):
-                    h.copy_(t, non_blocking=True)
+                for k, t in fresh.items():
+                    host[k].copy_(t, non_blocking=True)
                     t.record_stream(self.stream)
                 event = torch.cuda.Event()
                 event.record(self.stream)
             fresh = host
-        size = sum(t.numel() * t.element_size() for t in fresh)
+        size = sum(t.numel() * t.element_size() for t in fresh.values())
         with self.cond:
             self.cond.wait_for(lambda: self.busy == 0 or self.busy + size <= self.max_bytes)
             self.busy += size
@@ -259,14 +286,15 @@ class _Writer:
 
     def _run(self) -> None:
         while True:
-            (ids, aux, final), event, rows, size = self.q.get()
+            t, event, rows, size = self.q.get()
             try:
                 if event is not None:
                     event.synchronize()
                 for rid, off, seq, start, n in rows:
                     sl = slice(start, start + n)
+                    extra = {k: x[sl] for k, x in t.items() if k not in ("input_ids", "aux", "final")}
                     try:
-                        write_piece(self.spool, rid, off, seq, ids[sl], aux[sl], final[sl])
+                        write_piece(self.spool, rid, off, seq, t["input_ids"][sl], t["aux"][sl], t["final"][sl], extra)
                     except Exception as e:  # the backend raises it naming the sample
                         write_error(self.spool, rid, seq, f"capture hook failed to write rows: {e!r}")
             finally:

@@ -9,8 +9,10 @@ Spool layout (one directory per backend instance, default under ``/dev/shm``)::
         <rid>@<offset:010d>@<seq:010d>.safetensors   one prefill chunk of one request
         <rid>@ERROR@<seq:010d>.json                   the hook refused a forward pass
 
-A chunk file holds ``input_ids`` [n] int64, ``aux`` [n, K*H] and ``final`` [n, H] in the
-model dtype (bf16 or fp32, bit-exact), rows ``offset .. offset+n`` of the request. ``seq``
+A chunk file holds ``input_ids`` [n] int64, ``aux`` [n, K*H] and ``final`` [n, H] in their
+storage dtypes (the model dtype, bit-exact, or fp8 quantised on the device), and per-row extras:
+with fp8, ``aux_scale`` [n, K] / ``final_scale`` [n, 1] float32; ``ok`` [n] bool, every stored value
+of the row finite (checked on the device); rows ``offset .. offset+n`` of the request. ``seq``
 is the hook's write counter (per scheduler process), so a re-run chunk never overwrites an
 earlier one silently and the production order can be checked. Files are written to a
 ``.tmp`` name and renamed, so a reader never sees a partial file.
@@ -26,7 +28,7 @@ import shutil
 import signal
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -58,16 +60,19 @@ class Piece:
         aux: [n, K*H], aux layers concatenated low -> high.
         final: [n, H], final post-norm hidden state.
         seq: the hook's write counter (production order), ``-1`` if unknown.
+        extra: per-row tensors beside them (``aux_scale`` [n, K], ``final_scale`` [n, 1], ``ok`` [n]).
     """
     offset: int
     input_ids: torch.Tensor
     aux: torch.Tensor
     final: torch.Tensor
     seq: int = -1
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def stitch(key: str, input_ids: torch.Tensor, pieces: Iterable[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Join the chunks of one request into ``(aux [T, K*H], final [T, H])``.
+def stitch(key: str, input_ids: torch.Tensor, pieces: Iterable[Piece]) -> dict[str, torch.Tensor]:
+    """Join the chunks of one request into ``{"aux": [T, K*H], "final": [T, H], **extra}`` (the
+    per-row extras of the pieces, e.g. ``aux_scale`` [T, K], ``ok`` [T]).
 
     Pieces may be given in any order (files are listed in directory order); they are
     sorted by ``offset``. They must tile ``[0, T)`` exactly, carry the sample's own token
@@ -94,10 +99,11 @@ def stitch(key: str, input_ids: torch.Tensor, pieces: Iterable[Piece]) -> tuple[
     end, width = 0, None
     for i, p in enumerate(ps):
         n = int(p.input_ids.shape[0])
-        if p.aux.shape[0] != n or p.final.shape[0] != n or n == 0:
+        if p.aux.shape[0] != n or p.final.shape[0] != n or n == 0 or any(x.shape[0] != n for x in p.extra.values()):
             raise StitchError(f"sample {key!r}: chunk at offset {p.offset} has {n} ids, {p.aux.shape[0]} aux "
-                              f"rows, {p.final.shape[0]} final rows")
-        w = (p.aux.shape[1], p.final.shape[1], p.aux.dtype, p.final.dtype)
+                              f"rows, {p.final.shape[0]} final rows, extras {_shapes(p.extra)}")
+        w = (p.aux.shape[1], p.final.shape[1], p.aux.dtype, p.final.dtype,
+             sorted((k, x.shape[1:], x.dtype) for k, x in p.extra.items()))
         if width is not None and w != width:
             raise StitchError(f"sample {key!r}: chunk at offset {p.offset} has width/dtype {w}, earlier {width}")
         width = w
@@ -118,9 +124,14 @@ def stitch(key: str, input_ids: torch.Tensor, pieces: Iterable[Piece]) -> tuple[
         end = p.offset + n
     if end != t:
         raise RowsMissing(f"sample {key!r}: rows [{end}, {t}) of {t} missing (incomplete prefill)")
+    fields = [{"aux": p.aux, "final": p.final, **p.extra} for p in ps]
     if len(ps) == 1:
-        return ps[0].aux, ps[0].final
-    return torch.cat([p.aux for p in ps]), torch.cat([p.final for p in ps])
+        return fields[0]
+    return {k: torch.cat([f[k] for f in fields]) for k in fields[0]}
+
+
+def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(x.shape) for k, x in tensors.items()}
 
 
 # ----------------------------------------------------------------------------- files
@@ -129,18 +140,20 @@ def piece_name(rid: str, offset: int, seq: int) -> str:
     return f"{rid}@{offset:010d}@{seq:010d}.safetensors"
 
 
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64"}
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64",
+              torch.float8_e4m3fn: "F8_E4M3", torch.bool: "BOOL"}
 
 
 def write_piece(spool: str | os.PathLike, rid: str, offset: int, seq: int, input_ids: torch.Tensor,
-                aux: torch.Tensor, final: torch.Tensor) -> Path:
-    """Write one chunk atomically (tmp + rename) as a safetensors file. Tensors are moved to CPU,
-    made contiguous; the bytes go out in one ``os.writev`` (no serialised copy, the GIL released
-    while the kernel copies: the scheduler's thread keeps running beside the writer thread)."""
+                aux: torch.Tensor, final: torch.Tensor, extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write one chunk atomically (tmp + rename) as a safetensors file (``extra``: the per-row
+    tensors of :attr:`Piece.extra`). Tensors are moved to CPU, made contiguous; the bytes go out in
+    one ``os.writev`` (no serialised copy, the GIL released while the kernel copies: the
+    scheduler's thread keeps running beside the writer thread)."""
     path = Path(spool) / piece_name(rid, offset, seq)
     tmp = path.with_name(path.name + ".tmp")
     tensors = {"input_ids": input_ids.detach().to("cpu", torch.int64).contiguous(),
-               "aux": aux.detach().cpu().contiguous(), "final": final.detach().cpu().contiguous()}
+               **{k: x.detach().cpu().contiguous() for k, x in {"aux": aux, "final": final, **(extra or {})}.items()}}
     header: dict = {"__metadata__": {"rid": rid, "offset": str(offset), "seq": str(seq)}}
     views, pos = [], 0
     for name, t in tensors.items():
@@ -193,7 +206,7 @@ def read_piece(path: Path) -> Piece:
     if not m or m["off"] == "ERROR":
         raise ValueError(f"not a chunk file: {path}")
     t = load_file(str(path))
-    return Piece(int(m["off"]), t["input_ids"], t["aux"], t["final"], int(m["seq"]))
+    return Piece(int(m["off"]), t.pop("input_ids"), t.pop("aux"), t.pop("final"), int(m["seq"]), t)
 
 
 def read_error(path: Path) -> str:

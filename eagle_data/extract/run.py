@@ -202,8 +202,8 @@ def _run_with(cfg: ExtractConfig, out: Path, backend: Backend | None, renderer: 
 
     if backend is None:
         extra = {"trust_remote_code": True} if cfg.trust_remote_code and cfg.backend == "hf" else {}
-        if cfg.backend == "hf":  # cast / quantise on the device: less to copy to the host
-            extra.update(out_dtype=cfg.storage_dtype, final_out_dtype=cfg.final_storage_dtype)
+        # cast / quantise on the device (SGLang: in its scheduler): less to copy, nothing to do on the host
+        extra.update(out_dtype=cfg.storage_dtype, final_out_dtype=cfg.final_storage_dtype)
         with sigs.interruptible():  # minutes for a large target; nothing written yet
             backend = make_backend(cfg.backend, model_path=model_path, aux_layer_ids=cfg.aux_layer_ids,
                                    dtype=compute_dtype(cfg.dtype, cfg.device), device=cfg.device,

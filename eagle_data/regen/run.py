@@ -188,11 +188,11 @@ def reply_text(tok: Any, reply: Any) -> tuple[list[int], str, tuple[str, str] | 
     ``token_id_out_of_range`` (an id past the tokenizer's vocabulary, i.e. a padded embedding row:
     it decodes to nothing), ``invalid_utf8_reply`` (U+FFFD left that is not the model's own character
     U+FFFD, i.e. the text does not tokenise back to its tokens: bytes that are not UTF-8)."""
-    ids = list(reply.token_ids)
-    bad = [t for t in ids if not 0 <= t < len(tok)]
+    ids, n_ids = list(reply.token_ids), len(tok)  # (len of a tokenizer is not free: once per reply)
+    bad = [t for t in ids if not 0 <= t < n_ids]
     if bad:
         return ids, "", ("token_id_out_of_range", f"the reply holds token id {bad[0]}, past the tokenizer's "
-                                                  f"{len(tok)} ids: it has no text")
+                                                  f"{n_ids} ids: it has no text")
     decode = lambda x: tok.decode(x, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
     text = decode(ids)
     if reply.finish == "length":
