@@ -31,8 +31,9 @@ import math
 import shutil
 import statistics
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -157,121 +158,185 @@ def bench_extract(shape: str = "llama3.1-8b", device: str = "cuda", dtype: str =
         compare_write_behind: also run (c) with write-behind off (c0).
         json_out: also write the figures to this JSON file.
     """
-    import eagle_data.extract.writeback as wb
-    from eagle_data.extract.async_sink import AsyncShardWriter
     from eagle_data.engines.hf import HFBackend
-    from eagle_data.extract.sink import ShardSink
-
-    from eagle_data.checks import check_positive
+    from eagle_data.checks import check_device, check_positive
     from eagle_data.format.schema import hidden_dtype, storage_dtype_of
 
     from benchmarks.scratch import check_outputs, scratch
-
-    from eagle_data.checks import check_device
 
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
     check_device(device)
     check_positive(seq_len=seq_len, batch_size=batch_size, num_batches=num_batches, repeats=repeats, writers=writers)
-    for name, v in (("peak_tflops", peak_tflops), ("write_queue_gib", write_queue_gib)):
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-            raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+    _check_finite_positive(peak_tflops=peak_tflops, write_queue_gib=write_queue_gib)
     dt = hidden_dtype(dtype)
-    storage_dtype_of(storage_dtype or dtype)
+    sd = storage_dtype_of(storage_dtype or dtype)
     check_outputs(out, json_out)
     with scratch(out, "eagle-bench-") as root:
         model = build_model(shape, dt, device)
-        cfg = model.config
-        L, H = cfg.num_hidden_layers, cfg.hidden_size
         be = HFBackend(shape, None, dtype=dtype, device=device, model=model, out_dtype=storage_dtype)
-        sd = storage_dtype_of(storage_dtype or dtype)
-        p_nonembed = sum(p.numel() for n, p in model.model.named_parameters() if "embed_tokens" not in n)
-        flops_tok = 2 * p_nonembed + 2 * L * H * seq_len
-        g = torch.Generator().manual_seed(0)
-        batches = [[(f"s{b}_{i}", torch.randint(0, cfg.vocab_size, (seq_len,), generator=g)) for i in range(batch_size)]
-                   for b in range(num_batches)]
+        batches = _random_batches(model.config.vocab_size, seq_len, batch_size, num_batches)
         tokens = num_batches * batch_size * seq_len
-        out_bytes_tok = 4 * H * sd.itemsize + (4 * 4 if sd == torch.float8_e4m3fn else 0)  # + 4 float32 scales
+        out_bytes_tok = _bytes_per_token(model.config.hidden_size, sd)
+        runs = _warmed_up_runs(be, batches, device, root, writers, write_queue_gib, compare_write_behind, peers)
+        res = _timed(runs, repeats, tokens, root)
+        disks = _disk_rates(root, tokens * out_bytes_tok, 64 * seq_len * out_bytes_tok, writers)
+        figures = {"shape": shape, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+                   "dtype": dtype, "storage_dtype": str(sd).replace("torch.", ""), "bytes_per_token": out_bytes_tok,
+                   "seq_len": seq_len, "batch_size": batch_size, "tokens_per_repeat": tokens,
+                   "writers": writers, "write_queue_gib": write_queue_gib,
+                   **_rate_figures(res, _flops_per_token(model, seq_len), peak_tflops, out_bytes_tok, disks, writers)}
+    _report(figures, json_out)
+    return figures
 
-        def plain():
-            with torch.inference_mode():
-                for batch in batches:
-                    x = torch.stack([ids for _, ids in batch]).to(device, non_blocking=True)
-                    be.base(input_ids=x, use_cache=False)
-                    be._store.clear()
-            _sync(device)
 
-        def capture(writer=None):
-            pending, pending_batch = None, None
-            for batch in batches + [None]:
-                nxt = be.capture_async(batch) if batch is not None else None
-                if pending is not None:
-                    for c, (_, ids) in zip(pending.result(), pending_batch):
-                        if writer is not None:
-                            scales = {} if c.aux_scale is None else {"aux_hidden_states_scale": c.aux_scale,
-                                                                     "hidden_states_scale": c.hidden_scale}
-                            writer.put(c.key, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
-                                               "aux_hidden_states": c.aux_hidden_states, "hidden_states": c.hidden_states,
-                                               **scales},
-                                       {"source_id": c.key, "source_row": 0, "num_turns": 2, "truncated": False})
-                pending, pending_batch = nxt, batch
-            _sync(device)
+def _check_finite_positive(**values: float) -> None:
+    """Each of ``values`` is a finite number > 0, else a ValueError naming it."""
+    for name, v in values.items():
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
 
-        def write_run():
-            sinks = [ShardSink(root / "shards", 0, w, max_samples=64, max_bytes=2e9, shard_step=writers)
-                     for w in range(writers)]
-            with AsyncShardWriter(sinks, max_bytes=int(write_queue_gib * 2**30)) as w:  # Ctrl-C: aborted
-                capture(w)
 
-        def write_run_no_write_behind():
-            real, wb._sync_file_range = wb._sync_file_range, None
-            try:
-                write_run()
-            finally:
-                wb._sync_file_range = real
+def _random_batches(vocab_size: int, seq_len: int, batch_size: int, num_batches: int) -> list:
+    """``num_batches`` batches of ``batch_size`` (key, random token ids of ``seq_len``), seeded."""
+    g = torch.Generator().manual_seed(0)
+    return [[(f"s{b}_{i}", torch.randint(0, vocab_size, (seq_len,), generator=g)) for i in range(batch_size)]
+            for b in range(num_batches)]
 
-        def clean():  # untimed: the output is deleted between runs, outside the clock (see disk_write_rate)
-            for d in ("shards", "peers"):
-                shutil.rmtree(root / d, ignore_errors=True)
 
-        plain()  # warm-up (kernels, allocator, pinned pool)
-        capture()
-        runs = [("a_plain", plain), ("b_capture_host", capture), ("c_capture_write", write_run)]
-        if compare_write_behind:
-            runs.append(("c0_no_write_behind", write_run_no_write_behind))
-        if peers:
-            peers_run(be, batches[:1], root / "peers", device)  # warm-up (HF's output-capturing hooks, torch.save)
-            runs.append(("e_peers", lambda: peers_run(be, batches, root / "peers", device)))
-        res: dict[str, list[float]] = {name: [] for name, _ in runs}
-        for _ in range(repeats):
-            for name, fn in runs:
-                clean()
-                t0 = time.perf_counter()
-                fn()
-                res[name].append(tokens / (time.perf_counter() - t0))
-        clean()
-        total = tokens * out_bytes_tok
-        disk1 = disk_write_rate(root, total, 64 * seq_len * out_bytes_tok, 1)
-        diskw = disk_write_rate(root, total, 64 * seq_len * out_bytes_tok, writers)
-        med = {k: statistics.median(v) for k, v in res.items()}
-        figures = {
-            "shape": shape, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-            "dtype": dtype, "storage_dtype": str(sd).replace("torch.", ""), "bytes_per_token": out_bytes_tok,
-            "seq_len": seq_len, "batch_size": batch_size, "tokens_per_repeat": tokens,
-            "writers": writers, "write_queue_gib": write_queue_gib, **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
-            "mfu_a": round(med["a_plain"] * flops_tok / (peak_tflops * 1e12), 4),
-            "output_GB_s_at_a": round(med["a_plain"] * out_bytes_tok / 1e9, 3),
-            "disk_GB_s_1writer": round(disk1, 3), f"disk_GB_s_{writers}writers": round(diskw, 3),
-            "ratio_b_over_a": round(med["b_capture_host"] / med["a_plain"], 4),
-            "ratio_c_over_a": round(med["c_capture_write"] / med["a_plain"], 4),
-            **({"ratio_c0_over_a": round(med["c0_no_write_behind"] / med["a_plain"], 4)} if compare_write_behind else {}),
-            **({"ratio_e_over_a": round(med["e_peers"] / med["a_plain"], 4),
-                "ratio_c_over_e": round(med["c_capture_write"] / med["e_peers"], 4)} if peers else {}),
-            "bound_c_over_a": round(min(1.0, max(disk1, diskw) / (med["a_plain"] * out_bytes_tok / 1e9)), 4),
-            "repeats": {k: [round(x, 1) for x in v] for k, v in res.items()},
-        }
+def _bytes_per_token(hidden_size: int, sd: torch.dtype) -> int:
+    """Bytes stored per token: 3 aux + 1 final states (+ 4 float32 scales when fp8)."""
+    return 4 * hidden_size * sd.itemsize + (4 * 4 if sd == torch.float8_e4m3fn else 0)
+
+
+def _flops_per_token(model, seq_len: int) -> int:
+    """Forward FLOPs per token: 2·P_nonembed + 2·L·H·T (see the module doc)."""
+    cfg = model.config
+    p_nonembed = sum(p.numel() for n, p in model.model.named_parameters() if "embed_tokens" not in n)
+    return 2 * p_nonembed + 2 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+
+
+def _plain(be, batches: list, device: str) -> None:
+    """(a): the base forward of ``batches``, no capture."""
+    with torch.inference_mode():
+        for batch in batches:
+            x = torch.stack([ids for _, ids in batch]).to(device, non_blocking=True)
+            be.base(input_ids=x, use_cache=False)
+            be._store.clear()
+    _sync(device)
+
+
+def _capture(be, batches: list, device: str, writer=None) -> None:
+    """(b): capture ``batches`` to host memory, one batch in flight; (c): each sample also to ``writer``."""
+    pending, pending_batch = None, None
+    for batch in batches + [None]:
+        nxt = be.capture_async(batch) if batch is not None else None
+        if pending is not None:
+            for c, (_, ids) in zip(pending.result(), pending_batch):
+                if writer is not None:
+                    _put(writer, c, ids)
+        pending, pending_batch = nxt, batch
+    _sync(device)
+
+
+def _put(writer, c, ids: torch.Tensor) -> None:
+    """Hand captured sample ``c`` (token ids ``ids``) to ``writer``, as extraction does."""
+    scales = {} if c.aux_scale is None else {"aux_hidden_states_scale": c.aux_scale,
+                                             "hidden_states_scale": c.hidden_scale}
+    writer.put(c.key, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
+                       "aux_hidden_states": c.aux_hidden_states, "hidden_states": c.hidden_states,
+                       **scales},
+               {"source_id": c.key, "source_row": 0, "num_turns": 2, "truncated": False})
+
+
+def _write_run(be, batches: list, device: str, shards: Path, writers: int, write_queue_gib: float) -> None:
+    """(c): capture + shard writing into ``shards`` by ``writers`` background writer threads."""
+    from eagle_data.extract.async_sink import AsyncShardWriter
+    from eagle_data.extract.sink import ShardSink
+
+    sinks = [ShardSink(shards, 0, w, max_samples=64, max_bytes=2e9, shard_step=writers)
+             for w in range(writers)]
+    with AsyncShardWriter(sinks, max_bytes=int(write_queue_gib * 2**30)) as w:  # Ctrl-C: aborted
+        _capture(be, batches, device, w)
+
+
+def _without_write_behind(run: Callable[[], None]) -> None:
+    """(c0): ``run`` with write-behind off."""
+    import eagle_data.extract.writeback as wb
+
+    real, wb._sync_file_range = wb._sync_file_range, None
+    try:
+        run()
+    finally:
+        wb._sync_file_range = real
+
+
+def _warmed_up_runs(be, batches: list, device: str, root: Path, writers: int, write_queue_gib: float,
+                    compare_write_behind: bool, peers: bool) -> list[tuple[str, Callable[[], None]]]:
+    """The timed runs, by name, after their warm-ups (kernels, allocator, pinned pool)."""
+    from eagle_data.extract import async_sink, sink, writeback  # noqa: F401 - the writers' modules, loaded before the clock
+
+    _plain(be, batches, device)  # warm-up (kernels, allocator, pinned pool)
+    _capture(be, batches, device)
+    write = partial(_write_run, be, batches, device, root / "shards", writers, write_queue_gib)
+    runs = [("a_plain", partial(_plain, be, batches, device)), ("b_capture_host", partial(_capture, be, batches, device)),
+            ("c_capture_write", write)]
+    if compare_write_behind:
+        runs.append(("c0_no_write_behind", partial(_without_write_behind, write)))
+    if peers:
+        peers_run(be, batches[:1], root / "peers", device)  # warm-up (HF's output-capturing hooks, torch.save)
+        runs.append(("e_peers", partial(peers_run, be, batches, root / "peers", device)))
+    return runs
+
+
+def _clean(root: Path) -> None:
+    """Delete the runs' output (untimed: outside the clock, see :func:`disk_write_rate`)."""
+    for d in ("shards", "peers"):
+        shutil.rmtree(root / d, ignore_errors=True)
+
+
+def _timed(runs: list[tuple[str, Callable[[], None]]], repeats: int, tokens: int, root: Path) -> dict[str, list[float]]:
+    """Tokens/s of each run in each of ``repeats`` rounds, the output deleted before each."""
+    res: dict[str, list[float]] = {name: [] for name, _ in runs}
+    for _ in range(repeats):
+        for name, fn in runs:
+            _clean(root)
+            t0 = time.perf_counter()
+            fn()
+            res[name].append(tokens / (time.perf_counter() - t0))
+    _clean(root)
+    return res
+
+
+def _disk_rates(root: Path, total: int, file_bytes: int, writers: int) -> tuple[float, float]:
+    """(d): the disk's rate for ``total`` bytes with 1 and with ``writers`` threads."""
+    return disk_write_rate(root, total, file_bytes, 1), disk_write_rate(root, total, file_bytes, writers)
+
+
+def _rate_figures(res: dict[str, list[float]], flops_tok: int, peak_tflops: float, out_bytes_tok: int,
+                  disks: tuple[float, float], writers: int) -> dict[str, Any]:
+    """The medians of ``res``, the MFU of (a), the disk rates and the ratios to (a)."""
+    disk1, diskw = disks
+    med = {k: statistics.median(v) for k, v in res.items()}
+    return {
+        **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
+        "mfu_a": round(med["a_plain"] * flops_tok / (peak_tflops * 1e12), 4),
+        "output_GB_s_at_a": round(med["a_plain"] * out_bytes_tok / 1e9, 3),
+        "disk_GB_s_1writer": round(disk1, 3), f"disk_GB_s_{writers}writers": round(diskw, 3),
+        "ratio_b_over_a": round(med["b_capture_host"] / med["a_plain"], 4),
+        "ratio_c_over_a": round(med["c_capture_write"] / med["a_plain"], 4),
+        **({"ratio_c0_over_a": round(med["c0_no_write_behind"] / med["a_plain"], 4)} if "c0_no_write_behind" in med
+           else {}),
+        **({"ratio_e_over_a": round(med["e_peers"] / med["a_plain"], 4),
+            "ratio_c_over_e": round(med["c_capture_write"] / med["e_peers"], 4)} if "e_peers" in med else {}),
+        "bound_c_over_a": round(min(1.0, max(disk1, diskw) / (med["a_plain"] * out_bytes_tok / 1e9)), 4),
+        "repeats": {k: [round(x, 1) for x in v] for k, v in res.items()},
+    }
+
+
+def _report(figures: dict[str, Any], json_out: str | None) -> None:
+    """Print ``figures``, one a line; also to ``json_out`` if given."""
     for k, v in figures.items():
         print(f"{k:>24}: {v}")
     if json_out:
         Path(json_out).write_text(json.dumps(figures, indent=1, default=str))
-    return figures

@@ -241,63 +241,97 @@ def bench_loader(path: str, batch_size: int = 8, workers: list[int] = [0, 1, 2],
     Returns:
         the figures (also printed as a table).
     """
-    from torch.utils.data import DataLoader
-
-    from eagle_data.stream.dataset import EagleShardDataset
-    from eagle_data.stream.loader import EagleDataLoader
-    from eagle_data.format.layout import MANIFEST_NAME
-
     if rounds < 1 or not workers:
         raise ValueError("rounds must be >= 1 and workers non-empty")
     tmp = Path(tempfile.mkdtemp(prefix="eagle-bench-"))
     try:
-        if path == "synthetic":
-            import torch
-
-            from eagle_data.tools.synthetic import write_synthetic
-
-            lo, hi = synth_tokens
-            if not 0 < lo < hi:
-                raise ValueError(f"synth_tokens must be [min, max) with 0 < min < max, got {synth_tokens}")
-            length = (lambda g: lo + (g * 97) % (hi - lo))
-            path = str(tmp / "data")
-            write_synthetic(path, [synth_samples // 4] * 4, hidden_size=synth_hidden, length=length,
-                            values=lambda g: torch.randn(length(g), synth_hidden))
-        elif not (Path(path) / MANIFEST_NAME).is_file():
-            raise ValueError(f"{path}: no manifest.json (give a dataset directory, or 'synthetic')")
+        path = _dataset(path, tmp, synth_samples, synth_hidden, synth_tokens)
         cold = cold and drop_caches()
         files = sorted(Path(path).glob("*.tar"))
-        ps_dir = tmp / "per-sample"
-        if per_sample_baseline:
-            _export_per_sample(path, ps_dir)
-        readers: dict[str, Callable[[], Any]] = {}
-        for w in workers:
-            readers[f"EagleShardDataset workers={w}"] = (
-                lambda w=w: EagleDataLoader(EagleShardDataset(path, batch_size=batch_size), num_workers=w,
-                                            pin_memory=pin_memory))
-            if per_sample_baseline:
-                readers[f"per-sample torch.save files workers={w}"] = (
-                    lambda w=w: DataLoader(_PerSampleFiles(ps_dir), batch_size=batch_size, shuffle=True,
-                                           num_workers=w, collate_fn=_collate_per_sample, pin_memory=pin_memory))
-        raws = [_raw_pair(files, cold)]
-        passes: dict[str, list[dict[str, float]]] = {k: [] for k in readers}
-        for _ in range(rounds):
-            for name, make in readers.items():
-                passes[name].append(one_pass(make, cold, touch))
-            raws.append(_raw_pair(files, cold))
+        readers = _readers(path, tmp / "per-sample" if per_sample_baseline else None, workers, batch_size, pin_memory)
+        passes, raws = _rounds(readers, files, rounds, cold, touch)
         res = _summarise(passes, raws, workers, per_sample_baseline)
         res.update(path=str(path), batch_size=batch_size, rounds=rounds, touch=touch, pin_memory=pin_memory,
                    cache="cold (dropped before each pass)" if cold else "warm",
-                   dataset={"samples": passes[next(iter(passes))][0]["samples"],
-                            "tar_GB": raws[0]["bytes"] / 1e9, "shards": len(files)})
+                   dataset=_dataset_facts(passes, raws, files))
         if startup:
             res["startup_s"] = _startup_sets(tmp, batch_size, per_sample_baseline)
-        _print(res)
-        if json_out:
-            Path(json_out).write_text(json.dumps({**res, "passes": passes, "raw_passes": raws}, indent=1))
+        _report(res, passes, raws, json_out)
         return res
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _dataset(path: str, tmp: Path, synth_samples: int, synth_hidden: int, synth_tokens: tuple[int, int]) -> str:
+    """The dataset folder ``path`` (checked: it has a manifest), or for ``synthetic`` a synthetic
+    dataset of ``synth_samples`` samples written into ``tmp``."""
+    from eagle_data.format.layout import MANIFEST_NAME
+
+    if path == "synthetic":
+        import torch
+
+        from eagle_data.tools.synthetic import write_synthetic
+
+        lo, hi = synth_tokens
+        if not 0 < lo < hi:
+            raise ValueError(f"synth_tokens must be [min, max) with 0 < min < max, got {synth_tokens}")
+        length = (lambda g: lo + (g * 97) % (hi - lo))
+        path = str(tmp / "data")
+        write_synthetic(path, [synth_samples // 4] * 4, hidden_size=synth_hidden, length=length,
+                        values=lambda g: torch.randn(length(g), synth_hidden))
+    elif not (Path(path) / MANIFEST_NAME).is_file():
+        raise ValueError(f"{path}: no manifest.json (give a dataset directory, or 'synthetic')")
+    return path
+
+
+def _readers(path: str, ps_dir: Path | None, workers: list[int], batch_size: int,
+             pin_memory: bool) -> dict[str, Callable[[], Any]]:
+    """The readers to measure, by name: the loader at each worker count and, with ``ps_dir`` (the
+    samples of ``path`` exported there first), the per-sample files at the same counts."""
+    from torch.utils.data import DataLoader
+
+    from eagle_data.stream.dataset import EagleShardDataset
+    from eagle_data.stream.loader import EagleDataLoader
+
+    if ps_dir is not None:
+        _export_per_sample(path, ps_dir)
+    readers: dict[str, Callable[[], Any]] = {}
+    for w in workers:
+        readers[f"EagleShardDataset workers={w}"] = (
+            lambda w=w: EagleDataLoader(EagleShardDataset(path, batch_size=batch_size), num_workers=w,
+                                        pin_memory=pin_memory))
+        if ps_dir is not None:
+            readers[f"per-sample torch.save files workers={w}"] = (
+                lambda w=w: DataLoader(_PerSampleFiles(ps_dir), batch_size=batch_size, shuffle=True,
+                                       num_workers=w, collate_fn=_collate_per_sample, pin_memory=pin_memory))
+    return readers
+
+
+def _rounds(readers: dict[str, Callable[[], Any]], files: list[Path], rounds: int, cold: bool,
+            touch: bool) -> tuple[dict[str, list[dict[str, float]]], list[dict[str, Any]]]:
+    """``rounds`` rounds of one pass of every reader, each round between two raw reads of ``files``:
+    the passes by reader, and the raw reads (``rounds + 1``)."""
+    raws = [_raw_pair(files, cold)]
+    passes: dict[str, list[dict[str, float]]] = {k: [] for k in readers}
+    for _ in range(rounds):
+        for name, make in readers.items():
+            passes[name].append(one_pass(make, cold, touch))
+        raws.append(_raw_pair(files, cold))
+    return passes, raws
+
+
+def _dataset_facts(passes: dict[str, list[dict[str, float]]], raws: list[dict[str, Any]],
+                   files: list[Path]) -> dict[str, Any]:
+    """Samples, tar GB and shards of the dataset read."""
+    return {"samples": passes[next(iter(passes))][0]["samples"], "tar_GB": raws[0]["bytes"] / 1e9, "shards": len(files)}
+
+
+def _report(res: dict[str, Any], passes: dict[str, list[dict[str, float]]], raws: list[dict[str, Any]],
+            json_out: Optional[str]) -> None:
+    """Print ``res`` as a table; also write it with every pass to ``json_out`` if given."""
+    _print(res)
+    if json_out:
+        Path(json_out).write_text(json.dumps({**res, "passes": passes, "raw_passes": raws}, indent=1))
 
 
 def _spread(xs) -> list[float]:

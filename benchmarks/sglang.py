@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -133,7 +134,22 @@ def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len:
     if load_format:
         kw["load_format"] = load_format
         backend_kwargs["engine_kwargs"] = {**backend_kwargs.get("engine_kwargs", {}), "load_format": load_format}
-    n_tok = num_prompts * prompt_len
+    capture = partial(_capture_run, str(model_path), prompts, dtype, device, aux_layer_ids, common,
+                      backend_kwargs=backend_kwargs, batch_prompts=batch_prompts)
+    results = _run_modes(modes, kw, prompts, capture, num_prompts * prompt_len)
+    out = {"config": {"model_path": str(model_path), "num_prompts": num_prompts, "prompt_len": prompt_len,
+                      "batch_prompts": batch_prompts,
+                      "dtype": dtype, "device": device, "chunked_prefill_size": chunked_prefill_size,
+                      "engine_kwargs": {k: v for k, v in kw.items() if k != "model_path"}},
+           "results": results}
+    _report(out, json_out)
+    return out
+
+
+def _run_modes(modes: Sequence[str], kw: dict[str, Any], prompts: list[torch.Tensor],
+               capture: Callable[..., dict[str, Any]], n_tok: int) -> dict[str, dict[str, Any]]:
+    """Each mode's run (engine kwargs ``kw``; ``capture(write_dir=...)`` for the capture modes) and its
+    tokens/s over ``n_tok`` prompt tokens, by mode."""
     results: dict[str, dict[str, Any]] = {}
     for mode in modes:
         if mode == "plain":
@@ -142,19 +158,19 @@ def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len:
             r = _engine_run({**kw, "enable_return_hidden_states": True}, prompts, builtin=True)
         elif mode in ("capture", "capture+write"):
             with tempfile.TemporaryDirectory(prefix="eagle-bench-") as d:
-                r = _capture_run(str(model_path), prompts, dtype, device, aux_layer_ids, common,
-                                 d if mode == "capture+write" else None, backend_kwargs, batch_prompts)
+                r = capture(write_dir=d if mode == "capture+write" else None)
         else:
             raise ValueError(f"unknown mode {mode!r}")
         r["tokens_per_s"] = n_tok / r["seconds"]
         results[mode] = r
-    out = {"config": {"model_path": str(model_path), "num_prompts": num_prompts, "prompt_len": prompt_len,
-                      "batch_prompts": batch_prompts,
-                      "dtype": dtype, "device": device, "chunked_prefill_size": chunked_prefill_size,
-                      "engine_kwargs": {k: v for k, v in kw.items() if k != "model_path"}},
-           "results": results}
-    print(f"bench sglang: {num_prompts} prompts x {prompt_len} tokens, {dtype} on {device}, "
-          f"chunked_prefill_size={chunked_prefill_size}")
+    return results
+
+
+def _report(out: dict[str, Any], json_out: str | None) -> None:
+    """Print the results of ``out`` (against plain prefill, if run); also write ``out`` to ``json_out`` if given."""
+    c, results = out["config"], out["results"]
+    print(f"bench sglang: {c['num_prompts']} prompts x {c['prompt_len']} tokens, {c['dtype']} on {c['device']}, "
+          f"chunked_prefill_size={c['chunked_prefill_size']}")
     base = results.get("plain", {}).get("tokens_per_s")
     for mode, r in results.items():
         rel = f"  ({r['tokens_per_s'] / base:.2f}x plain)" if base else ""
@@ -163,5 +179,3 @@ def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len:
     if json_out:
         with open(json_out, "w") as f:
             json.dump(out, f, indent=1, default=str)
-    return out
-

@@ -29,10 +29,12 @@ import shutil
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from itertools import cycle
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 
 def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: int | None = 1000,
@@ -72,16 +74,7 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
             the backend found causal models' padding invisible): the A/B of that change.
         json_out: also write the figures to this JSON file.
     """
-    import sys
-
-    import torch
-
-    import eagle_data.extract.writeback as wb
-    from eagle_data.engines import make_backend
-    from eagle_data.extract.config import ExtractConfig, check_paths, model_dir
-    from eagle_data.extract.run import load_tokenizer, run_extract
-    from eagle_data.extract.manifest import NoSamples
-    from benchmarks.extract import disk_write_rate
+    from eagle_data.extract.config import ExtractConfig, check_paths
     from benchmarks.scratch import check_outputs, scratch
 
     # every setting checked before any work or any file (the extraction's own through check_paths)
@@ -91,6 +84,22 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
                         writers=writers, write_queue_gib=write_queue_gib, front=front, progress=False)
     check_paths(cfg)
     check_outputs(out, json_out)
+    _check_settings(device, write_behind_chunks, switch_interval, keep_gib, cuda_graphs, padding_mask)
+    be, tok = _load_target(cfg, cuda_graphs, padding_mask)
+    res = _header(cfg, be, cuda_graphs)
+    with scratch(out, "eagle-stages-") as root:
+        cfg = replace(cfg, out=str(root / "c"))
+        with _tuned(write_behind_chunks, switch_interval) as tuned:
+            res.update(tuned)
+            stats = _stages_then_pipeline(cfg, be, tok, root, keep_gib, pipeline_only, res)
+        res.update(_pipeline_figures(stats, cfg, root))
+    _finish(res, pipeline_only, json_out)
+    return res
+
+
+def _check_settings(device: str, write_behind_chunks: int | None, switch_interval: float | None, keep_gib: float,
+                    cuda_graphs: bool, padding_mask: bool) -> None:
+    """The benchmark's own settings (the extraction's are :func:`check_paths`'), else a ValueError."""
     if write_behind_chunks is not None and write_behind_chunks < 1:
         raise ValueError(f"write_behind_chunks must be >= 1, got {write_behind_chunks}")
     if switch_interval is not None and not 0 < switch_interval <= 1:
@@ -101,51 +110,92 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got device {device}")
     if cuda_graphs and padding_mask:
         raise ValueError("padding_mask: the graphs take no mask; give cuda_graphs or padding_mask, not both")
-    path = model_dir(model)
+
+
+def _load_target(cfg, cuda_graphs: bool, padding_mask: bool):
+    """``cfg``'s tokenizer and HF backend (loaded once, outside every figure)."""
+    from eagle_data.engines import make_backend
+    from eagle_data.extract.config import model_dir
+    from eagle_data.extract.run import load_tokenizer
+
+    path = model_dir(cfg.model)
     tok = load_tokenizer(path, False)
-    be = make_backend("hf", model_path=path, aux_layer_ids=None, dtype=dtype, device=device,
+    be = make_backend("hf", model_path=path, aux_layer_ids=None, dtype=cfg.dtype, device=cfg.device,
                       out_dtype=_stored(cfg)[0], final_out_dtype=_stored(cfg)[1], cuda_graphs=cuda_graphs)
     be.mask_padding = be.mask_padding or padding_mask
-    res: dict[str, Any] = {"model": model, "data": data, "device": torch.cuda.get_device_name() if device.startswith("cuda")
-                           else "cpu", "dtype": dtype, "storage_dtype": _stored(cfg)[0], "batch_tokens": batch_tokens,
-                           "writers": writers, "front": front, "cuda_graphs": cuda_graphs,
-                           "padding_mask": be.mask_padding}
+    return be, tok
+
+
+def _header(cfg, be, cuda_graphs: bool) -> dict[str, Any]:
+    """The settings the figures were measured with."""
+    import torch
+
+    return {"model": cfg.model, "data": cfg.data, "device": torch.cuda.get_device_name() if cfg.device.startswith("cuda")
+            else "cpu", "dtype": cfg.dtype, "storage_dtype": _stored(cfg)[0], "batch_tokens": cfg.batch_tokens,
+            "writers": cfg.writers, "front": cfg.front, "cuda_graphs": cuda_graphs, "padding_mask": be.mask_padding}
+
+
+@contextmanager
+def _tuned(write_behind_chunks: int | None, switch_interval: float | None) -> Iterator[dict[str, Any]]:
+    """Write-behind depth and GIL switch interval set as asked (restored after); yields those in force."""
+    import sys
+
+    import eagle_data.extract.writeback as wb
+
     old = wb.IN_FLIGHT, sys.getswitchinterval()
-    with scratch(out, "eagle-stages-") as root:
-        cfg = replace(cfg, out=str(root / "c"))
-        try:
-            if write_behind_chunks is not None:
-                wb.IN_FLIGHT = write_behind_chunks
-            if switch_interval is not None:
-                sys.setswitchinterval(switch_interval)
-            res.update(write_behind_chunks=wb.IN_FLIGHT, switch_interval=sys.getswitchinterval())
-            if not pipeline_only:
-                res.update(_stages_alone(cfg, be, tok, root, keep_gib))
-            else:  # the kernels' first launches (and the pinned pool) are no part of the pipeline's rate
-                _warm_up(cfg, be, tok)
-            _settle()
-            try:
-                stats = run_extract(cfg, backend=be, tokenizer=tok)["run_stats"]
-            except NoSamples as e:
-                raise ValueError(f"{e}: nothing to measure") from None
-            if be._graphs is not None:  # buckets captured in (b) and (c), batches past max_graphs
-                res.update(graphs=len(be._graphs.graphs), graph_eager_batches=be._graphs.eager_batches)
-        finally:
-            wb.IN_FLIGHT = old[0]
-            sys.setswitchinterval(old[1])
-        written = sum(p.stat().st_size for p in Path(cfg.out).glob("*.tar"))
-        if not written:
-            raise ValueError(f"no sample of data {data!r} was extracted (see the skips above): nothing to measure")
-        shutil.rmtree(cfg.out, ignore_errors=True)
-        _settle()
-        c_gb_s = written / stats["seconds"] / 1e9
-        res.update(c_pipeline_tok_s=round(stats["tokens_per_s"]), c_tokens=stats["new_tokens"],
-                   c_seconds=stats["seconds"], c_GB_s=_sig(c_gb_s), c_waits_s=stats["waits_s"],
-                   c_front=stats["front"], c_front_start_s=stats["front_start_s"])
-        # (d) the same bytes as (c) wrote, as fsync'd files of shard size
-        res["d_disk_GB_s_1"] = _sig(disk_write_rate(root, written, int(cfg.shard_max_bytes), 1))
-        res[f"d_disk_GB_s_{writers}"] = _sig(disk_write_rate(root, written, int(cfg.shard_max_bytes), writers))
-    res["c_over_disk"] = round(c_gb_s / max(res["d_disk_GB_s_1"], res[f"d_disk_GB_s_{writers}"]), 3)
+    try:
+        if write_behind_chunks is not None:
+            wb.IN_FLIGHT = write_behind_chunks
+        if switch_interval is not None:
+            sys.setswitchinterval(switch_interval)
+        yield {"write_behind_chunks": wb.IN_FLIGHT, "switch_interval": sys.getswitchinterval()}
+    finally:
+        wb.IN_FLIGHT = old[0]
+        sys.setswitchinterval(old[1])
+
+
+def _stages_then_pipeline(cfg, be, tok, root: Path, keep_gib: float, pipeline_only: bool,
+                          res: dict[str, Any]) -> dict[str, Any]:
+    """The stages alone (or a warm-up), then (c) ``run_extract``; their figures into ``res``, (c)'s run stats returned."""
+    from eagle_data.extract.manifest import NoSamples
+    from eagle_data.extract.run import run_extract
+
+    if not pipeline_only:
+        res.update(_stages_alone(cfg, be, tok, root, keep_gib))
+    else:  # the kernels' first launches (and the pinned pool) are no part of the pipeline's rate
+        _warm_up(cfg, be, tok)
+    _settle()
+    try:
+        stats = run_extract(cfg, backend=be, tokenizer=tok)["run_stats"]
+    except NoSamples as e:
+        raise ValueError(f"{e}: nothing to measure") from None
+    if be._graphs is not None:  # buckets captured in (b) and (c), batches past max_graphs
+        res.update(graphs=len(be._graphs.graphs), graph_eager_batches=be._graphs.eager_batches)
+    return stats
+
+
+def _pipeline_figures(stats: dict[str, Any], cfg, root: Path) -> dict[str, Any]:
+    """(c)'s figures from its run stats and the shards it wrote (then deleted), and (d) for the same bytes."""
+    from benchmarks.extract import disk_write_rate
+
+    written = sum(p.stat().st_size for p in Path(cfg.out).glob("*.tar"))
+    if not written:
+        raise ValueError(f"no sample of data {cfg.data!r} was extracted (see the skips above): nothing to measure")
+    shutil.rmtree(cfg.out, ignore_errors=True)
+    _settle()
+    c_gb_s = written / stats["seconds"] / 1e9
+    res = dict(c_pipeline_tok_s=round(stats["tokens_per_s"]), c_tokens=stats["new_tokens"],
+               c_seconds=stats["seconds"], c_GB_s=_sig(c_gb_s), c_waits_s=stats["waits_s"],
+               c_front=stats["front"], c_front_start_s=stats["front_start_s"])
+    # (d) the same bytes as (c) wrote, as fsync'd files of shard size
+    res["d_disk_GB_s_1"] = _sig(disk_write_rate(root, written, int(cfg.shard_max_bytes), 1))
+    res[f"d_disk_GB_s_{cfg.writers}"] = _sig(disk_write_rate(root, written, int(cfg.shard_max_bytes), cfg.writers))
+    res["c_over_disk"] = round(c_gb_s / max(res["d_disk_GB_s_1"], res[f"d_disk_GB_s_{cfg.writers}"]), 3)
+    return res
+
+
+def _finish(res: dict[str, Any], pipeline_only: bool, json_out: str | None) -> None:
+    """Add (c) against (a) and the bounding stage to ``res``; print it; also to ``json_out`` if given."""
     if not pipeline_only:
         res["c_over_a"] = round(res["c_pipeline_tok_s"] / res["a_plain_tok_s"], 3)
         res["bound"] = min(("f_front_tok_s", "a_plain_tok_s", "b_capture_tok_s", "w_writers_tok_s"), key=res.get)
@@ -153,7 +203,6 @@ def bench_stages(model: str = "smollm2", data: str = "sharegpt", num_samples: in
         print(f"{k:>18}: {v}")
     if json_out:
         Path(json_out).write_text(json.dumps(res, indent=1))
-    return res
 
 
 def _sig(x: float, digits: int = 4) -> float:
@@ -228,55 +277,79 @@ def _graph_vs_eager(be, batches) -> float:
 
 def _stages_alone(cfg, be, tok, root: Path, keep_gib: float) -> dict[str, Any]:
     """(f), (a), (b) and (w) of the module doc on ``cfg``'s rows, one after the other."""
-    import torch
-
-    from eagle_data.extract.async_sink import AsyncShardWriter
     from eagle_data.extract.fault import ErrorPolicy
-    from eagle_data.extract.signals import Signals
-    from eagle_data.extract.sink import ShardSink
-    from eagle_data.extract.stages import Sample, capture, to_samples
-    from eagle_data.format.schema import storage_dtype_of
 
-    device = cfg.device
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    res: dict[str, Any] = {}
     t0 = time.perf_counter()
     policy = ErrorPolicy("skip")
     batches = list(_front(cfg, be, tok, policy))
     tokens = sum(s.num_tokens for b in batches for s in b)
     if not tokens:
         raise ValueError(f"no sample of data {cfg.data!r} can be extracted (see the skips above): nothing to measure")
-    res.update(samples=sum(map(len, batches)), tokens=tokens, f_front_tok_s=round(tokens / (time.perf_counter() - t0)))
+    res: dict[str, Any] = dict(samples=sum(map(len, batches)), tokens=tokens,
+                               f_front_tok_s=round(tokens / (time.perf_counter() - t0)))
+    kept = _forward_alone(cfg, be, batches, policy, keep_gib, res)
+    res["w_writers_tok_s"] = _writers_alone(cfg, kept, root / "w", tokens)
+    return res
 
-    @torch.inference_mode()
-    def plain():
+
+def _syncer(device: str) -> Callable[[], None]:
+    """What waits for ``device``'s queued work (nothing off CUDA)."""
+    import torch
+
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
+def _plain(be, batches, sync: Callable[[], None]) -> None:
+    """(a): the plain forward of ``batches`` (padded as the backend pads them), no capture."""
+    import torch
+
+    with torch.inference_mode():
         for b in batches:
             be.forward_padded([s.input_ids for s in b])
-        sync()
+    sync()
 
+
+def _captured(be, batches, storage, data: str, policy, sync: Callable[[], None], keep_bytes: float = 0) -> list:
+    """(b): ``batches`` captured to host samples, nothing written; the first samples up to
+    ``keep_bytes`` of tensors returned."""
+    from eagle_data.extract.signals import Signals
+    from eagle_data.extract.stages import capture, to_samples
+
+    kept = []
+    for out_batch in to_samples(capture(iter(batches), be, Signals()), storage, data, "x", policy):
+        for s in out_batch if keep_bytes > 0 else ():
+            kept.append(s)
+            keep_bytes -= sum(t.nbytes for t in s.tensors.values())
+    sync()
+    return kept
+
+
+def _forward_alone(cfg, be, batches, policy, keep_gib: float, res: dict[str, Any]) -> list:
+    """(a) and (b) on ``batches`` (after a warm-up), timed into ``res`` with the bytes per token; returns
+    the samples of one more capture, ``keep_gib`` of them, for (w)."""
+    from eagle_data.format.schema import storage_dtype_of
+
+    sync = _syncer(cfg.device)
     storage = tuple(storage_dtype_of(d) for d in _stored(cfg))
-    kept: list[Sample] = []
-    keep_bytes = keep_gib * 2**30
-
-    def captured(keep: bool):
-        nonlocal keep_bytes
-        for out_batch in to_samples(capture(iter(batches), be, Signals()), storage, cfg.data, "x", policy):
-            for s in out_batch if keep and keep_bytes > 0 else ():
-                kept.append(s)
-                keep_bytes -= sum(t.nbytes for t in s.tensors.values())
-        sync()
-
-    plain()  # warm-up: kernels, allocator
+    _plain(be, batches, sync)  # warm-up: kernels, allocator
     if be._graphs is not None:
         res["graph_max_abs_diff"] = _graph_vs_eager(be, batches[:4])
-    for name, fn in (("a_plain_tok_s", plain), ("b_capture_tok_s", lambda: captured(False))):
+    for name, fn in (("a_plain_tok_s", partial(_plain, be, batches, sync)),
+                     ("b_capture_tok_s", partial(_captured, be, batches, storage, cfg.data, policy, sync))):
         t0 = time.perf_counter()
         fn()
-        res[name] = round(tokens / (time.perf_counter() - t0))
-    captured(True)
+        res[name] = round(res["tokens"] / (time.perf_counter() - t0))
+    kept = _captured(be, batches, storage, cfg.data, policy, sync, keep_gib * 2**30)
     res["bytes_per_token"] = round(sum(t.nbytes for t in kept[0].tensors.values()) / kept[0].meta["num_tokens"], 1)
+    return kept
 
-    d = root / "w"
+
+def _writers_alone(cfg, kept: list, d: Path, tokens: int) -> int:
+    """(w): tokens/s of ``cfg``'s shard writers writing ``kept`` (cycled under new keys) into ``d``
+    until ``tokens`` tokens, published at the end; ``d`` deleted after."""
+    from eagle_data.extract.async_sink import AsyncShardWriter
+    from eagle_data.extract.sink import ShardSink
+
     shutil.rmtree(d, ignore_errors=True)
     sinks = [ShardSink(d, 0, w, cfg.shard_max_samples, cfg.shard_max_bytes, shard_step=cfg.writers)
              for w in range(cfg.writers)]
@@ -287,6 +360,6 @@ def _stages_alone(cfg, be, tok, root: Path, keep_gib: float) -> dict[str, Any]:
                 break
             w.put(f"x_{i}", s.tensors, s.meta)
             n += s.meta["num_tokens"]
-    res["w_writers_tok_s"] = round(n / (time.perf_counter() - t0))
+    rate = round(n / (time.perf_counter() - t0))
     shutil.rmtree(d, ignore_errors=True)
-    return res
+    return rate

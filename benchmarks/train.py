@@ -18,7 +18,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -51,18 +51,36 @@ def bench_train(dataset_dir: str, target_model_path: str, max_tokens: int = 1638
     """
     from eagle_data.stream.datamodule import EagleDataModule
 
-    from eagle_train.loss import ttt_loss
     from eagle_train.module import EagleDrafterModule
     from eagle_train.options import LossOptions
 
     dev = torch.device(device)
     mod = EagleDrafterModule(target_model_path, dataset_dir=dataset_dir, draft_vocab_size=draft_vocab_size,
                              loss=LossOptions(ttt_steps=ttt_steps)).to(dev)
-    opt = torch.optim.AdamW([p for p in mod.drafter.parameters() if p.requires_grad], lr=1e-4)
-    amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    step = _step_fn(mod, dev, precision, ttt_steps)
     dm = EagleDataModule(train=dataset_dir, max_tokens=max_tokens, max_length=max_length, num_workers=num_workers,
                          pin_memory=dev.type == "cuda")
-    loader = dm.train_dataloader()
+    loop = _loader_loop(dm.train_dataloader(), step, dev, warmup, steps)
+    held = _held_times(step, loop.pop("kept"))
+    res = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "num_workers": num_workers, "max_tokens": max_tokens, "steps": steps,
+        **_figures(loop["times"], held, loop["waits"], loop["tokens"], loop["wall"]),
+    }
+    for k, v in res.items():
+        print(f"{k:>24}: {v}")
+    if json_out:
+        Path(json_out).write_text(json.dumps(res, indent=1, default=str))
+    return res
+
+
+def _step_fn(mod, dev: torch.device, precision: str, ttt_steps: int) -> Callable[[dict[str, Any]], int]:
+    """One synchronised optimizer step (TTT loss, backward, AdamW) of ``mod``'s drafter on a batch;
+    returns the batch's tokens."""
+    from eagle_train.loss import ttt_loss
+
+    opt = torch.optim.AdamW([p for p in mod.drafter.parameters() if p.requires_grad], lr=1e-4)
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
     def step(batch):
         with amp:
@@ -74,6 +92,12 @@ def bench_train(dataset_dir: str, target_model_path: str, max_tokens: int = 1638
             torch.cuda.synchronize()
         return int(batch["attention_mask"].sum())
 
+    return step
+
+
+def _loader_loop(loader, step, dev: torch.device, warmup: int, steps: int) -> dict[str, Any]:
+    """(1): ``warmup`` + ``steps`` steps on batches from ``loader`` (cycled); of the timed steps: step
+    times, waits in ``next(loader)``, tokens, wall time, and the batches (on the device) as ``kept``."""
     def batches():
         while True:
             yield from loader
@@ -97,14 +121,22 @@ def bench_train(dataset_dir: str, target_model_path: str, max_tokens: int = 1638
             toks += n
             kept.append(b)
     wall = time.perf_counter() - t_start
+    return {"times": times, "waits": waits, "tokens": toks, "wall": wall, "kept": kept}
+
+
+def _held_times(step, kept: list[dict[str, Any]]) -> list[float]:
+    """(2): the step time of each batch of ``kept``, replayed from device memory."""
     held = []
     for b in kept:
         t0 = time.perf_counter()
         step(b)
         held.append(time.perf_counter() - t0)
-    res = {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "num_workers": num_workers, "max_tokens": max_tokens, "steps": steps,
+    return held
+
+
+def _figures(times: list[float], held: list[float], waits: list[float], toks: int, wall: float) -> dict[str, Any]:
+    """Medians, totals and ratios of (1)'s and (2)'s step times, and (1)'s waits for data."""
+    return {
         "step_s_loader_median": round(statistics.median(times), 4),
         "step_s_held_median": round(statistics.median(held), 4),
         "ratio_loader_over_held": round(statistics.median(times) / statistics.median(held), 4),
@@ -115,8 +147,3 @@ def bench_train(dataset_dir: str, target_model_path: str, max_tokens: int = 1638
         "ratio_total_loader_over_held": round(sum(times) / sum(held), 4),
         "tokens_per_s_loader": round(toks / wall, 1),
     }
-    for k, v in res.items():
-        print(f"{k:>24}: {v}")
-    if json_out:
-        Path(json_out).write_text(json.dumps(res, indent=1, default=str))
-    return res

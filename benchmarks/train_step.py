@@ -20,7 +20,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -80,23 +80,61 @@ def bench_train_step(shape: Literal["llama3.1-8b", "smollm2-135m", "tiny"] = "ll
             default; false: eager, the figures before it).
         json_out: also write the figures to this JSON file.
     """
-    from eagle_train.loss import ttt_loss
-    from eagle_train.model import DraftConfig, Eagle3Drafter
+    from eagle_data.checks import check_device
 
     cfg = dict(SHAPES[shape])
+    n = _draft_vocab(cfg, shape, draft_vocab_size)
+    _check_run(iters, warmup, batch_size, seq_lens, peak_tflops)
+    dev = torch.device(check_device(device))
+    g = torch.Generator().manual_seed(0)
+    drafter, lm_head = _random_drafter(cfg, n, g, dev, compile_layer)
+    one_step = _step_fn(drafter, lm_head, dev, steps, exclude_oov, attn_impl)
+    res: dict[str, Any] = {"shape": shape, "steps": steps, "draft_vocab_size": n, "device": str(dev),
+                           "batch_size": batch_size, "vary_lengths": vary_lengths, "attn_impl": attn_impl,
+                           "compile_layer": compile_layer,
+                           "params_M": round(sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6, 1),
+                           "by_seq_len": {}}
+    for t in seq_lens:
+        lens = [int(torch.randint(t // 2, t + 1, (1,), generator=g)) if vary_lengths else t
+                for _ in range(warmup + iters)]
+        by_len = {tl: _batch(batch_size, tl, cfg["vocab_size"], cfg["hidden_size"], g, dev) for tl in sorted(set(lens))}
+        times, loss = _timed_steps(one_step, [by_len[tl] for tl in lens], warmup, dev)
+        fl = statistics.fmean([batch_size * step_flops(cfg, tl, steps, n, exclude_oov) for tl in lens[warmup:]])
+        row = res["by_seq_len"][t] = _row(times, batch_size * statistics.fmean(lens[warmup:]), fl, peak_tflops, dev, loss)
+        print(f"T={t:6d} B={batch_size}  step {row['step_s'] * 1e3:8.1f} ms  {row['tokens_per_s']:8d} tok/s  "
+              f"{row['TFLOPs']:6.1f} TFLOP/s  MFU {row['MFU']:.3f}  peak {row['peak_GiB']} GiB", flush=True)
+        if profile:
+            _profile(one_step, [by_len[tl] for tl in lens[-2:]], dev)
+        del by_len
+    if json_out:
+        Path(json_out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+def _draft_vocab(cfg: dict[str, Any], shape: str, draft_vocab_size: int | None) -> int:
+    """N: ``draft_vocab_size``, by default 32,000 or the shape's vocabulary if smaller; checked."""
     draft_vocab_size = min(32000, cfg["vocab_size"]) if draft_vocab_size is None else draft_vocab_size
     if not 1 <= draft_vocab_size <= cfg["vocab_size"]:
         raise ValueError(f"draft_vocab_size must be in [1, {cfg['vocab_size']}] for shape {shape!r}, got {draft_vocab_size}")
+    return draft_vocab_size
+
+
+def _check_run(iters: int, warmup: int, batch_size: int, seq_lens: list[int], peak_tflops: float) -> None:
+    """The run's settings, else a ValueError."""
     if iters < 1 or warmup < 0 or batch_size < 1 or not seq_lens or min(seq_lens) < 4:
         raise ValueError(f"need iters >= 1, warmup >= 0, batch_size >= 1 and seq_lens of >= 4 tokens, got "
                          f"{iters}, {warmup}, {batch_size}, {seq_lens}")
-    from eagle_data.checks import check_device
-
     if not peak_tflops > 0:
         raise ValueError(f"peak_tflops must be > 0, got {peak_tflops}")
-    dev = torch.device(check_device(device))
-    g = torch.Generator().manual_seed(0)
-    n, v, h = draft_vocab_size, cfg["vocab_size"], cfg["hidden_size"]
+
+
+def _random_drafter(cfg: dict[str, Any], n: int, g: torch.Generator, dev: torch.device,
+                    compile_layer: bool) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A drafter of ``cfg``'s shape with a random draft vocabulary of ``n`` tokens and random frozen
+    ``embed_tokens``, and a random target ``lm_head``, on ``dev``."""
+    from eagle_train.model import DraftConfig, Eagle3Drafter
+
+    v, h = cfg["vocab_size"], cfg["hidden_size"]
     t2d = torch.zeros(v, dtype=torch.bool)
     t2d[torch.randperm(v, generator=g)[:n]] = True
     d2t = t2d.nonzero().squeeze(1) - torch.arange(n)
@@ -105,13 +143,16 @@ def bench_train_step(shape: Literal["llama3.1-8b", "smollm2-135m", "tiny"] = "ll
     drafter = Eagle3Drafter(dcfg, embed, d2t, t2d).to(dev)
     drafter.compile_layer = compile_layer
     lm_head = (torch.randn(v, h, generator=g) * 0.02).to(dev)
+    return drafter, lm_head
+
+
+def _step_fn(drafter, lm_head: torch.Tensor, dev: torch.device, steps: int, exclude_oov: bool,
+             attn_impl: str) -> Callable[[dict[str, torch.Tensor]], dict[str, Any]]:
+    """One optimizer step (TTT loss of ``steps`` steps under bf16 autocast, backward, AdamW) on a batch."""
+    from eagle_train.loss import ttt_loss
+
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=dev.type == "cuda")
     amp = torch.autocast(dev.type, dtype=torch.bfloat16)
-    res: dict[str, Any] = {"shape": shape, "steps": steps, "draft_vocab_size": n, "device": str(dev),
-                           "batch_size": batch_size, "vary_lengths": vary_lengths, "attn_impl": attn_impl,
-                           "compile_layer": compile_layer,
-                           "params_M": round(sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6, 1),
-                           "by_seq_len": {}}
 
     def one_step(batch):
         with amp:
@@ -121,39 +162,35 @@ def bench_train_step(shape: Literal["llama3.1-8b", "smollm2-135m", "tiny"] = "ll
         opt.step()
         return out
 
-    for t in seq_lens:
-        lens = [int(torch.randint(t // 2, t + 1, (1,), generator=g)) if vary_lengths else t
-                for _ in range(warmup + iters)]
-        batches = [_batch(batch_size, tl, v, h, g, dev) for tl in sorted(set(lens))]
-        by_len = {b["input_ids"].shape[1]: b for b in batches}
+    return one_step
+
+
+def _timed_steps(one_step, batches: list[dict[str, torch.Tensor]], warmup: int,
+                 dev: torch.device) -> tuple[list[float], float]:
+    """One step per batch (peak memory counted from the first); the times of those after ``warmup``
+    and the last step's loss."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        out = one_step(batch)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        times, flops = [], []
-        for i, tl in enumerate(lens):
-            t0 = time.perf_counter()
-            out = one_step(by_len[tl])
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-                flops.append(batch_size * step_flops(cfg, tl, steps, n, exclude_oov))
-        s = statistics.median(times)
-        tokens = batch_size * statistics.fmean(lens[warmup:])
-        fl = statistics.fmean(flops)
-        row = {"step_s": round(s, 4), "tokens_per_step": round(tokens), "tokens_per_s": round(tokens / s),
-               "TFLOPs": round(fl / s / 1e12, 1), "MFU": round(fl / s / 1e12 / peak_tflops, 3),
-               "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
-               "loss": round(float(out["loss"].detach()), 4)}
-        res["by_seq_len"][t] = row
-        print(f"T={t:6d} B={batch_size}  step {row['step_s'] * 1e3:8.1f} ms  {row['tokens_per_s']:8d} tok/s  "
-              f"{row['TFLOPs']:6.1f} TFLOP/s  MFU {row['MFU']:.3f}  peak {row['peak_GiB']} GiB", flush=True)
-        if profile:
-            _profile(one_step, [by_len[tl] for tl in lens[-2:]], dev)
-        del batches, by_len, out
-    if json_out:
-        Path(json_out).write_text(json.dumps(res, indent=1))
-    return res
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times, round(float(out["loss"].detach()), 4)
+
+
+def _row(times: list[float], tokens: float, fl: float, peak_tflops: float, dev: torch.device,
+         loss: float) -> dict[str, Any]:
+    """One length's figures from its step ``times``, mean ``tokens`` and FLOPs ``fl`` per step."""
+    s = statistics.median(times)
+    return {"step_s": round(s, 4), "tokens_per_step": round(tokens), "tokens_per_s": round(tokens / s),
+            "TFLOPs": round(fl / s / 1e12, 1), "MFU": round(fl / s / 1e12 / peak_tflops, 3),
+            "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
+            "loss": loss}
 
 
 def _profile(one_step, batches: list[dict[str, torch.Tensor]], dev: torch.device, top: int = 25) -> None:

@@ -123,6 +123,11 @@ def test_installed_code_keeps_the_size_rules():
     assert _limits_broken(("eagle_data", TRAIN)) == []
 
 
+def test_benchmarks_keep_the_size_rules():
+    """... and for the benchmarks (not installed: run from a checkout)."""
+    assert _limits_broken(("benchmarks",)) == []
+
+
 def test_the_size_check_sees_a_long_function(tmp_path, monkeypatch):
     """The checker itself: a 61-line function and a 13-parameter ``__init__`` are reported."""
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
