@@ -39,13 +39,20 @@ from typing import Optional
 
 from benchmarks.tau_config import TauConfig, TauPhaseFailed
 from benchmarks.tau_results import choose_tune, minute_names, read_eval, read_tune, table
+from eagle_data.checks import check_device
 
 #: the held-out rows start here in ShareGPT (far from any training row)
 HELDOUT_START = 17000
 
 
 def run_tau(cfg: TauConfig) -> None:
-    """Run the phases of ``cfg`` in their order (the command ``python -m benchmarks tau``)."""
+    """Run the phases of ``cfg`` in their order (the command ``python -m benchmarks tau``).
+
+    Raises:
+        ValueError: (before any phase) ``cfg.device`` is not usable here while a phase runs a model on it.
+    """
+    if {"regen", "extract", "eval"} & set(cfg.phases):  # "cuda" without a GPU: refused now, not after the prep
+        check_device(cfg.device)
     names = minute_names(cfg.minutes)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,13 +4,18 @@ docstring under each) and its ``--config`` YAML."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from benchmarks.tau_results import minute_names
+from eagle_data.checks import check_positive
+from eagle_data.format.names import FINAL_ROWS, STORAGE_DTYPE_NAMES
 
 #: the phases, in the order they run
 PHASES = ("prep", "regen", "extract", "tune", "train", "control", "eval")
+#: Lightning's accelerator names (``--trainer.accelerator``)
+ACCELERATORS = ("cpu", "gpu", "cuda", "mps", "tpu", "auto")
 
 
 class TauPhaseFailed(ChildProcessError):
@@ -22,20 +27,22 @@ class TauConfig:
     """τ on real data after fixed training time: prep, regen, extract, tune, train, control, eval
     (module :mod:`benchmarks.tau` says what each does and writes).
 
-    Lists are YAML/JSON: ``--phases '[extract, tune]'``; options passed on to ``eagle-data`` are
-    strings, numbers quoted: ``--train_args '["--model.lr", "6e-4"]'``.
+    Lists are YAML/JSON: ``--phases '[extract, tune]'`` (or words: ``--phases train``, ``--phases
+    extract,tune``); options passed on to ``eagle-data`` are strings, numbers quoted:
+    ``--train_args '["--model.lr", "6e-4"]'``. Every setting is checked before any phase runs.
     """
 
     out: str = "out/tau"
     """the benchmark's folder: data, datasets, vocabulary, runs, evaluations"""
-    phases: list[str] = field(default_factory=lambda: list(PHASES))
-    """the phases to run (any of prep, regen, extract, tune, train, control, eval; they run in that order)"""
+    phases: Union[list[str], str] = field(default_factory=lambda: list(PHASES))
+    """the phases to run (any of prep, regen, extract, tune, train, control, eval; they run in that order):
+    a list, or one word or several split by commas or spaces"""
     num_train: int = 6000
     """training rows: ShareGPT rows [0, num_train)"""
     num_heldout: int = 200
     """held-out rows: ShareGPT rows [17000, 17000 + num_heldout)"""
     device: str = "cuda"
-    """where regenerate, extract and eval run the models"""
+    """where regenerate, extract and eval run the models (cpu, cuda or cuda:N)"""
     vocab_size: int = 16384
     """draft vocabulary size (``OUT/draft_vocab_{vocab_size}.safetensors``)"""
     minutes: list[float] = field(default_factory=lambda: [2.0, 4.0, 8.0])
@@ -87,18 +94,48 @@ class TauConfig:
     """tune variants whose checkpoints the eval phase scores too (``["v1", "v4"]``, or ``["all"]``)"""
 
     def __post_init__(self) -> None:
-        """Refuse what would otherwise be skipped unsaid: an unknown phase, marks that are not
-        increasing numbers (or name one checkpoint twice).
+        """Refuse, before any phase runs, what would otherwise be skipped unsaid (an unknown phase,
+        marks that are not increasing numbers or name one checkpoint twice) or fail only in a late
+        phase (a device, accelerator, dtype or count that the commands refuse).
 
         Raises:
             ValueError: naming the setting.
         """
-        self.phases = [p.strip() for p in self.phases if p.strip()]
-        if not self.phases:
-            raise ValueError(f"phases: empty ({' '.join(PHASES)})")
-        for p in self.phases:  # a misspelt phase would be skipped unsaid
-            if p not in PHASES:
-                raise ValueError(f"phases: unknown phase {p!r} ({' '.join(PHASES)})")
+        self.phases = _phase_list(self.phases)
         minute_names(self.minutes)
         if not self.sweep_seconds > 0:
             raise ValueError(f"sweep_seconds must be > 0, got {self.sweep_seconds}")
+        if not re.fullmatch(r"(cpu|cuda)(:[0-9]+)?", self.device):  # --device gpuu failed after the prep
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(f"accelerator must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}")
+        if self.storage_dtype not in STORAGE_DTYPE_NAMES:
+            raise ValueError(f"storage_dtype must be one of {', '.join(STORAGE_DTYPE_NAMES)}, "
+                             f"got {self.storage_dtype!r}")
+        if self.final_rows not in FINAL_ROWS:
+            raise ValueError(f"final_rows must be one of {', '.join(FINAL_ROWS)}, got {self.final_rows!r}")
+        check_positive(num_train=self.num_train, num_heldout=self.num_heldout, vocab_size=self.vocab_size,
+                       eval_samples=self.eval_samples, regen_max_new_tokens=self.regen_max_new_tokens,
+                       regen_batch_size=self.regen_batch_size, regen_rows_per_part=self.regen_rows_per_part)
+        if self.tune_workers < 0:
+            raise ValueError(f"tune_workers must be >= 0, got {self.tune_workers}")
+        for name, lr in [("lr", self.lr)] + [("lrs", x) for x in self.lrs]:
+            if lr is not None and not lr > 0:
+                raise ValueError(f"{name} must be > 0, got {lr}")
+
+
+def _phase_list(phases: list[str] | str) -> list[str]:
+    """``phases`` as a list of known phases: a list, or words split by commas or white space
+    (``--phases train`` is ``--phases '[train]'``).
+
+    Raises:
+        ValueError: no phase, or an unknown one (a misspelt phase would be skipped unsaid).
+    """
+    words = re.split(r"[\s,]+", phases) if isinstance(phases, str) else phases
+    out = [p.strip() for p in words if p.strip()]
+    if not out:
+        raise ValueError(f"phases: empty ({' '.join(PHASES)})")
+    for p in out:
+        if p not in PHASES:
+            raise ValueError(f"phases: unknown phase {p!r} ({' '.join(PHASES)})")
+    return out

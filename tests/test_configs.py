@@ -203,6 +203,13 @@ def test_the_test_command_shows_per_file_progress_and_the_slowest_tests():
 @pytest.mark.parametrize("args,message", [
     (["extract", "--dat", "x.jsonl"], "eagle-data extract: unknown option --dat; did you mean --data?"),
     (["train", "--trainr.max_steps", "3"], "eagle-data train: unknown option --trainr; did you mean --trainer?"),
+    (["train", "--data.batch_sise", "4"], "eagle-data train: unknown option --data.batch_sise; did you mean "
+                                          "--data.batch_size?"),
+    (["train", "--model.drafter.num_layerz", "2"], "unknown option --model.drafter.num_layerz; did you mean "
+     "--model.drafter.compile_layer? (--model.drafter takes aux_layer_ids, check_target, compile_layer"),
+    (["train", "--model.ttt_stepz", "3"], "unknown option --model.ttt_stepz; did you mean --model.loss.ttt_steps?"),
+    (["train", "--model.loss.step_weigth=0.5"], "did you mean --model.loss.step_weight?"),
+    (["train", "--trainer.max_stepz", "3"], "unknown option --trainer.max_stepz; did you mean --trainer.max_steps?"),
     (["extract", "--data", "missing.jsonl"], "data: missing.jsonl does not exist"),
     (["extract", "--batch_tokens", "0"], "batch_tokens must be >= 1, got 0"),
     (["regenerate", "--data", "missing.jsonl", "--out", "o"], "data: missing.jsonl does not exist"),
@@ -221,7 +228,8 @@ def test_the_test_command_shows_per_file_progress_and_the_slowest_tests():
 ])
 def test_mistakes_are_answered_in_one_line_before_torch_loads(tmp_path, args, message):
     """Every bad-argument error took 7-23 s (torch and transformers imported first); a typo
-    printed 30 lines of usage and no suggestion."""
+    printed 30 lines of usage and no suggestion. A typo inside a section of ``train``
+    (``--data.batch_sise``) was still answered after torch and lightning loaded, without one."""
     import subprocess
     import sys
 
@@ -230,3 +238,50 @@ def test_mistakes_are_answered_in_one_line_before_torch_loads(tmp_path, args, me
     r = subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "exit 2 False False", (r.stdout, r.stderr)
     assert message in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+
+
+def test_a_config_files_mistyped_key_names_the_closest_option():
+    """A config's typo reaches LightningCLI, which said only "Group 'data' does not accept option
+    'batch_sise'"."""
+    from eagle_train.cli import fit
+
+    base = {"model": {"target_model_path": "unused"}, "data": {"train": "unused"}, "trainer": {}}
+    with pytest.raises(ValueError, match=r"^train: unknown option --data\.batch_sise; did you mean "
+                                         r"--data\.batch_size\? "):
+        fit({**base, "data": {"train": "unused", "batch_sise": 2}})
+    with pytest.raises(ValueError, match=r"--model\.loss\.ttt_stepz; did you mean --model\.loss\.ttt_steps\? "):
+        fit({**base, "model": {"target_model_path": "unused", "loss": {"ttt_stepz": 2}}})
+
+
+def test_print_config_shows_a_group_field_given_on_the_command_line_inside_its_group_once(capsys):
+    """``--model.loss.ttt_steps 3 --print_config`` printed ``ttt_steps: 3`` flat in the model section,
+    beside the config's ``loss`` group, which still said 7."""
+    import yaml
+
+    cfg = str(Path(__file__).resolve().parents[1] / "configs/train/smollm2_cpu.yaml")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--config", cfg, "--model.loss.ttt_steps", "3", "--model.step_weight=0.5",
+                  "--model.optim.warmup_steps", "4", "--print_config"])
+    model = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert e.value.code == 0 and model["lr"] == 0.0003
+    assert model["loss"] == {"ttt_steps": 3, "step_weight": 0.5, "exclude_oov": False}
+    assert model["optim"] == {"warmup_steps": 4, "min_lr_ratio": 0.1}
+    assert not {"ttt_steps", "step_weight", "warmup_steps"} & set(model)
+
+
+def test_the_options_checked_before_torch_loads_are_lightning_clis(monkeypatch):
+    """``eagle-data train`` refuses a section's unknown option before torch loads, from names read
+    out of the sources (eagle_train.option_names): they are exactly those LightningCLI takes, so a
+    valid option is never refused there and a typo never let through."""
+    import sys
+
+    from eagle_train.cli import make_cli
+    from eagle_train.option_names import section_options
+
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])  # pytest's own arguments are not LightningCLI's
+    cli = make_cli(args={"model": {"target_model_path": "unused"}, "data": {"train": "unused"}}, run=False,
+                   parse_only=True)
+    config = cli.config.as_dict()
+    for section in ("model", "data", "trainer"):
+        early = {name for name, option in section_options(section).items() if name == option}
+        assert early == set(config[section]) - {"__path__"}, section

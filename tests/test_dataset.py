@@ -357,6 +357,19 @@ def test_batching_arguments_below_one_are_refused_by_name(ds30, kw, name):
         EagleShardDataset(ds30, **kw)
 
 
+def test_a_dataset_given_no_batching_is_refused_and_a_token_budget_wins_over_a_batch_size(ds30):
+    """After ReadConfig (batch_size 8 by default) ``EagleShardDataset(path)`` batched 8 samples
+    unsaid; before it the dataset refused to guess (the DataModule's default of 8 stays)."""
+    from eagle_data.stream.config import ReadConfig
+
+    for kw in ({}, {"shuffle": False}, {"read": {"seed": 1}}, {"batch_size": None}):
+        with pytest.raises(ValueError, match="^give batch_size or max_tokens"):
+            EagleShardDataset(ds30, **kw)
+    assert EagleShardDataset(ds30, read=ReadConfig()).batch_size == 8
+    both = EagleShardDataset(ds30, batch_size=4, max_tokens=20)
+    assert both.batch_size is None and both.max_tokens == 20
+
+
 def test_short_tar_message_counts_the_samples_the_tar_holds(tmp_path):
     """A clean tar that holds fewer samples than the manifest: the error gives the real count,
     also for a rank whose span starts after the tar's end."""
@@ -456,3 +469,21 @@ def test_token_budget_smaller_than_two_samples_with_several_slots(tmp_path, work
     keys = [k for r in per_rank for b in r for k in b if k != FILLER_KEY]
     assert sorted(keys) == [f"syn_{g:09d}" for g in range(7)]
     assert all(len(b) == 1 for r in per_rank for b in r)
+
+
+def test_the_streaming_example_splits_the_samples_between_torchrun_ranks(tmp_path):
+    """examples/stream_batches.py said it was DDP-correct under torchrun but started no process
+    group, so the dataset saw world size 1 and every rank read every sample."""
+    import re
+    import subprocess
+    import sys
+
+    write_synthetic(tmp_path, [7, 6])
+    example = Path(__file__).resolve().parents[1] / "examples" / "stream_batches.py"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(example), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    seen = re.findall(r"rank (\d)/2 epoch (\d): \d+ batches, (\d+) samples", r.stdout)
+    assert r.returncode == 0 and len(seen) == 4, (r.stdout, r.stderr[-2000:])
+    for epoch in "01":
+        counts = [int(n) for _, e, n in seen if e == epoch]
+        assert sum(counts) == 13 and all(0 < n < 13 for n in counts), seen

@@ -31,17 +31,46 @@ def _run(tmp_path, capsys, *args):
                                       (["--phases", "[eval]", "--minutes", "[0.1, 0.10000001]"],
                                        "each once to 6 significant"),
                                       (["--phases", "[]"], "phases: empty"),
-                                      (["--phases", "[' ', '\t\n']"], "phases: empty")])
+                                      (["--phases", "[' ', '\t\n']"], "phases: empty"),
+                                      (["--phases", "train,evl"], "phases: unknown phase 'evl'"),
+                                      (["--device", "gpuu"], "device must be cpu, cuda or cuda:N, got 'gpuu'"),
+                                      (["--accelerator", "gpuu"], "accelerator must be one of cpu, gpu"),
+                                      (["--storage_dtype", "fp8"], "storage_dtype must be one of"),
+                                      (["--final_rows", "some"], "final_rows must be one of all, taught"),
+                                      (["--num_heldout", "0"], "num_heldout must be an integer >= 1, got 0"),
+                                      (["--lrs", "[1e-3, 0]"], "lrs must be > 0, got 0")])
 def test_bad_phases_and_minutes_are_refused(tmp_path, capsys, args, msg):
+    """``--device gpuu`` failed with exit 1 after the data prep: every setting is refused before any work."""
     code, out, err = _run(tmp_path, capsys, *args)
     assert code == 2 and msg in err, (code, out, err)
+    assert not (tmp_path / "tau").exists()
+
+
+def test_phases_may_be_given_as_words():
+    """``--phases train`` (a bare word) was refused: a list was required."""
+    assert TauConfig(phases="train").phases == ["train"]
+    assert TauConfig(phases="extract, tune eval").phases == ["extract", "tune", "eval"]
+
+
+def test_phases_given_as_a_word_on_the_command_line_run_like_a_list(tmp_path, capsys):
+    code, out, err = _run(tmp_path, capsys, "--phases", "eval", "--device", "cpu", "--minutes", "[1]")
+    assert code == 1 and "at_1min.ckpt" in out and "no checkpoint to evaluate" in err, (code, out, err)
+
+
+def test_a_device_this_machine_lacks_is_refused_before_any_phase(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = _run(tmp_path, capsys, "--phases", "[prep, eval]", "--device", "cuda")
+    assert code == 2 and "device 'cuda': no CUDA GPU is visible" in err and not (tmp_path / "tau").exists()
 
 
 def test_minutes_name_the_checkpoints_as_training_writes_them_and_no_checkpoint_fails(tmp_path, capsys):
-    code, out, err = _run(tmp_path, capsys, "--phases", "[eval]", "--minutes", "[0.050, 1e-1]")
+    code, out, err = _run(tmp_path, capsys, "--phases", "[eval]", "--device", "cpu", "--minutes", "[0.050, 1e-1]")
     assert code == 1 and "eval: no checkpoint to evaluate" in err
     assert "at_0.05min.ckpt" in out and "at_0.1min.ckpt" in out and "0.050" not in out
-    code, out, err = _run(tmp_path, capsys, "--phases", "[\teval\n]", "--minutes", "[1]")  # white space: eval runs
+    code, out, err = _run(tmp_path, capsys, "--phases", "[\teval\n]", "--device", "cpu",
+                          "--minutes", "[1]")  # white space: eval runs
     assert code == 1 and "at_1min.ckpt" in out and "no checkpoint to evaluate" in err
 
 

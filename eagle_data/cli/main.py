@@ -139,9 +139,14 @@ def _fail(e: BaseException, code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle_data.cli.train import model_group_fields
+    from eagle_data.cli.train import grouped_print_config, model_group_fields, train_option_typo
 
-    run_cli(COMMANDS, model_group_fields(list(sys.argv[1:] if argv is None else argv)), "eagle-data", RUNNERS)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if (typo := train_option_typo(argv)) is not None:  # --data.batch_sise: now, not after torch loads
+        print(f"error: {typo}", file=sys.stderr)
+        sys.exit(2)
+    with grouped_print_config(argv):
+        run_cli(COMMANDS, model_group_fields(argv), "eagle-data", RUNNERS)
 
 
 if __name__ == "__main__":

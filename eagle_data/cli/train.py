@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Iterator, Literal, Optional, Union
 
 
 def vocab(path: str, size: int = 32000, out: Optional[str] = None, rebuild: bool = False,
@@ -60,7 +61,8 @@ def model_group_fields(argv: list[str]) -> list[str]:
     """``eagle-data train``'s ``--model.<group>.<field>`` options as ``--model.<field>``. The
     model section is a plain dict here, in which jsonargparse would replace a config's whole
     ``<group>`` by the one field given; :func:`eagle_train.cli.fit` puts the field back into its
-    group (:func:`eagle_train.options.nest_groups`), beside the config's others."""
+    group (:func:`eagle_train.options.nest_groups`), beside the config's others, and so does
+    :func:`grouped_print_config` for ``--print_config``."""
     if not argv or argv[0] != "train":
         return argv
     from eagle_train.options import GROUPS
@@ -72,6 +74,56 @@ def model_group_fields(argv: list[str]) -> list[str]:
         out.append(f"--model.{parts[2]}{eq}{value}" if len(parts) == 3 and parts[0] == "--model"
                    and parts[1] in GROUPS else arg)
     return out
+
+
+def train_option_typo(argv: list[str]) -> Optional[str]:
+    """One line naming the first ``--model.*``, ``--data.*`` or ``--trainer.*`` option of
+    ``eagle-data train`` that its section does not take, with the closest it does
+    (:func:`eagle_train.option_names.unknown_option`: read from the classes' sources, before torch
+    loads); None if there is none (a config file's keys: LightningCLI checks them)."""
+    if not argv or argv[0] != "train":
+        return None
+    from eagle_train.option_names import unknown_option
+
+    for arg in argv[1:]:
+        if arg == "--":
+            break
+        name = arg[2:].partition("=")[0] if arg.startswith("--") else ""
+        if name.partition(".")[0] in ("model", "data", "trainer") and (typo := unknown_option(name)):
+            return f"eagle-data train: {typo} (every option: python -m eagle_train.cli fit --help)"
+    return None
+
+
+@contextlib.contextmanager
+def grouped_print_config(argv: list[str]) -> Iterator[None]:
+    """``eagle-data train --print_config`` shows a group field given on the command line inside its
+    group, once: jsonargparse prints the model section as parsed, where ``--model.loss.ttt_steps``
+    is flat (:func:`model_group_fields`) beside the config's ``loss``; the printed YAML is read
+    back and the field moved into its group as :func:`eagle_train.cli.fit` does
+    (:func:`eagle_train.options.nest_groups`). Other commands and runs: untouched."""
+    if not argv or argv[0] != "train" or not any(a.partition("=")[0] == "--print_config" for a in argv):
+        yield
+        return
+    import io
+
+    import yaml
+
+    from eagle_train.options import nest_groups
+
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        text = printed.getvalue()
+        try:
+            cfg = yaml.safe_load(text)
+        except yaml.YAMLError:
+            cfg = None
+        if isinstance(cfg, dict) and isinstance(cfg.get("model"), dict):
+            text = yaml.safe_dump({**cfg, "model": nest_groups(cfg["model"])}, default_flow_style=False,
+                                  allow_unicode=True, sort_keys=False)
+        sys.stdout.write(text)
 
 
 def evaluate(path: str, checkpoint: str, out: str = "out/eval", heldout_keys: Optional[str] = None,

@@ -42,14 +42,6 @@ from eagle_data.extract.fault import BadRecord
 THINK_END = "</think>"
 
 
-class RowFailed(ValueError):
-    """A row that was read and planned but whose generation failed; ``reason`` names why."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
-
-
 @dataclass
 class Reply:
     """What the engine generated for one prompt.

@@ -1,6 +1,6 @@
 """``ReadConfig``: how a dataset is read for training, declared once for
 :class:`~eagle_data.stream.dataset.EagleShardDataset`, :class:`~eagle_data.stream.loader.EagleDataLoader`
-(through its dataset) and :class:`~eagle_data.stream.datamodule.EagleDataModule` (``--data.read.<field>``).
+(through its dataset) and :class:`~eagle_data.stream.datamodule.EagleDataModule` (``--data.<field>``).
 
 Plain script::
 
@@ -17,13 +17,21 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from eagle_data.checks import check_positive
-from eagle_data.format.schema import STORAGE_DTYPES
+from eagle_data.format.names import STORAGE_DTYPE_NAMES
 
 
 @dataclass(frozen=True)
 class ReadConfig:
     """What is read and how it is batched, shuffled and checked; every sample exactly once per
     epoch across ranks x workers, whatever these settings.
+
+    Batching: ``max_tokens`` (a token budget) or ``batch_size`` (a fixed count). Given both, the
+    token budget wins and ``batch_size`` is ignored, so a command line's ``--data.max_tokens``
+    switches a config that sets ``batch_size``. Given neither: ``ReadConfig()`` and
+    :class:`~eagle_data.stream.datamodule.EagleDataModule` batch 8 samples (the DataModule's
+    default), while :class:`~eagle_data.stream.dataset.EagleShardDataset` built from loose fields
+    (``EagleShardDataset(path)``, ``read=None`` or a dict) refuses: a plain script says how it
+    batches (:meth:`of`). Both ``None``: refused.
 
     Args:
         batch_size: samples per batch (fixed-size batching; ignored when ``max_tokens`` is given,
@@ -53,7 +61,7 @@ class ReadConfig:
             batch in parallel (``preadv`` and memory copies release the GIL); None: ``min(4, CPUs)``.
 
     Raises:
-        ValueError: naming the field: neither ``batch_size`` nor ``max_tokens`` given, an integer
+        ValueError: naming the field: ``batch_size`` and ``max_tokens`` both None, an integer
             below 1 (``batch_size``, ``max_tokens``, ``bucket_window``, ``max_batch_size``,
             ``max_length``, ``read_threads``, ``shuffle_initial``), ``shuffle_buffer`` below 0, an
             unknown ``dtype`` or ``on_error``.
@@ -84,8 +92,8 @@ class ReadConfig:
         if self.shuffle_buffer < 0 or self.shuffle_initial < 1:
             raise ValueError(f"shuffle_buffer must be >= 0 and shuffle_initial >= 1, got {self.shuffle_buffer}, "
                              f"{self.shuffle_initial}")
-        if self.dtype is not None and self.dtype not in STORAGE_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(STORAGE_DTYPES)} (or None: the manifest's), "
+        if self.dtype is not None and self.dtype not in STORAGE_DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {sorted(STORAGE_DTYPE_NAMES)} (or None: the manifest's), "
                              f"got {self.dtype!r}")
         if self.on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
@@ -103,11 +111,20 @@ class ReadConfig:
 
     @classmethod
     def of(cls, read: ReadConfig | dict[str, Any] | None = None, **changes: Any) -> ReadConfig:
-        """``read`` (a config, a dict of its fields as in YAML, or None: the defaults) with ``changes``.
+        """``read`` (a config, or a dict of its fields as in YAML) with ``changes``: how
+        :class:`~eagle_data.stream.dataset.EagleShardDataset` takes its settings. Loose fields
+        (``read`` None or a dict, with ``changes``) must name ``batch_size`` or ``max_tokens``;
+        a ``ReadConfig`` brings its own batching.
 
         Raises:
+            ValueError: loose fields give neither ``batch_size`` nor ``max_tokens``.
             TypeError: a name that is no field.
         """
         if read is None or isinstance(read, dict):
-            return cls(**{**(read or {}), **changes})
+            given = {**(read or {}), **changes}
+            config = cls(**given)  # a name that is no field: TypeError first
+            if given.get("batch_size") is None and given.get("max_tokens") is None:
+                raise ValueError("give batch_size or max_tokens: the dataset has no default batching "
+                                 "(read=ReadConfig() batches 8 samples, as the DataModule does)")
+            return config
         return read.replace(**changes) if changes else read

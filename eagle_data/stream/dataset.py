@@ -61,15 +61,18 @@ class EagleShardDataset(IterableDataset):
         sources: dataset dir(s)/URL(s) with ``manifest.json``, manifest file(s), or shard
             URLs / brace patterns (``s3://``, ``gs://``, ``https://``, ``pipe:``...).
         read: how to read (:class:`~eagle_data.stream.config.ReadConfig`: batching, shuffling,
-            expected model facts, error policy; a dict of its fields is taken too; None: the defaults).
+            expected model facts, error policy; a dict of its fields is taken too; None: the
+            defaults). ``batch_size`` or ``max_tokens`` must be given here or in ``fields`` unless
+            ``read`` is a ``ReadConfig`` (both: the token budget wins).
         manifest: manifest for shard-URL sources (default: the one next to each shard).
         rank, world_size: override ``torch.distributed`` (simulation, tests).
         **fields: :class:`~eagle_data.stream.config.ReadConfig` fields, over ``read``'s
             (``EagleShardDataset(path, max_tokens=16384)``).
 
     Raises:
-        ValueError: bad read settings (see :class:`~eagle_data.stream.config.ReadConfig`),
-            missing/incompatible manifests, fewer samples than slots.
+        ValueError: bad read settings or no batching given (see
+            :class:`~eagle_data.stream.config.ReadConfig`), missing/incompatible manifests, fewer
+            samples than slots.
         TypeError: a keyword that is no ``ReadConfig`` field.
     """
 

@@ -76,6 +76,7 @@ def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
     from jsonargparse import ArgumentError
 
     from eagle_train.checkpoint import load_checkpoint_file
+    from eagle_train.option_names import did_you_mean
     from eagle_train.options import nest_groups
 
     if config.get("model") is not None:  # --model.ttt_steps: loss.ttt_steps
@@ -90,8 +91,9 @@ def fit(config: dict[str, Any], ckpt_path: Optional[str] = None) -> str:
     try:
         cli = make_cli(args={k: v for k, v in config.items() if v is not None}, run=False,
                        parser_kwargs={"prog": "eagle-data train", "exit_on_error": False})
-    except ArgumentError as e:  # an unknown or mistyped option: the message, not 70 lines of usage
-        raise ValueError(f"train: {e} (every option: python -m eagle_train.cli fit --help)") from None
+    except ArgumentError as e:  # an unknown or mistyped option (a config's): one line, the closest valid one
+        raise ValueError(f"train: {did_you_mean(str(e))} (every option: python -m eagle_train.cli fit "
+                         f"--help)") from None
     finally:
         sys.argv = argv
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
