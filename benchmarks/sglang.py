@@ -55,12 +55,13 @@ def _engine_run(kw: dict[str, Any], prompts: list[torch.Tensor], builtin: bool) 
 
 
 def _capture_run(model_path: str, prompts, dtype, device, aux_layer_ids, common: dict, write_dir: str | None,
-                 backend_kwargs: dict, batch_prompts: int) -> dict[str, Any]:
+                 backend_kwargs: dict, batch_prompts: int, storage_dtype: str | None) -> dict[str, Any]:
     """Capture to host (``write_dir`` None) or capture + shards, as extraction runs them: batches of
     ``batch_prompts`` through :meth:`SGLangBackend.capture_iter` (the next batch already in the engine
     while this one is written)."""
     from eagle_data.engines.sglang import SGLangBackend, SGLangOptions
-    be = SGLangBackend(model_path, aux_layer_ids, dtype=dtype, device=device,
+    from eagle_data.format.fp8 import scale_name
+    be = SGLangBackend(model_path, aux_layer_ids, dtype=dtype, device=device, out_dtype=storage_dtype,
                        options=SGLangOptions(**common, **backend_kwargs))
     sink = None
     try:
@@ -74,8 +75,11 @@ def _capture_run(model_path: str, prompts, dtype, device, aux_layer_ids, common:
             first = first or caps[0]
             if sink is not None:
                 for c, (_, ids) in zip(caps, items):
+                    scales = {scale_name(f): x for f, x in (("aux_hidden_states", c.aux_scale),
+                                                            ("hidden_states", c.hidden_scale)) if x is not None}
                     sink.write(c.key, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
-                                       "aux_hidden_states": c.aux_hidden_states, "hidden_states": c.hidden_states},
+                                       "aux_hidden_states": c.aux_hidden_states, "hidden_states": c.hidden_states,
+                                       **scales},
                                {"source_id": c.key, "source_row": 0, "num_turns": 1, "truncated": False})
         if sink is not None:
             sink.close()
@@ -93,7 +97,8 @@ def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len:
                  aux_layer_ids: Sequence[int] | None = None,
                  modes: Sequence[str] = ("plain", "capture", "capture+write", "builtin"), batch_prompts: int = 64,
                  load_format: str | None = None, attention_backend: str | None = None, seed: int = 0,
-                 json_out: str | None = None, backend_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+                 json_out: str | None = None, backend_kwargs: dict[str, Any] | None = None,
+                 storage_dtype: str | None = None) -> dict[str, Any]:
     """SGLang extraction tokens/s: plain prefill (a) vs capture to host (b) vs capture + shards (c) vs
     SGLang's return_hidden_states.
 
@@ -115,6 +120,8 @@ def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len:
         seed: seed of the random prompts.
         json_out: also write the result to this JSON file.
         backend_kwargs: extra :class:`SGLangBackend` kwargs (``max_inflight``, ...).
+        storage_dtype: what the capture modes return and write (default: ``dtype``);
+            ``"float8_e4m3fn"``: quantised in the scheduler, as ``extract --storage_dtype``.
 
     Returns:
         ``{"config": {...}, "results": {mode: {"tokens_per_s", "seconds", ...}}}``; also printed.
@@ -135,10 +142,10 @@ def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len:
         kw["load_format"] = load_format
         backend_kwargs["engine_kwargs"] = {**backend_kwargs.get("engine_kwargs", {}), "load_format": load_format}
     capture = partial(_capture_run, str(model_path), prompts, dtype, device, aux_layer_ids, common,
-                      backend_kwargs=backend_kwargs, batch_prompts=batch_prompts)
+                      backend_kwargs=backend_kwargs, batch_prompts=batch_prompts, storage_dtype=storage_dtype)
     results = _run_modes(modes, kw, prompts, capture, num_prompts * prompt_len)
     out = {"config": {"model_path": str(model_path), "num_prompts": num_prompts, "prompt_len": prompt_len,
-                      "batch_prompts": batch_prompts,
+                      "batch_prompts": batch_prompts, "storage_dtype": storage_dtype or dtype,
                       "dtype": dtype, "device": device, "chunked_prefill_size": chunked_prefill_size,
                       "engine_kwargs": {k: v for k, v in kw.items() if k != "model_path"}},
            "results": results}
