@@ -58,7 +58,8 @@ def _capture_run(model_path: str, prompts, dtype, device, aux_layer_ids, common:
                  backend_kwargs: dict, batch_prompts: int, storage_dtype: str | None) -> dict[str, Any]:
     """Capture to host (``write_dir`` None) or capture + shards, as extraction runs them: batches of
     ``batch_prompts`` through :meth:`SGLangBackend.capture_iter` (the next batch already in the engine
-    while this one is written)."""
+    while this one is written), the shards by extraction's two writer threads
+    (:class:`~eagle_data.extract.async_sink.AsyncShardWriter`, 2 GiB queued at most)."""
     from eagle_data.engines.sglang import SGLangBackend, SGLangOptions
     from eagle_data.format.fp8 import scale_name
     be = SGLangBackend(model_path, aux_layer_ids, dtype=dtype, device=device, out_dtype=storage_dtype,
@@ -68,8 +69,9 @@ def _capture_run(model_path: str, prompts, dtype, device, aux_layer_ids, common:
         batch = [(f"bench_{i:06d}", p) for i, p in enumerate(prompts)]
         batches = [batch[i:i + batch_prompts] for i in range(0, len(batch), batch_prompts)]
         if write_dir is not None:
+            from eagle_data.extract.async_sink import AsyncShardWriter
             from eagle_data.extract.sink import ShardSink
-            sink = ShardSink(write_dir, max_samples=256)
+            sink = AsyncShardWriter([ShardSink(write_dir, 0, w, max_samples=256, shard_step=2) for w in range(2)])
         t0, first = time.perf_counter(), None
         for caps, items in zip(be.capture_iter(batches, prefetch=1), batches):
             first = first or caps[0]
@@ -77,18 +79,21 @@ def _capture_run(model_path: str, prompts, dtype, device, aux_layer_ids, common:
                 for c, (_, ids) in zip(caps, items):
                     scales = {scale_name(f): x for f, x in (("aux_hidden_states", c.aux_scale),
                                                             ("hidden_states", c.hidden_scale)) if x is not None}
-                    sink.write(c.key, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
+                    sink.put(c.key, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
                                        "aux_hidden_states": c.aux_hidden_states, "hidden_states": c.hidden_states,
                                        **scales},
                                {"source_id": c.key, "source_row": 0, "num_turns": 1, "truncated": False})
         if sink is not None:
             sink.close()
+            sink, written = None, sink.bytes_written
         res: dict[str, Any] = {"seconds": time.perf_counter() - t0, "startup_s": be.startup_s,
                                "bytes_per_token": first.aux_hidden_states[0].nbytes + first.hidden_states[0].nbytes}
-        if sink is not None:
-            res["shard_bytes"] = sink.bytes_written
+        if write_dir is not None:
+            res["shard_bytes"] = written
         return res
     finally:
+        if sink is not None:
+            sink.abort()
         be.close()
 
 
@@ -111,8 +116,8 @@ def bench_sglang(model_path: str = "smollm2", num_prompts: int = 32, prompt_len:
         chunked_prefill_size: SGLang chunked prefill size.
         aux_layer_ids: for the capture mode (default: EAGLE-3 defaults).
         modes: subset of ``("plain", "capture", "capture+write", "builtin")``; ``capture+write`` also
-            writes the samples with :class:`eagle_data.extract.sink.ShardSink` into a temp dir
-            (deleted afterwards), overlapped with the next batch's capture as extraction does.
+            writes the samples into WebDataset shards in a temp dir (deleted afterwards) by
+            extraction's writer threads, overlapped with the next batch's capture as extraction does.
         batch_prompts: prompts per capture batch (``capture_iter``, one batch ahead).
         load_format: SGLang ``load_format`` (``"dummy"``: random weights from ``config.json`` alone,
             e.g. an 8B-shaped target without 16 GB of files), for every mode.

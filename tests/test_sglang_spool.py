@@ -349,3 +349,40 @@ def test_hook_failure_is_reported_per_request(tmp_path):
     args = (args[0], args[1], None, args[3], [torch.zeros(4, H), "not a tensor"])  # torch.cat fails
     hook(None, args, None)
     assert "capture hook failed" in read_error(list_spool(tmp_path)["ed1-1"][0][1])
+
+
+# ----------------------------------------------------------------------------- collecting a finished request
+
+def _collector(tmp_path, timeout):
+    """An SGLangBackend with no engine: enough for ``_collect`` (spool dir, timeout)."""
+    from eagle_data.engines.sglang import SGLangBackend
+    be = SGLangBackend.__new__(SGLangBackend)
+    be.spool, be.collect_timeout_s, be._chunks = SimpleNamespace(path=tmp_path), timeout, {}
+    return be
+
+
+def _collect(be, ids):
+    import asyncio
+    return asyncio.run(be._collect("sample_7", ids, "ed1-7", {"meta_info": {"prompt_tokens": ids.shape[0]}}))
+
+
+def test_collect_waits_while_the_spool_changes_and_gives_up_when_it_stops(tmp_path):
+    """A lagging writer (its chunk arrives after 3 timeouts, other files keep arriving meanwhile) is
+    waited for; with no change in the spool for one timeout the request fails naming the sample."""
+    ids, aux, fin = _rows(6)
+
+    def lagging_writer():
+        for i in range(6):  # another request's files: the writer is alive
+            threading.Event().wait(0.1)
+            write_piece(tmp_path, f"ed1-{100 + i}", 0, i, ids, aux, fin)
+        write_piece(tmp_path, "ed1-7", 0, 9, ids, aux, fin, {"ok": torch.ones(6, dtype=torch.bool)})
+
+    t = threading.Thread(target=lagging_writer)
+    t.start()
+    got = _collect(_collector(tmp_path, 0.2), ids)
+    t.join()
+    assert torch.equal(got.aux_hidden_states, aux) and got.finite is True and got.aux_scale is None
+    assert list_spool(tmp_path).get("ed1-7") is None  # collected files are removed
+    (tmp_path / "quiet").mkdir()
+    with pytest.raises(StitchError, match=r"sample_7.*no hidden-state rows.*waited 0.2 s with no change"):
+        _collect(_collector(tmp_path / "quiet", 0.2), ids)

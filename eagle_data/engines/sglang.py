@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from pathlib import Path
@@ -87,8 +88,9 @@ class SGLangOptions:
     longer single sample still runs alone"""
     attention_backend: Optional[str] = None
     """default ``"torch_native"`` on CPU, SGLang's choice on GPU"""
-    collect_timeout_s: float = 5.0
-    """how long to wait for a finished request's last chunk file"""
+    collect_timeout_s: float = 30.0
+    """how long a finished request waits for its chunk files while the spool sees no change (the
+    scheduler's writer thread may lag behind the engine under load: any file it adds restarts the wait)"""
     cpu_kernel: str = "standin"
     """``"standin"`` (default: our pure-torch ``sgl_kernel``) or ``"installed"`` (SGLang's own CPU kernel build)"""
     log_level: str = "error"
@@ -342,7 +344,7 @@ class SGLangBackend:
         if meta.get("prompt_tokens", t) != t or meta.get("cached_tokens", 0):
             raise StitchError(f"sample {key!r}: engine reports prompt_tokens={meta.get('prompt_tokens')}, "
                               f"cached_tokens={meta.get('cached_tokens')} for {t} tokens")
-        deadline = time.monotonic() + self.collect_timeout_s
+        deadline, seen = time.monotonic() + self.collect_timeout_s, None
         while True:
             files = [p for p in self.spool.path.glob(f"{rid}@*") if not p.name.endswith(".tmp")]
             try:
@@ -355,10 +357,13 @@ class SGLangBackend:
                 self._chunks[rid] = len(files)
                 return Captured(key, got["aux"], got["final"], got.get("aux_scale"), got.get("final_scale"),
                                 bool(got["ok"].all()) if "ok" in got else None)
-            except RowsMissing:  # pieces may still be arriving
-                if time.monotonic() > deadline:
+            except RowsMissing as e:  # pieces may still be arriving
+                changed = os.stat(self.spool.path).st_mtime_ns  # a file added, renamed or removed
+                if changed != seen:
+                    deadline, seen = time.monotonic() + self.collect_timeout_s, changed
+                elif time.monotonic() > deadline:
                     Spool.remove(files)
-                    raise
+                    raise RowsMissing(f"{e} (waited {self.collect_timeout_s:g} s with no change in the spool)") from None
             except StitchError:
                 Spool.remove(files)
                 raise
