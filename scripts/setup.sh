@@ -6,6 +6,27 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-dev}"
 PY="${PYTHON:-python3}"
+# one setup at a time per checkout: two pips writing one .venv at once break it
+if command -v flock >/dev/null; then
+  exec 9>"${TMPDIR:-/tmp}/eagle-data-setup-$(pwd | cksum | cut -d' ' -f1).lock"
+  flock 9
+fi
+
+# pip with its known noise dropped (setuptools' editable-install banner, an index warning, the
+# requirements of speculators' --no-deps wheel); a failing pip fails the call, its output shown
+pip_q() {
+  local log rc=0
+  log=$(mktemp)
+  .venv/bin/python -m pip "$@" >"$log" 2>&1 || rc=$?
+  if [ "$rc" != 0 ]; then
+    cat "$log" >&2; rm -f "$log"
+    echo "setup: pip $* failed (exit $rc, output above)" >&2
+    return "$rc"
+  fi
+  grep -v -E "^WARNING: Location|^ERROR: pip's dependency resolver does not currently take into account|^speculators 0\.9\.0 requires " "$log" \
+    | awk '/BuildBackendWarning: Editable installation/ {skip=1} !skip {print} /with strategy, WheelFile/ {skip=0}' || true
+  rm -f "$log"
+}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
@@ -21,20 +42,17 @@ for other in .venv/.installed-*-"$hash"; do
 done
 if [ ! -f "$stamp" ]; then
   echo "setup: installing eagle-data[${extras}] into .venv (torch and friends, ~6 GB: minutes on a fresh machine)..."
-  .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-  # setuptools' "Editable installation" banner (a note about editable installs, not a problem) is dropped
-  .venv/bin/python -m pip install --quiet -e ".[${extras}]" 2>&1 | grep -v "^WARNING: Location" \
-    | awk '/BuildBackendWarning: Editable installation/ {skip=1} !skip {print} /with strategy, WheelFile/ {skip=0}' || true
+  pip_q install --quiet --upgrade pip || echo "setup: pip could not upgrade itself; going on with the one there"
+  pip_q install --quiet -e ".[${extras}]"
   if [[ ",$extras," == *",dev,"* ]]; then
     # The vLLM-format export is tested with the speculators package's own loader. Its wheel with
     # --no-deps (it requires torchaudio/torchvision, GBs its loader never touches, and an older
     # datasets); its light import-time dependencies normally.
-    .venv/bin/python -m pip install --quiet --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" \
-      2>&1 | grep -v "^WARNING: Location" || true
+    # (optional: without them only that test is skipped, said below)
+    pip_q install --quiet --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" || true
     # pip then reports speculators' requirements it did not install (torchaudio, ...): expected here
-    .venv/bin/python -m pip install --quiet "openai>=2.0.0" "loguru>=0.7.2,<=0.7.3" "pydantic>=2" \
-      "pydantic-settings>=2" "typer>=0.12" aiohttp psutil protobuf click 2>&1 | grep -v "^WARNING: Location" \
-      | grep -v -E "^ERROR: pip's dependency resolver does not currently take into account|^speculators 0\.9\.0 requires " || true
+    pip_q install --quiet "openai>=2.0.0" "loguru>=0.7.2,<=0.7.3" "pydantic>=2" \
+      "pydantic-settings>=2" "typer>=0.12" aiohttp psutil protobuf click || true
     .venv/bin/python -c "import speculators" 2>/dev/null || echo "setup: speculators does not import; its export test will be skipped"
   fi
   .venv/bin/python -c "import eagle_data, torch, webdataset, datasets, lightning" 

@@ -130,8 +130,10 @@ class SGLangBackend:
                  _allow_radix_cache: bool = False, _engine_aux: bool = False):
         o = options or SGLangOptions()
         hidden_dtype(dtype)  # ValueError naming an unknown dtype
-        self.dtypes = (storage_dtype_of(out_dtype or dtype, "out_dtype"),
-                       storage_dtype_of(final_out_dtype or out_dtype or dtype, "final_out_dtype"))
+        #: the storage dtype names of the aux and the final rows (checked here; cast in the scheduler)
+        self.stored_dtypes = (out_dtype or dtype, final_out_dtype or out_dtype or dtype)
+        for name, field in zip(self.stored_dtypes, ("out_dtype", "final_out_dtype")):
+            storage_dtype_of(name, field)
         dev = torch.device(device).type
         if dev not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -165,7 +167,7 @@ class SGLangBackend:
             check_capture_invariants(sa, _allow_radix_cache)
             extra = capture_info_extra(sglang.__version__, sa, dev, o.tp_size, o.cpu_kernel, _engine_aux)
             self.info = BackendInfo("sglang", model_path, hidden, n_layers, vocab, dtype, list(ids),
-                                    {**extra, "stored_dtypes": [str(d).removeprefix("torch.") for d in self.dtypes]})
+                                    {**extra, "stored_dtypes": list(self.stored_dtypes)})
             self._warmup(hidden)
         except BaseException:
             self.close()
@@ -178,10 +180,9 @@ class SGLangBackend:
         kw = base_engine_kwargs(model_path, dtype, dev, tp_size=o.tp_size, chunked_prefill_size=o.chunked_prefill_size,
                                 mem_fraction_static=o.mem_fraction_static, max_total_tokens=o.max_total_tokens,
                                 attention_backend=o.attention_backend, cpu_kernel=o.cpu_kernel, log_level=o.log_level)
-        names = [str(d).removeprefix("torch.") for d in self.dtypes]
         kw.update(disable_radix_cache=not allow_radix, enable_mixed_chunk=False,
                   forward_hooks=hook_specs(str(self.spool.path), self._prefix, None if engine_aux else list(ids),
-                                           out_dtype=names[0], final_out_dtype=names[1]))
+                                           out_dtype=self.stored_dtypes[0], final_out_dtype=self.stored_dtypes[1]))
         if dev == "cuda":  # prefill only (max_new_tokens=0): capturing decode graphs would only slow the start
             kw["cuda_graph_backend_decode"] = "disabled"
         if engine_aux:  # tests only (sglang >= 0.5.23): the engine's own EAGLE-3 capture, to compare routes
