@@ -5,6 +5,8 @@ Golden cases are those of sgl-kernel's own tests (``sgl-kernel/tests/speculative
 ``torch.nn.functional.scaled_dot_product_attention`` on explicitly built key sets.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -201,3 +203,57 @@ def test_decode_attention_writes_the_new_kv_then_attends_over_the_request():
 def test_unused_speculative_ops_raise_naming_the_op():
     with pytest.raises(NotImplementedError, match="rotate_input_ids_cpu"):
         sk.rotate_input_ids_cpu()
+
+
+def _sglang_function(path: str, name: str):
+    """A function of sglang's source, compiled alone (its module imports sgl_kernel's CUDA build,
+    which does not load here); the test is skipped without the sglang extra."""
+    import ast
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        pytest.skip("needs the sglang extra")
+    tree = ast.parse((Path(spec.submodule_search_locations[0]) / path).read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    scope = {"np": np, "torch": torch}
+    exec(compile(ast.Module([node], []), path, "exec"), scope)
+    return scope[name]
+
+
+@st.composite
+def _draft_trees(draw):
+    """``(mask [B, n, n] bool, seq_lens [B])``: random draft trees in node order (each node's parent
+    is an earlier node or none: a root), mask[b, i, j] = j is i or one of its ancestors."""
+    b, n = draw(st.integers(1, 3)), draw(st.integers(1, 9))
+    mask = torch.zeros(b, n, n, dtype=torch.bool)
+    for t in range(b):
+        parent = [-1] + [draw(st.integers(-1, i - 1)) for i in range(1, n)]
+        for i in range(n):
+            j = i
+            while j >= 0:
+                mask[t, i, j] = True
+                j = parent[j]
+    return mask, torch.tensor(draw(st.lists(st.integers(0, 500), min_size=b, max_size=b)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_draft_trees())
+def test_reconstruct_indices_from_tree_mask_equals_sglangs_host_reference(tree):
+    """NGRAM's verify metadata: the links equal sglang's own host-side ``_derive_tree_links``; a
+    node's position is its depth (strict ancestors) after the verified prefix; indices are flat."""
+    from eagle_data.engines.cpu_sgl_kernel.sgl_kernel.speculative import reconstruct_indices_from_tree_mask
+
+    _derive_tree_links = _sglang_function("srt/speculative/ngram_worker.py", "_derive_tree_links")
+
+    mask, seq_lens = tree
+    b, n = mask.shape[:2]
+    pos, idx = torch.full((b * n,), -7, dtype=torch.int64), torch.full((b, n), -7, dtype=torch.int64)
+    nxt, sib = torch.full((b, n), -7, dtype=torch.int64), torch.full((b, n), -7, dtype=torch.int64)
+    reconstruct_indices_from_tree_mask(mask.flatten(), seq_lens, pos, idx, nxt, sib, b, n)
+    ref_next, ref_sib = _derive_tree_links(mask.numpy(), b, n)
+    assert torch.equal(nxt, ref_next) and torch.equal(sib, ref_sib)
+    assert torch.equal(pos.view(b, n), mask.sum(-1) - 1 + seq_lens.view(b, 1))
+    assert torch.equal(idx, torch.arange(b * n).view(b, n))

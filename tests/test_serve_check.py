@@ -186,13 +186,14 @@ def test_sglang_speculative_decoding_equals_plain_greedy_and_the_offline_replay(
     drafter, seq = _trained_drafter(tmp_path)
     prompts = [seq[i, :n].tolist() for i, n in enumerate((12, 17, 23))]  # the greedy text goes on from there
     res = run_serve_check(str(tiny_target_dir(tmp_path)), str(drafter), prompts, steps=3, max_new_tokens=32,
-                          speed_batches=[1, 2])
+                          speed_batches=[1, 2], ngram=True)
     print(json.dumps({k: v for k, v in res.items() if k != "per_prompt"}))
     from eagle_data.cli.train import serve_check_summary
 
     summary = serve_check_summary(res)  # what the command prints (the main job ended with raw JSON)
-    assert f"engine tau {res['engine']['tau']:.3f}, offline replay of the same drafts {res['offline']['tau']:.3f}" \
-        in summary and "speculative output equal to plain greedy: 3/3" in summary
+    iv = res["engine"]["interval"]
+    assert (f"engine tau {res['engine']['tau']:.3f} [{iv[0]:.3f}, {iv[1]:.3f}], offline replay of the same drafts "
+            f"{res['offline']['tau']:.3f}") in summary and "speculative output equal to plain greedy: 3/3" in summary
     assert summary.count("\ndecode at batch ") == 2 and "speculative" in summary.splitlines()[-1]
     assert [s["batch"] for s in res["speed"]] == [1, 2]
     assert all(s["plain_tokens_per_s"] > 0 and s["speculative_tokens_per_s"] > 0 for s in res["speed"])
@@ -203,3 +204,12 @@ def test_sglang_speculative_decoding_equals_plain_greedy_and_the_offline_replay(
         assert p["engine_verify_steps"] == p["offline_verify_steps"], p
         assert p["within_one_chain"], p
     assert abs(eng["tau"] - off["tau"]) <= 3 / eng["verify_steps"] * 3  # one chain of K=3 per prompt
+    # SGLang's own NGRAM on the same prompts (a fresh engine): greedy output unchanged, its own counts,
+    # each tau inside its interval over the 3 prompts
+    ng = res["ngram"]
+    assert ng["equal_to_plain"] == 3 and ng["verify_steps"] > 0 and 0 <= ng["accepted"] <= 3 * ng["verify_steps"]
+    for a in (eng, ng):
+        assert a["interval"][0] <= a["tau"] <= a["interval"][1], a
+    assert f"SGLang NGRAM, the same 4 tokens verified per step: engine tau {ng['tau']:.3f}" in summary
+    assert all(s["ngram_tokens_per_s"] > 0 and "NGRAM" in line
+               for s, line in zip(res["speed"], summary.splitlines()[-2:]))

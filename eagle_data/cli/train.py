@@ -223,7 +223,7 @@ def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_v
 def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_keys: Optional[str] = None,
                 num_prompts: int = 8, max_prompt_tokens: int = 384, max_new_tokens: int = 64, steps: int = 7,
                 dtype: str = "float32", device: str = "cpu", attention_backend: Optional[str] = None,
-                speed_batches: Optional[list[int]] = None, out: str = "out/serve-check") -> None:
+                speed_batches: Optional[list[int]] = None, ngram: bool = False, out: str = "out/serve-check") -> None:
     """Serve an exported drafter with SGLang's EAGLE-3 speculative decoding: engine tau vs offline tau.
 
     Chain drafting; the engine's tau is compared with the offline tau of the same drafter on the
@@ -253,6 +253,10 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
         speed_batches: decode tokens/s, plain vs speculative, at each of these batch sizes (e.g.
             ``[1, 32]``; batch 1: the first 8 prompts one at a time; batch b: the first b prompts
             together), on the engines of the check (on a GPU with SGLang's decode CUDA graphs).
+        ngram: also run SGLang's own NGRAM speculation (free: drafts from the text it has seen; the
+            same steps + 1 tokens verified per step, as a chain) on the same prompts, each engine
+            fresh: its engine tau with a 95 % interval over prompts beside the drafter's, and its
+            decode speed at ``speed_batches``.
         out: output folder for serve_check.json.
     """
     from eagle_train.serve_check import run_serve_check
@@ -261,7 +265,7 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
     target_path, exported, prompts, used = _serve_prompts(drafter, data, target, heldout_keys, num_prompts,
                                                            max_prompt_tokens)
     res = run_serve_check(target_path, drafter, prompts, steps=steps, max_new_tokens=max_new_tokens,
-                          dtype=dtype, device=device, exported=exported, speed_batches=speed_batches or (),
+                          dtype=dtype, device=device, exported=exported, speed_batches=speed_batches or (), ngram=ngram,
                           engine_kw={"attention_backend": attention_backend} if attention_backend else None)
     res["prompt_keys"] = used
     o = Path(out)
@@ -330,13 +334,24 @@ def _serve_prompts(drafter: str, data: str, target: Optional[str], heldout_keys:
     return target_path, exported, prompts, used
 
 
+def _interval(acceptance: dict[str, Any]) -> str:
+    iv = acceptance.get("interval")
+    return f" [{iv[0]:.3f}, {iv[1]:.3f}]" if iv else ""
+
+
 def serve_check_summary(res: dict[str, Any]) -> str:
     """A few lines of :func:`~eagle_train.serve_check.run_serve_check`'s result (the file has all)."""
     n = res["num_prompts"]
     lines = [f"serve-check ({res['dtype']}, {n} prompts, {res['steps']} draft steps): engine tau "
-             f"{res['engine']['tau']:.3f}, offline replay of the same drafts {res['offline']['tau']:.3f}; "
-             f"within one chain of the replay: {res['within_one_chain']}/{n}; speculative output equal to plain "
-             f"greedy: {res['equal_to_plain']}/{n}"]
-    lines += [f"decode at batch {p['batch']}: plain {p['plain_tokens_per_s']:.0f} tok/s, speculative "
-              f"{p['speculative_tokens_per_s']:.0f} tok/s ({p['speedup']:.2f}x)" for p in res.get("speed", ())]
+             f"{res['engine']['tau']:.3f}{_interval(res['engine'])}, offline replay of the same drafts "
+             f"{res['offline']['tau']:.3f}; within one chain of the replay: {res['within_one_chain']}/{n}; "
+             f"speculative output equal to plain greedy: {res['equal_to_plain']}/{n}"]
+    if "ngram" in res:
+        g = res["ngram"]
+        lines.append(f"SGLang NGRAM, the same {res['steps'] + 1} tokens verified per step: engine tau {g['tau']:.3f}"
+                     f"{_interval(g)}; output equal to plain greedy: {g['equal_to_plain']}/{n}")
+    for p in res.get("speed", ()):
+        ng = f", NGRAM {p['ngram_tokens_per_s']:.0f} tok/s ({p['ngram_speedup']:.2f}x)" if "ngram_speedup" in p else ""
+        lines.append(f"decode at batch {p['batch']}: plain {p['plain_tokens_per_s']:.0f} tok/s, speculative "
+                     f"{p['speculative_tokens_per_s']:.0f} tok/s ({p['speedup']:.2f}x){ng}")
     return "\n".join(lines)

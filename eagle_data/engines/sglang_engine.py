@@ -153,6 +153,23 @@ def spec_engine_kwargs(model_path: str, draft_model_path: str, dtype: str, devic
     return kw
 
 
+def ngram_engine_kwargs(model_path: str, dtype: str, device: str, *, draft_tokens: int, breadth: int = 1,
+                        **base: Any) -> dict[str, Any]:
+    """``sglang.Engine`` kwargs for SGLang's own NGRAM speculative decoding (no drafter: drafts from
+    a trie of the text it has seen, prompts and outputs), ``draft_tokens`` verified per step (a
+    chain when ``breadth`` is 1, as :func:`spec_engine_kwargs`'s ``steps + 1``). The trie learns
+    from every request: compare on a fresh engine."""
+    from eagle_data.checks import check_positive
+
+    check_positive(draft_tokens=draft_tokens, breadth=breadth)
+    if device == "cpu":
+        base.setdefault("attention_backend", CPU_SPEC_ATTENTION)
+    kw = base_engine_kwargs(model_path, dtype, device, **base)
+    kw.update(speculative_algorithm="NGRAM", speculative_num_draft_tokens=int(draft_tokens),
+              speculative_ngram_min_bfs_breadth=1, speculative_ngram_max_bfs_breadth=int(breadth))
+    return kw
+
+
 def base_engine_kwargs(model_path: str, dtype: str, device: str, *, tp_size: int = 1,
                        chunked_prefill_size: int | None = None, mem_fraction_static: float | None = None,
                        max_total_tokens: int | None = None, attention_backend: str | None = None,

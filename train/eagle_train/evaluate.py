@@ -155,13 +155,21 @@ def tau_interval(accepted: list[int], keys: list[str], resamples: int = 2000, se
     for a, k in zip(accepted, keys):
         by_key.setdefault(k, []).append(a)
     groups = list(by_key.values())
-    if len(groups) < 2:
+    return cluster_tau_interval([sum(g) for g in groups], [len(g) for g in groups], resamples, seed)
+
+
+def cluster_tau_interval(accepted: list[int], steps: list[int], resamples: int = 2000,
+                         seed: int = 0) -> list[float] | None:
+    """95 % percentile interval of tau = 1 + sum(accepted) / sum(steps) over clusters (a sample's
+    or a prompt's accepted drafts and verify steps), resampled whole with replacement; None with
+    fewer than 2 clusters or no step."""
+    if len(accepted) < 2 or sum(steps) == 0:
         return None
-    sums = torch.tensor([sum(g) for g in groups], dtype=torch.float64)
-    counts = torch.tensor([len(g) for g in groups], dtype=torch.float64)
+    sums = torch.tensor(accepted, dtype=torch.float64)
+    counts = torch.tensor(steps, dtype=torch.float64)
     gen = torch.Generator().manual_seed(seed)
-    pick = torch.randint(0, len(groups), (resamples, len(groups)), generator=gen)
-    taus = 1 + sums[pick].sum(1) / counts[pick].sum(1)
+    pick = torch.randint(0, len(accepted), (resamples, len(accepted)), generator=gen)
+    taus = 1 + sums[pick].sum(1) / counts[pick].sum(1).clamp_min(1)
     lo, hi = torch.quantile(taus, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
     return [round(lo, 4), round(hi, 4)]
 

@@ -101,9 +101,9 @@ def decode_speed(engine, prompts: list[list[int]], max_new_tokens: int, batch: i
 
 
 def _engine_run(kw: dict[str, Any], prompts: list[list[int]], max_new_tokens: int,
-                speed_batches: Sequence[int] = ()) -> tuple[list[dict], float, float, list[dict]]:
-    """Start an engine, generate, time ``speed_batches`` (:func:`decode_speed`), shut it down:
-    ``(results, start seconds, generate seconds, speeds)``."""
+                speed_batches: Sequence[int] = (), generate: bool = True) -> tuple[list[dict], float, float, list[dict]]:
+    """Start an engine, generate (unless not ``generate``), time ``speed_batches``
+    (:func:`decode_speed`), shut it down: ``(results, start seconds, generate seconds, speeds)``."""
     from eagle_data.engines.sglang_engine import start_engine
 
     t0 = time.perf_counter()
@@ -111,7 +111,7 @@ def _engine_run(kw: dict[str, Any], prompts: list[list[int]], max_new_tokens: in
     started = time.perf_counter() - t0
     try:
         t0 = time.perf_counter()
-        res = engine_generate(engine, prompts, max_new_tokens)
+        res = engine_generate(engine, prompts, max_new_tokens) if generate else []
         took = time.perf_counter() - t0
         return res, started, took, [decode_speed(engine, prompts, max_new_tokens, b) for b in speed_batches]
     finally:
@@ -119,7 +119,7 @@ def _engine_run(kw: dict[str, Any], prompts: list[list[int]], max_new_tokens: in
 
 
 def run_engine_apart(kw: dict[str, Any], prompts: list[list[int]], max_new_tokens: int,
-                     speed_batches: Sequence[int] = ()) -> tuple[list[dict], float, float, list[dict]]:
+                     speed_batches: Sequence[int] = (), generate: bool = True) -> tuple[list[dict], float, float, list[dict]]:
     """:func:`_engine_run` in a fresh (spawned) process. SGLang's shutdown kills every child of
     the process that started the engine, this process's multiprocessing resource tracker included;
     a later semaphore (tqdm's lock while loading the HF target) then unregisters with a new tracker,
@@ -128,7 +128,7 @@ def run_engine_apart(kw: dict[str, Any], prompts: list[list[int]], max_new_token
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-        return ex.submit(_engine_run, kw, prompts, max_new_tokens, tuple(speed_batches)).result()
+        return ex.submit(_engine_run, kw, prompts, max_new_tokens, tuple(speed_batches), generate).result()
 
 
 def acceptance_summary(accepted_per_step: list[int], steps: int) -> dict[str, Any]:
@@ -146,17 +146,30 @@ def histogram_steps(histogram: list[int]) -> list[int]:
     return [a for a, c in enumerate(histogram) for _ in range(c)]
 
 
+def engine_acceptance(plain: list[dict], spec: list[dict], steps: int) -> dict[str, Any]:
+    """An engine's speculation over the prompts: :func:`acceptance_summary` of its counters, the
+    95 % interval of its tau over prompts (:func:`eagle_train.evaluate.cluster_tau_interval`) and
+    how many outputs equal the plain ones."""
+    from eagle_train.evaluate import cluster_tau_interval
+
+    out = acceptance_summary([a for s in spec for a in histogram_steps(s["histogram"])], steps)
+    out["tau"] = 1 + sum(s["accepted"] for s in spec) / max(1, sum(s["verify_steps"] for s in spec))
+    out.update(verify_steps=sum(s["verify_steps"] for s in spec), accepted=sum(s["accepted"] for s in spec),
+               interval=cluster_tau_interval([s["accepted"] for s in spec], [s["verify_steps"] for s in spec]),
+               equal_to_plain=sum(p["output_ids"] == s["output_ids"] for p, s in zip(plain, spec)))
+    return out
+
+
 def compare_runs(plain: list[dict], spec: list[dict], replays: list[list[int]], steps: int) -> dict[str, Any]:
     """Per request and overall: outputs equal, verify steps and accepted drafts engine vs replay."""
-    per, engine_steps, offline_steps = [], [], []
+    per, offline_steps = [], []
     for p, s, r in zip(plain, spec, replays):
-        engine_steps += histogram_steps(s["histogram"])
         offline_steps += r
         per.append({"equal_to_plain": p["output_ids"] == s["output_ids"], "finish": s["finish"],
                     "engine_verify_steps": s["verify_steps"], "engine_accepted": s["accepted"],
                     "offline_verify_steps": len(r), "offline_accepted": sum(r),
                     "within_one_chain": abs(s["accepted"] - sum(r)) <= steps and abs(s["verify_steps"] - len(r)) <= 1})
-    return {"engine": acceptance_summary(engine_steps, steps), "offline": acceptance_summary(offline_steps, steps),
+    return {"engine": engine_acceptance(plain, spec, steps), "offline": acceptance_summary(offline_steps, steps),
             "equal_to_plain": sum(q["equal_to_plain"] for q in per), "within_one_chain": sum(q["within_one_chain"] for q in per),
             "num_prompts": len(per), "per_prompt": per}
 
@@ -164,14 +177,18 @@ def compare_runs(plain: list[dict], spec: list[dict], replays: list[list[int]], 
 def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, steps: int = 7,
                     max_new_tokens: int = 64, dtype: str = "float32", device: str = "cpu",
                     engine_kw: Optional[dict[str, Any]] = None, exported: Optional[tuple] = None,
-                    speed_batches: Sequence[int] = ()) -> dict[str, Any]:
+                    speed_batches: Sequence[int] = (), ngram: bool = False) -> dict[str, Any]:
     """Plain and speculative SGLang runs + the offline replay (module doc); returns
     :func:`compare_runs`'s summary plus ``seconds`` per phase and the settings, and ``speed`` (decode
     tokens/s plain vs speculative per batch size of ``speed_batches``). ``exported``: the
-    ``(drafter, aux_layer_ids)`` of ``drafter_dir`` when the caller has read it already."""
+    ``(drafter, aux_layer_ids)`` of ``drafter_dir`` when the caller has read it already.
+    ``ngram``: also SGLang's own NGRAM speculation (free: drafts from the text seen) with the same
+    ``steps + 1`` tokens verified per step, as a chain, on a fresh engine (its speed at each batch size
+    on another fresh one: its trie learns what it generates): ``out["ngram"]``, :func:`engine_acceptance`."""
     from eagle_data.checks import check_positive
     from eagle_data.engines.hf import HFBackend
-    from eagle_data.engines.sglang_engine import CPU_SPEC_ATTENTION, base_engine_kwargs, spec_engine_kwargs
+    from eagle_data.engines.sglang_engine import (CPU_SPEC_ATTENTION, base_engine_kwargs, ngram_engine_kwargs,
+                                                  spec_engine_kwargs)
     from eagle_train.evaluate import load_target
     from eagle_train.export import load_exported_drafter
 
@@ -184,10 +201,16 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
         extra.setdefault("attention_backend", CPU_SPEC_ATTENTION)  # plain runs the same attention as speculative
     seconds: dict[str, float] = {}
     runs, speeds = {}, {}
-    for name, kw in (("plain", base_engine_kwargs(target, dtype, device, **extra)),
-                     ("speculative", spec_engine_kwargs(target, drafter_dir, dtype, device, steps=steps, **extra))):
+    engines = [("plain", base_engine_kwargs(target, dtype, device, **extra)),
+               ("speculative", spec_engine_kwargs(target, drafter_dir, dtype, device, steps=steps, **extra))]
+    if ngram:
+        engines.append(("ngram", ngram_engine_kwargs(target, dtype, device, draft_tokens=steps + 1, **extra)))
+    for name, kw in engines:
         runs[name], seconds[f"{name}_start"], seconds[f"{name}_generate"], speeds[name] = run_engine_apart(
-            kw, prompts, max_new_tokens, speed_batches)
+            kw, prompts, max_new_tokens, () if name == "ngram" else speed_batches)
+    if ngram:  # each batch size on a fresh engine too: the trie would have seen these prompts' outputs
+        speeds["ngram"] = [run_engine_apart(engines[-1][1], prompts, max_new_tokens, [b], generate=False)[3][0]
+                           for b in speed_batches]
     t0 = time.perf_counter()
     hf = HFBackend(model=load_target(target, device), model_path=str(target), dtype="float32", aux_layer_ids=aux_ids,
                    device=device)
@@ -198,11 +221,15 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
         replays.append(replay_chains(drafter, aux, seq, len(p), steps) if s["output_ids"] else [])
     seconds["offline_replay"] = time.perf_counter() - t0
     out = compare_runs(runs["plain"], runs["speculative"], replays, steps)
+    if ngram:
+        out["ngram"] = engine_acceptance(runs["plain"], runs["ngram"], steps)
     if speed_batches:
         out["speed"] = [{"batch": p["batch"], "plain_tokens_per_s": p["tokens_per_s"],
                          "speculative_tokens_per_s": s["tokens_per_s"],
                          "speedup": round(s["tokens_per_s"] / p["tokens_per_s"], 3)}
                         for p, s in zip(speeds["plain"], speeds["speculative"])]
+        for row, n in zip(out["speed"], speeds.get("ngram", ())):
+            row.update(ngram_tokens_per_s=n["tokens_per_s"], ngram_speedup=round(n["tokens_per_s"] / row["plain_tokens_per_s"], 3))
     out.update(seconds={k: round(v, 2) for k, v in seconds.items()}, steps=steps, max_new_tokens=max_new_tokens,
                dtype=dtype, device=device, aux_layer_ids=aux_ids, target=str(target), drafter=str(drafter_dir))
     return out

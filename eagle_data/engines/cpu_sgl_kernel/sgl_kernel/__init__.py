@@ -22,7 +22,10 @@ cases of their tests, ``tests/test_cpu_sgl_kernel.py``), as Python names and as
   :func:`eagle_data.serve.engine.start_spec_engine`): the paged attention ops
   :func:`~.attention.decode_attention_cpu`, :func:`~.attention.extend_attention_cpu`; the draft tree
   :func:`~.tree_ops.build_tree_kernel_efficient_cpu`, :func:`~.tree_ops.verify_tree_greedy_cpu`; the
-  KV-slot bookkeeping in :mod:`.cache_ops`.
+  KV-slot bookkeeping in :mod:`.cache_ops`;
+* SGLang's NGRAM speculative decoding (same backend): the verify metadata of its draft trees,
+  :func:`~.speculative.reconstruct_indices_from_tree_mask` (tested against sglang's own host-side
+  reference).
 
 Every other name SGLang imports at module level on the CPU path exists so the import succeeds;
 calling it raises :class:`NotImplementedError` naming the op. Any other attribute is absent
