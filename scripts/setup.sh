@@ -12,8 +12,8 @@ if command -v flock >/dev/null; then
   flock 9
 fi
 
-# pip with its known noise dropped (setuptools' editable-install banner, an index warning, the
-# requirements of speculators' --no-deps wheel); a failing pip fails the call, its output shown
+# pip showing only its warnings and errors, known noise dropped (an index warning, the requirements
+# of speculators' --no-deps wheel); a failing pip fails the call with its whole output
 pip_q() {
   local log rc=0
   log=$(mktemp)
@@ -23,8 +23,7 @@ pip_q() {
     echo "setup: pip $* failed (exit $rc, output above)" >&2
     return "$rc"
   fi
-  grep -v -E "^WARNING: Location|^ERROR: pip's dependency resolver does not currently take into account|^speculators 0\.9\.0 requires " "$log" \
-    | awk '/BuildBackendWarning: Editable installation/ {skip=1} !skip {print} /with strategy, WheelFile/ {skip=0}' || true
+  grep -E "^(WARNING|ERROR)" "$log" | grep -v -E "^WARNING: Location|^ERROR: pip's dependency resolver does not currently take into account" || true
   rm -f "$log"
 }
 if [ ! -x .venv/bin/python ]; then
@@ -43,7 +42,7 @@ done
 if [ ! -f "$stamp" ]; then
   echo "setup: installing eagle-data[${extras}] into .venv (torch and friends, ~6 GB: minutes on a fresh machine)..."
   pip_q install --quiet --upgrade pip || echo "setup: pip could not upgrade itself; going on with the one there"
-  pip_q install --quiet -e ".[${extras}]"
+  pip_q install -e ".[${extras}]"  # (not --quiet: a failure shows pip's reasons, e.g. which requirement conflicts)
   if [[ ",$extras," == *",dev,"* ]]; then
     # The vLLM-format export is tested with the speculators package's own loader. Its wheel with
     # --no-deps (it requires torchaudio/torchvision, GBs its loader never touches, and an older

@@ -246,6 +246,10 @@ def test_split_of_local_data_and_backend_options_are_checked(tiny, tmp_path):
         run_extract(ExtractConfig(split="validation", **base))
     with pytest.raises(ValueError, match=r"backend_kwargs: the hf backend takes no option\(s\) \['foo'\]"):
         run_extract(ExtractConfig(backend_kwargs={"foo": 1}, **base))
+    for key, flag in (("out_dtype", "--storage_dtype"), ("dtype", "--dtype"), ("model_path", "--model"),
+                      ("aux_layer_ids", "--aux_layer_ids")):  # set by the run's own flags: never twice
+        with pytest.raises(ValueError, match=f"backend_kwargs: '{key}' is set by the run \\({flag}\\)"):
+            ExtractConfig(backend_kwargs={key: "x"}, **base)
     empty = tmp_path / "noweights"
     shutil.copytree(model, empty)
     (empty / "model.safetensors").unlink()

@@ -285,3 +285,21 @@ def test_the_options_checked_before_torch_loads_are_lightning_clis(monkeypatch):
     for section in ("model", "data", "trainer"):
         early = {name for name, option in section_options(section).items() if name == option}
         assert early == set(config[section]) - {"__path__"}, section
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor"], "would replace the config's list"),
+    (["--trainer.logger.init_args.save_dir", "x"], "would replace the config's whole 'logger'"),
+    (["--data", "configs/datamodule.yaml", "--data.batch_size", "2"], "--data given whole and --data.<option> both"),
+    (["--model.loss.ttt_steps.x", "3"], "unknown option --model.loss.ttt_steps.x; did you mean --model.loss.ttt_steps?"),
+])
+def test_train_refuses_options_that_would_drop_config_settings(args, says, capsys):
+    """Each section of ``eagle-data train`` is a plain dict: these forms would replace a config's list,
+    group or file without a word (a ModelCheckpoint callback, a logger, the data file's fields), so
+    they are refused at once, pointing to ``python -m eagle_train.cli fit``, which merges them."""
+    from eagle_data.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", "configs/train/smollm2_cpu.yaml", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and ("eagle_train.cli fit" in err), err

@@ -207,7 +207,7 @@ def test_sglang_speculative_decoding_equals_plain_greedy_and_the_offline_replay(
     # SGLang's own NGRAM on the same prompts (a fresh engine): greedy output unchanged, its own counts,
     # each tau inside its interval over the 3 prompts
     ng = res["ngram"]
-    assert ng["equal_to_plain"] == 3 and ng["verify_steps"] > 0 and 0 <= ng["accepted"] <= 3 * ng["verify_steps"]
+    assert ng["equal_to_plain"] == 3 and 0 < ng["accepted"] <= 3 * ng["verify_steps"]  # it drafted, and was right
     for a in (eng, ng):
         assert a["interval"][0] <= a["tau"] <= a["interval"][1], a
     assert f"SGLang NGRAM, the same 4 tokens verified per step: engine tau {ng['tau']:.3f}" in summary

@@ -82,7 +82,7 @@ def unknown_option(commands: dict[str, Any], argv: list[str], prog: str) -> str 
     for arg in argv[1:]:
         if arg == "--":
             break
-        name = arg[2:].split("=", 1)[0].split(".", 1)[0] if arg.startswith("--") else None
+        name = arg[2:].split("=", 1)[0].split(".", 1)[0].removesuffix("+") if arg.startswith("--") else None
         if name and name not in names:
             near = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
             return (f"{prog} {argv[0]}: unknown option --{name}" + (f"; did you mean --{near[0]}?" if near else "")

@@ -80,17 +80,39 @@ def train_option_typo(argv: list[str]) -> Optional[str]:
     """One line naming the first ``--model.*``, ``--data.*`` or ``--trainer.*`` option of
     ``eagle-data train`` that its section does not take, with the closest it does
     (:func:`eagle_train.option_names.unknown_option`: read from the classes' sources, before torch
-    loads); None if there is none (a config file's keys: LightningCLI checks them)."""
+    loads), or that would lose the config's settings silently here (:func:`_unmerged`); None if
+    there is none (a config file's keys: LightningCLI checks them)."""
     if not argv or argv[0] != "train":
         return None
     from eagle_train.option_names import unknown_option
 
-    for arg in argv[1:]:
-        if arg == "--":
-            break
-        name = arg[2:].partition("=")[0] if arg.startswith("--") else ""
-        if name.partition(".")[0] in ("model", "data", "trainer") and (typo := unknown_option(name)):
-            return f"eagle-data train: {typo} (every option: python -m eagle_train.cli fit --help)"
+    names = [a[2:].partition("=")[0] for a in argv[1:_options_end(argv)] if a.startswith("--")]
+    for name in names:
+        if name.partition(".")[0] in ("model", "data", "trainer"):
+            if (typo := unknown_option(name)) is not None:
+                return f"eagle-data train: {typo} (every option: python -m eagle_train.cli fit --help)"
+            if (merge := _unmerged(name, names)) is not None:
+                return f"eagle-data train: {merge}; or run python -m eagle_train.cli fit, which merges them"
+    return None
+
+
+def _options_end(argv: list[str]) -> int:
+    """Where ``argv``'s options end (a ``--`` or the end)."""
+    return argv.index("--") if "--" in argv else len(argv)
+
+
+def _unmerged(name: str, names: list[str]) -> Optional[str]:
+    """Why ``--NAME`` would lose settings silently here, where each section is a plain dict that
+    jsonargparse replaces or extends key by key (None: it would not): a list append inside a
+    section, an option two levels into ``--data``/``--trainer``, a section given whole beside its
+    own options."""
+    section, _, rest = name.partition(".")
+    if rest and name.endswith("+"):
+        return f"--{name} would replace the config's list, not append to it: give the whole list"
+    if section in ("data", "trainer") and rest.count(".") > 0:
+        return f"--{name} would replace the config's whole {rest.partition('.')[0]!r}: give it whole"
+    if not rest and any(n.startswith(section + ".") for n in names):
+        return f"--{section} given whole and --{section}.<option> both: the options would replace the whole"
     return None
 
 

@@ -11,7 +11,8 @@ from eagle_data.checks import check_option_types
 from eagle_data.engines.base import Backend, BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
 
 #: options the extraction sets itself (not ``backend_kwargs``)
-_SET_BY_RUN = ("model_path", "aux_layer_ids", "dtype", "device", "model")
+_SET_BY_RUN = ("model_path", "aux_layer_ids", "dtype", "device", "model", "out_dtype", "final_out_dtype",
+               "trust_remote_code")
 
 
 def make_backend(name: str, **kwargs) -> Backend:

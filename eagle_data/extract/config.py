@@ -96,6 +96,12 @@ class CommonConfig:
                 raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
 
 
+#: backend options a run sets from its own flags: never through ``backend_kwargs`` (one place each)
+SET_BY_FLAGS = {"model_path": "--model", "model": "--model", "dtype": "--dtype", "device": "--device",
+                "aux_layer_ids": "--aux_layer_ids", "trust_remote_code": "--trust_remote_code",
+                "out_dtype": "--storage_dtype", "final_out_dtype": "--final_storage_dtype"}
+
+
 @dataclass
 class ExtractConfig(CommonConfig):
     """Extract EAGLE-3 training data (aux + final hidden states) into WebDataset shards.
@@ -154,6 +160,9 @@ class ExtractConfig(CommonConfig):
             ValueError: naming the bad setting.
         """
         super().__post_init__()
+        for key, flag in SET_BY_FLAGS.items():
+            if key in self.backend_kwargs:
+                raise ValueError(f"backend_kwargs: {key!r} is set by the run ({flag}); give it there")
         if self.dataset_tag is not None and not self.dataset_tag.strip():
             raise ValueError("dataset_tag must be non-empty (or null: derived from the data name)")
         for name in ("shard_max_samples", "batch_tokens", "max_batch_size", "sort_window", "writers", "write_queue_gib",

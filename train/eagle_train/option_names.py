@@ -75,7 +75,7 @@ def unknown_option(option: str) -> Optional[str]:
     name, _, sub = rest.partition(".")
     group = section == "model" and name in GROUPS and sub
     if group:
-        valid, name = {f.name: f"{name}.{f.name}" for f in fields(GROUPS[name])}, sub.split(".")[0]
+        valid, name = {f.name: f"{name}.{f.name}" for f in fields(GROUPS[name])}, sub
     if name in valid:
         return None
     near = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.6)
