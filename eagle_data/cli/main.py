@@ -139,10 +139,10 @@ def _fail(e: BaseException, code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle_data.cli.train import grouped_print_config, model_group_fields, train_option_typo
+    from eagle_data.cli.train import grouped_print_config, model_group_fields, train_option_problem
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if (typo := train_option_typo(argv)) is not None:  # --data.batch_sise: now, not after torch loads
+    if (typo := train_option_problem(argv)) is not None:  # --data.batch_sise: now, not after torch loads
         print(f"error: {typo}", file=sys.stderr)
         sys.exit(2)
     with grouped_print_config(argv):

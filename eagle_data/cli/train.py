@@ -76,7 +76,7 @@ def model_group_fields(argv: list[str]) -> list[str]:
     return out
 
 
-def train_option_typo(argv: list[str]) -> Optional[str]:
+def train_option_problem(argv: list[str]) -> Optional[str]:
     """One line naming the first ``--model.*``, ``--data.*`` or ``--trainer.*`` option of
     ``eagle-data train`` that its section does not take, with the closest it does
     (:func:`eagle_train.option_names.unknown_option`: read from the classes' sources, before torch
