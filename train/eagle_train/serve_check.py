@@ -152,12 +152,11 @@ def engine_acceptance(plain: list[dict], spec: list[dict], steps: int) -> dict[s
     how many outputs equal the plain ones."""
     from eagle_train.evaluate import cluster_tau_interval
 
-    out = acceptance_summary([a for s in spec for a in histogram_steps(s["histogram"])], steps)
-    out["tau"] = 1 + sum(s["accepted"] for s in spec) / max(1, sum(s["verify_steps"] for s in spec))
-    out.update(verify_steps=sum(s["verify_steps"] for s in spec), accepted=sum(s["accepted"] for s in spec),
-               interval=cluster_tau_interval([s["accepted"] for s in spec], [s["verify_steps"] for s in spec]),
-               equal_to_plain=sum(p["output_ids"] == s["output_ids"] for p, s in zip(plain, spec)))
-    return out
+    accepted, verify = [s["accepted"] for s in spec], [s["verify_steps"] for s in spec]
+    by_position = acceptance_summary([a for s in spec for a in histogram_steps(s["histogram"])], steps)
+    return {"tau": 1 + sum(accepted) / max(1, sum(verify)), "verify_steps": sum(verify), "accepted": sum(accepted),
+            "accept_at_least": by_position["accept_at_least"], "interval": cluster_tau_interval(accepted, verify),
+            "equal_to_plain": sum(p["output_ids"] == s["output_ids"] for p, s in zip(plain, spec))}
 
 
 def compare_runs(plain: list[dict], spec: list[dict], replays: list[list[int]], steps: int) -> dict[str, Any]:
