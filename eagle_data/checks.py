@@ -6,6 +6,14 @@ import numbers
 import re
 
 
+#: the capture backends' options an extraction sets from its own flags (``{option: flag}``): never
+#: through ``backend_kwargs`` (:class:`~eagle_data.extract.config.ExtractConfig` refuses them before
+#: anything loads; :func:`~eagle_data.engines.make_backend` leaves them out of what it lists)
+BACKEND_OPTIONS_SET_BY_RUN = {"model_path": "--model", "model": "--model", "dtype": "--dtype", "device": "--device",
+                              "aux_layer_ids": "--aux_layer_ids", "trust_remote_code": "--trust_remote_code",
+                              "out_dtype": "--storage_dtype", "final_out_dtype": "--final_storage_dtype"}
+
+
 def check_positive(**args: int | None) -> None:
     """Refuse an integer argument below 1 (``None`` means "not given" and passes).
 

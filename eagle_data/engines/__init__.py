@@ -7,12 +7,9 @@ import dataclasses
 import inspect
 import sys
 
-from eagle_data.checks import check_option_types
+from eagle_data.checks import BACKEND_OPTIONS_SET_BY_RUN, check_option_types
 from eagle_data.engines.base import Backend, BackendInfo, Captured, default_aux_layer_ids, validate_aux_layer_ids
 
-#: options the extraction sets itself (not ``backend_kwargs``)
-_SET_BY_RUN = ("model_path", "aux_layer_ids", "dtype", "device", "model", "out_dtype", "final_out_dtype",
-               "trust_remote_code")
 
 
 def make_backend(name: str, **kwargs) -> Backend:
@@ -47,7 +44,7 @@ def make_backend(name: str, **kwargs) -> Backend:
         hints.update({f.name: f.type for f in dataclasses.fields(options)})
     unknown = sorted(k for k in kwargs if k not in hints or k.startswith("_"))
     if unknown:
-        takes = sorted(k for k in hints if not k.startswith("_") and k not in _SET_BY_RUN)
+        takes = sorted(k for k in hints if not k.startswith("_") and k not in BACKEND_OPTIONS_SET_BY_RUN)
         raise ValueError(f"backend_kwargs: the {name} backend takes no option(s) {unknown}; it takes {takes}")
     check_option_types(f"backend_kwargs of the {name} backend", kwargs, hints)
     if options is None:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from eagle_data.format.fp8 import to_storage
+from eagle_data.format.fp8 import finite_rows, to_storage
 from eagle_data.format.schema import hidden_dtype, storage_dtype_of
 from eagle_data.engines.base import (BackendInfo, Captured, check_served_aux_ids, default_aux_layer_ids,
                                              validate_aux_layer_ids)
@@ -233,8 +233,7 @@ class HFBackend:
                                f"[{b}, {t}] batch (keys {[k for k, _ in batch][:4]})")
         # [B] every stored value of the sample's tokens finite (fp8: its scales; padding rows ignored),
         # checked here, not on the host
-        ok = torch.stack([x.isfinite().all(-1) for x in (aux_s if aux_s is not None else aux,
-                                                          fin_s if fin_s is not None else fin)]).all(0)
+        ok = finite_rows(aux, aux_s) & finite_rows(fin, fin_s)  # [B, T]
         ok = (ok if attn is None else ok | (attn == 0)).all(-1)
         keys = [k for k, _ in batch]
         if not on_gpu:

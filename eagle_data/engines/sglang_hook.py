@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from eagle_data.engines.sglang_spool import write_error, write_piece
-from eagle_data.format.fp8 import to_storage
+from eagle_data.format.fp8 import finite_rows, to_storage
 from eagle_data.format.schema import storage_dtype_of
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ def stored_rows(input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
     out = {"input_ids": input_ids.to(torch.int64, copy=True), "aux": a.clone() if a is aux else a,
            "final": f.clone() if f is final else f}
     out.update({name: x for name, x in (("aux_scale", a_s), ("final_scale", f_s)) if x is not None})
-    out["ok"] = (a_s if a_s is not None else a).isfinite().all(-1) & (f_s if f_s is not None else f).isfinite().all(-1)
+    out["ok"] = finite_rows(a, a_s) & finite_rows(f, f_s)
     return out
 
 
@@ -249,7 +249,8 @@ class _Writer:
     wait at once (a single larger pass waits alone); :meth:`put` blocks only at that bound.
     """
 
-    def __init__(self, spool: str, max_bytes: int, dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None)):
+    def __init__(self, spool: str, max_bytes: int,
+                 dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None)):
         self.spool, self.max_bytes, self.dtypes = spool, max(1, max_bytes), dtypes
         self.seq, self.lock = itertools.count(), threading.Lock()
         self.busy, self.cond = 0, threading.Condition()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from eagle_data.checks import check_aux_layer_ids, check_device
+from eagle_data.checks import BACKEND_OPTIONS_SET_BY_RUN, check_aux_layer_ids, check_device
 from eagle_data.format.names import FINAL_ROWS, HIDDEN_DTYPE_NAMES, STORAGE_DTYPE_NAMES
 
 #: a value in ``template_vars`` / ``backend_kwargs``, kept as written: ``str`` first, else the
@@ -96,12 +96,6 @@ class CommonConfig:
                 raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
 
 
-#: backend options a run sets from its own flags: never through ``backend_kwargs`` (one place each)
-SET_BY_FLAGS = {"model_path": "--model", "model": "--model", "dtype": "--dtype", "device": "--device",
-                "aux_layer_ids": "--aux_layer_ids", "trust_remote_code": "--trust_remote_code",
-                "out_dtype": "--storage_dtype", "final_out_dtype": "--final_storage_dtype"}
-
-
 @dataclass
 class ExtractConfig(CommonConfig):
     """Extract EAGLE-3 training data (aux + final hidden states) into WebDataset shards.
@@ -160,7 +154,7 @@ class ExtractConfig(CommonConfig):
             ValueError: naming the bad setting.
         """
         super().__post_init__()
-        for key, flag in SET_BY_FLAGS.items():
+        for key, flag in BACKEND_OPTIONS_SET_BY_RUN.items():
             if key in self.backend_kwargs:
                 raise ValueError(f"backend_kwargs: {key!r} is set by the run ({flag}); give it there")
         if self.dataset_tag is not None and not self.dataset_tag.strip():

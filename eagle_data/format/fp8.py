@@ -67,6 +67,13 @@ def to_storage(x: torch.Tensor, dtype: torch.dtype, groups: int,
     return x.to(dtype), None
 
 
+def finite_rows(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """[...] bool of stored rows ``values`` [..., W] (``scale`` [..., G] when fp8, else None): every
+    stored value of the row finite; for fp8 its scales say it (:func:`quantize` with ``check=False``
+    gives a group holding NaN/Inf a non-finite scale)."""
+    return (scale if scale is not None else values).isfinite().all(-1)
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """``q`` [T, G*H] fp8, ``scale`` [T, G] -> [T, G*H] in ``dtype`` (into ``out`` when given)."""
