@@ -8,6 +8,7 @@ test_regenerate.py."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eagle_data.regen.config import RegenerateConfig
-from eagle_data.regen.engines import finish_of
+from eagle_data.regen.engines import BatchedGenerator, finish_of
 from eagle_data.regen.plan import Reply, split_reply
 from eagle_data.regen.run import run_regenerate
 from eagle_data.format.regen_layout import DATA_DIR, MANIFEST, REJECTS_DIR
@@ -24,12 +25,13 @@ MAX_LENGTH = 400
 LONG = "lorem " * 450  # > MAX_LENGTH tokens on its own
 
 
-class Scripted:
+class Scripted(BatchedGenerator):
     """A :class:`~eagle_data.regen.engines.Generator` whose reply is set by the last user message:
     ``ERR`` -> engine error, ``EMPTY`` -> blank reply, ``SPECIAL`` -> a special token's text,
     ``VERBOSE`` -> 30 words, else ``"reply N"`` (N = prompt length), ended by the end-of-turn token."""
 
     def __init__(self, tok):
+        super().__init__()
         self.tok, self.eot = tok, tok.convert_tokens_to_ids("<|im_end|>")
         self.calls = 0
 
@@ -53,6 +55,22 @@ class Scripted:
 
     def close(self):
         pass
+
+
+class Unordered(Scripted):
+    """:class:`Scripted` answering as a streaming engine does: each ``collect`` returns a random
+    non-empty subset of the requests in flight, in random order."""
+
+    def __init__(self, tok, seed: int):
+        super().__init__(tok)
+        self.rng, self.held = random.Random(seed), []
+
+    def collect(self):
+        self.held += super().collect()
+        self.rng.shuffle(self.held)
+        k = self.rng.randint(1, len(self.held)) if self.held else 0
+        out, self.held = self.held[:k], self.held[k:]
+        return out
 
 
 FEATURES = ["plain", "ERR", "EMPTY", "SPECIAL", "LONG", "TYPED"]
@@ -120,8 +138,11 @@ def _read(out: Path, sub: str) -> list[dict]:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(specs=st.lists(row_spec, min_size=1, max_size=12), mode=st.sampled_from(["all", "last"]),
-       per_part=st.integers(1, 5))
-def test_every_row_has_exactly_its_outcome(tmp_path_factory, tiny, specs, mode, per_part):
+       per_part=st.integers(1, 5), in_flight=st.integers(1, 6), order=st.none() | st.integers(0, 2**16))
+def test_every_row_has_exactly_its_outcome(tmp_path_factory, tiny, specs, mode, per_part, in_flight, order):
+    """Each row's outcome and record are the ones it was built to have, in source order, whatever the
+    bound on requests in flight and the order the engine answers in (``order``: a seed of
+    :class:`Unordered`; None: every request at once, as HF)."""
     from transformers import AutoTokenizer
 
     model, _ = tiny
@@ -130,14 +151,15 @@ def test_every_row_has_exactly_its_outcome(tmp_path_factory, tiny, specs, mode, 
     src = work / "chats.jsonl"
     lines = _write(src, specs)
     cfg = RegenerateConfig(out=str(work / "out"), model=str(model), data=str(src), mode=mode, max_new_tokens=8,
-                           max_length=MAX_LENGTH, rows_per_part=per_part, progress=False)
-    man = run_regenerate(cfg, generator=Scripted(tok), tokenizer=tok)
+                           max_length=MAX_LENGTH, rows_per_part=per_part, batch_size=in_flight, progress=False)
+    man = run_regenerate(cfg, generator=Scripted(tok) if order is None else Unordered(tok, order), tokenizer=tok)
     data, rejects = _read(work / "out", DATA_DIR), _read(work / "out", REJECTS_DIR)
 
     assert man["complete"] and man["input_rows"] == len(specs)
     assert man["regenerated"] + man["failed"] + man["skipped"] == len(specs)
     rows = [d["regeneration"]["row"] for d in data] + [r["row"] for r in rejects]
     assert sorted(rows) == list(range(len(specs)))  # each row exactly once
+    assert [d["regeneration"]["row"] for d in data] == sorted(d["regeneration"]["row"] for d in data)
     by_row = {d["regeneration"]["row"]: d for d in data}
     rej = {r["row"]: r for r in rejects}
     for i, (kind, x) in enumerate(specs):
@@ -497,7 +519,7 @@ def test_a_reply_is_the_text_the_model_wrote_or_fails_named(tiny, text, data):
     of the whole reply's); U+FFFD otherwise, or an id with no text, fails the row with its reason."""
     from transformers import AutoTokenizer
 
-    from eagle_data.regen.run import reply_text
+    from eagle_data.regen.regenerator import reply_text
 
     tok = AutoTokenizer.from_pretrained(tiny[0])
     ids = tok.encode(text, add_special_tokens=False)

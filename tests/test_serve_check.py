@@ -141,6 +141,27 @@ def test_cli_refuses_bad_input_before_starting_anything(tmp_path, capsys):
         assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
+def test_heldout_prompts_end_before_the_first_or_the_last_reply(tmp_path):
+    """Synthetic samples supervise every odd position: each is a reply start. ``first`` ends the
+    prompt before the first one (position 1), else before the last one within the limit; a held-out
+    fraction of 1.0 takes every key."""
+    from eagle_data.stream.index import load_index
+    from eagle_data.tools.read_samples import read_samples
+    from eagle_data.tools.synthetic import write_synthetic
+    from eagle_train.heldout import heldout_split
+    from eagle_train.serve_check import heldout_prompts
+
+    write_synthetic(tmp_path / "syn", [3, 2])
+    keys = heldout_split(tmp_path / "syn", 1.0)
+    assert keys == sorted(load_index(tmp_path / "syn")["key"]) and len(keys) == 5
+    ids = {k: v["input_ids"].tolist() for k, v in read_samples(tmp_path / "syn", keys).items()}
+    first, used = heldout_prompts(tmp_path / "syn", keys, 10, 4, first=True)
+    assert used == keys[:4] and first == [ids[k][:1] for k in used]
+    last, used = heldout_prompts(tmp_path / "syn", keys, 10, 4)
+    assert last == [ids[k][:max(t for t in range(1, min(len(ids[k]), 11)) if t % 2)] for k in used]
+    assert all(len(p) > 1 for p in last)
+
+
 def _trained_drafter(tmp_path: Path, steps: int = 300) -> tuple[Path, torch.Tensor]:
     """A drafter trained on the tiny target's own greedy continuations of 16 random prompts (TTT,
     3 steps), exported in float32, and those sequences [16, 48]: prompts taken from them are

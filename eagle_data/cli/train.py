@@ -243,7 +243,8 @@ def demo(path: str, out: str = "out/drafter-demo", minutes: float = 8.0, draft_v
 
 
 def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_keys: Optional[str] = None,
-                num_prompts: int = 8, max_prompt_tokens: int = 384, max_new_tokens: int = 64, steps: int = 7,
+                heldout_fraction: float = 0.1, num_prompts: int = 8, max_prompt_tokens: int = 384,
+                prompt_turn: Literal["first", "last"] = "last", max_new_tokens: int = 64, steps: int = 7,
                 dtype: str = "float32", device: str = "cpu", attention_backend: Optional[str] = None,
                 speed_batches: Optional[list[int]] = None, ngram: bool = False, out: str = "out/serve-check") -> None:
     """Serve an exported drafter with SGLang's EAGLE-3 speculative decoding: engine tau vs offline tau.
@@ -263,9 +264,14 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
         target: the target's HF folder ("smollm2": the embedded default; default: the dataset
             manifest's model_path).
         heldout_keys: JSON list of sample keys to take prompts from (e.g. the demo's
-            heldout_keys.json; default: the deterministic 10 % index split, as eval).
+            heldout_keys.json; default: the deterministic index split of ``heldout_fraction``, as eval).
+        heldout_fraction: without ``heldout_keys``: the fraction of the dataset's keys held out by
+            eval's deterministic index split (1.0: a dataset that is held out as a whole).
         num_prompts: prompts at most (>= 1).
-        max_prompt_tokens: a prompt ends at the start of the last assistant reply within this many tokens.
+        max_prompt_tokens: a prompt ends at the start of an assistant reply within this many tokens.
+        prompt_turn: which reply the prompt ends before: "first" (the conversation's opening
+            user turn(s), as a chat starts) or "last" (the last reply starting within
+            ``max_prompt_tokens``: the most context).
         max_new_tokens: tokens generated per prompt.
         steps: draft tokens per verify step K (speculative_num_steps; K + 1 verified).
         dtype: engine dtype (float32 or bfloat16).
@@ -284,8 +290,12 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
     from eagle_train.serve_check import run_serve_check
 
     _check_serve_args(num_prompts, max_prompt_tokens, max_new_tokens, steps, dtype, device, speed_batches, out)
-    target_path, exported, prompts, used = _serve_prompts(drafter, data, target, heldout_keys, num_prompts,
-                                                           max_prompt_tokens)
+    if not 0 < heldout_fraction <= 1:
+        raise ValueError(f"heldout_fraction must be in (0, 1], got {heldout_fraction}")
+    if prompt_turn not in ("first", "last"):
+        raise ValueError(f"prompt_turn must be first or last, got {prompt_turn!r}")
+    target_path, exported, prompts, used = _serve_prompts(drafter, data, target, heldout_keys, heldout_fraction,
+                                                           num_prompts, max_prompt_tokens, prompt_turn == "first")
     res = run_serve_check(target_path, drafter, prompts, steps=steps, max_new_tokens=max_new_tokens,
                           dtype=dtype, device=device, exported=exported, speed_batches=speed_batches or (), ngram=ngram,
                           engine_kw={"attention_backend": attention_backend} if attention_backend else None)
@@ -320,8 +330,8 @@ def _check_serve_args(num_prompts: int, max_prompt_tokens: int, max_new_tokens: 
                          "dev,sglang)")
 
 
-def _serve_prompts(drafter: str, data: str, target: Optional[str], heldout_keys: Optional[str], num_prompts: int,
-                   max_prompt_tokens: int) -> tuple[str, Any, list, list[str]]:
+def _serve_prompts(drafter: str, data: str, target: Optional[str], heldout_keys: Optional[str], fraction: float,
+                   num_prompts: int, max_prompt_tokens: int, first: bool) -> tuple[str, Any, list, list[str]]:
     """The target's folder, the exported drafter (read back) and the held-out prompts (with their keys)
     of :func:`serve_check`.
 
@@ -341,10 +351,10 @@ def _serve_prompts(drafter: str, data: str, target: Optional[str], heldout_keys:
         raise ValueError(f"target {target_path!r} is not a model folder (no config.json); give the HF folder of "
                          f"the target with --target")
     exported = load_exported_drafter(drafter, target_path)  # refuses a bad folder before anything is read or started
-    keys = read_key_list(heldout_keys, "--heldout_keys") if heldout_keys else heldout_split(data)
+    keys = read_key_list(heldout_keys, "--heldout_keys") if heldout_keys else heldout_split(data, fraction)
     if not keys:
         raise ValueError(f"--heldout_keys {heldout_keys!r} holds no keys")
-    prompts, used = heldout_prompts(data, keys, max_prompt_tokens, num_prompts)
+    prompts, used = heldout_prompts(data, keys, max_prompt_tokens, num_prompts, first=first)
     if not prompts:
         raise ValueError(f"{data}: none of the {len(keys)} held-out samples has an assistant reply starting "
                          f"within max_prompt_tokens={max_prompt_tokens}")

@@ -53,8 +53,9 @@ class RegenerateConfig(CommonConfig):
     split_reasoning: bool = True
     """a reply holding "</think>" is stored as reasoning_content (before it) + content (after it)"""
     batch_size: int = 32
-    """HF: prompts per generate call (sorted by length, left-padded). SGLang takes each round of a
-    part (up to rows_per_part requests) in one call and schedules them itself"""
+    """requests in flight at most (each row's next turn is asked for as soon as its reply is back):
+    HF generates them as one left-padded batch (sorted by length); SGLang schedules them itself, so
+    give it enough to fill the GPU (e.g. 1024)"""
     rows_per_part: int = 256
     """source rows per output part (the unit of crash safety and of the rank split)"""
 

@@ -1,5 +1,5 @@
 """Generation engines for :mod:`eagle_data.regen`: HF ``generate`` (reference: batched,
-left-padded) and SGLang's offline ``Engine`` (production: every request of a round in flight,
+left-padded) and SGLang's offline ``Engine`` (production: each request in flight on its own,
 ``input_ids`` in, radix cache on). Both stop at the same token ids and give the same
 :class:`~eagle_data.regen.plan.Reply`; greedy output of the two is equal token for token in
 float32 (tested on the tiny Llama on CPU).
@@ -9,6 +9,7 @@ Heavy imports (transformers, sglang) happen inside the engine that needs them.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 from typing import Any, Protocol, Sequence
@@ -21,11 +22,16 @@ log = logging.getLogger(__name__)
 
 
 class Generator(Protocol):
-    """What :func:`eagle_data.regen.run.run_regenerate` needs from an engine."""
+    """What :class:`eagle_data.regen.regenerator.Regenerator` needs from an engine: requests in,
+    replies out as they are ready."""
 
-    def generate(self, prompts: Sequence[list[int]], budgets: Sequence[int], seeds: Sequence[int]) -> list[Reply]:
-        """One :class:`Reply` per prompt: at most ``budgets[i]`` new tokens (>= 1), stopping at
-        the engine's stop ids; ``seeds[i]`` seeds sampling where the engine can seed per request."""
+    def submit(self, tag: int, prompt: list[int], budget: int, seed: int) -> None:
+        """Ask for one reply to ``prompt``: at most ``budget`` new tokens (>= 1), stopping at the
+        engine's stop ids; ``seed`` seeds sampling where the engine can seed per request."""
+        ...
+
+    def collect(self) -> list[tuple[int, Reply]]:
+        """Wait until at least one asked reply is ready; ``(tag, reply)`` of every ready one."""
         ...
 
     def describe(self) -> dict[str, Any]:
@@ -34,6 +40,29 @@ class Generator(Protocol):
 
     def close(self) -> None:
         ...
+
+
+class BatchedGenerator:
+    """:class:`Generator`'s ``submit``/``collect`` over a ``generate`` that answers a list of prompts
+    at once: ``collect`` generates every request asked since the last one."""
+
+    def __init__(self) -> None:
+        self._asked: list[tuple[int, list[int], int, int]] = []
+
+    def generate(self, prompts: Sequence[list[int]], budgets: Sequence[int], seeds: Sequence[int]) -> list[Reply]:
+        raise NotImplementedError
+
+    def submit(self, tag: int, prompt: list[int], budget: int, seed: int) -> None:
+        self._asked.append((tag, prompt, budget, seed))
+
+    def collect(self) -> list[tuple[int, Reply]]:
+        asked, self._asked = self._asked, []
+        if not asked:
+            return []
+        tags, prompts, budgets, seeds = zip(*asked)
+        replies = self.generate(prompts, budgets, seeds)
+        assert len(replies) == len(asked), "the engine answers every prompt"
+        return list(zip(tags, replies))
 
 
 def finish_of(generated: list[int], stop_ids: frozenset[int], budget: int) -> Reply:
@@ -46,7 +75,7 @@ def finish_of(generated: list[int], stop_ids: frozenset[int], budget: int) -> Re
     return Reply(kept, "length", len(kept))
 
 
-class HFGenerator:
+class HFGenerator(BatchedGenerator):
     """``transformers`` ``generate`` over left-padded batches of ``batch_size`` prompts
     (sorted by length), with a generation config built here: the model's own
     ``generation_config.json`` is not merged in (transformers would fill every unset field from
@@ -67,6 +96,7 @@ class HFGenerator:
                  top_k: int = -1, trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
+        super().__init__()
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype),
                                                           trust_remote_code=trust_remote_code).to(device).eval()
         self.stop_ids, self.pad_id, self.batch_size = stop_ids, int(pad_id), int(batch_size)
@@ -166,6 +196,9 @@ class SGLangGenerator:
         except TypeError as e:  # an engine option sglang does not know
             raise ValueError(f"backend_kwargs: sglang.Engine refused the options: {e}") from e
         self.stop_ids, self.dtype, self.device = stop_ids, dtype, device
+        self._asked: dict[asyncio.Task, tuple[int, int]] = {}  # in flight -> (tag, budget)
+        self._ready: list[asyncio.Task] = []  # answered, not collected yet
+        self._wake: asyncio.Future | None = None
         self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
 
     def describe(self) -> dict[str, Any]:
@@ -188,20 +221,31 @@ class SGLangGenerator:
             return Reply([], "", 0, f"engine finish_reason {fin}")
         return finish_of(list(o.get("output_ids") or []), self.stop_ids, budget)
 
-    def generate(self, prompts: Sequence[list[int]], budgets: Sequence[int], seeds: Sequence[int]) -> list[Reply]:
-        params = [self._params(b, s) for b, s in zip(budgets, seeds)]
-        try:
-            outs = self.engine.generate(input_ids=[list(p) for p in prompts], sampling_params=params)
-            return [self._reply(o, b) for o, b in zip(outs, budgets)]
-        except (RuntimeError, ValueError) as e:  # one bad request fails the call: isolate it
-            log.warning("SGLang generate failed on %d requests (%s: %s); retrying one by one", len(prompts),
-                        type(e).__name__, str(e)[:200])
+    def submit(self, tag: int, prompt: list[int], budget: int, seed: int) -> None:
+        coro = self.engine.async_generate(input_ids=list(prompt), sampling_params=self._params(budget, seed))
+        task = self.engine.loop.create_task(coro)  # sent when collect runs the loop
+        task.add_done_callback(self._on_done)
+        self._asked[task] = (tag, budget)
+
+    def _on_done(self, task: asyncio.Task) -> None:
+        self._ready.append(task)
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def collect(self) -> list[tuple[int, Reply]]:
+        loop = self.engine.loop
+        if self._asked and not self._ready:  # (a callback per task, not asyncio.wait over all in flight)
+            self._wake = loop.create_future()
+            loop.run_until_complete(self._wake)
+        loop.run_until_complete(asyncio.sleep(0))  # the replies that arrived with it
+        ready, self._ready = self._ready, []
         out = []
-        for p, b, prm in zip(prompts, budgets, params):
+        for task in ready:
+            tag, budget = self._asked.pop(task)
             try:
-                out.append(self._reply(self.engine.generate(input_ids=list(p), sampling_params=prm), b))
-            except (RuntimeError, ValueError) as e:
-                out.append(Reply([], "", 0, f"{type(e).__name__}: {str(e)[:300]}"))
+                out.append((tag, self._reply(task.result(), budget)))
+            except (RuntimeError, ValueError) as e:  # this request's failure (another exception: the run's)
+                out.append((tag, Reply([], "", 0, f"{type(e).__name__}: {str(e)[:300]}")))
         return out
 
     def close(self) -> None:

@@ -2,9 +2,9 @@
 
 Per part (see :mod:`eagle_data.regen.store`): every source row is read and validated as
 extraction does (:func:`~eagle_data.extract.conversations.normalize_record`), planned
-(:func:`~eagle_data.regen.plan.plan`), then generated in rounds: round *j* generates the
-*j*-th target turn of every row that has one, all of them in one engine call. Each row ends
-with exactly one outcome:
+(:func:`~eagle_data.regen.plan.plan`), then generated turn by turn, each row on its own
+(:mod:`eagle_data.regen.regenerator`: a row's next turn is asked for as soon as its reply is
+back; parts are published in source order). Each row ends with exactly one outcome:
 
 * ``regenerated``: written to ``data/`` (a record whose later turn had no room is cut there,
   note ``cut_at_max_length``);
@@ -25,12 +25,13 @@ reason, and the first ones are logged; nothing is dropped unsaid.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -39,173 +40,20 @@ from tqdm.auto import tqdm
 from eagle_data.engines.base import compute_dtype
 from eagle_data.extract.chat import ChatRenderer
 from eagle_data.extract.config import model_dir, rows_to_read
-from eagle_data.extract.conversations import normalize_record
-from eagle_data.extract.fault import BadRecord, DropCounter, Skip
+from eagle_data.extract.fault import DropCounter
 from eagle_data.extract.manifest import package_versions
 from eagle_data.extract.resume import open_out, out_path
 from eagle_data.format.fingerprint import weights_fingerprint
-from eagle_data.extract.mask import MaskError
 from eagle_data.extract.run import load_tokenizer
 from eagle_data.extract.sources import combine, iter_records, record_fingerprint
 from eagle_data.regen.config import RESUME_FIELDS, RegenerateConfig, check_paths
 from eagle_data.regen.engines import Generator, make_generator
-from eagle_data.regen.plan import Job, apply_reply, output_record, plan, split_reply, turn_seed
+from eagle_data.regen.regenerator import Part, Regenerator
 from eagle_data.format.regen_layout import MANIFEST
 from eagle_data.regen.store import PartRecord, RankProgress, summarize
 from eagle_data.regen.stops import stop_token_ids
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Part:
-    """Outcomes of one part's rows while it is generated."""
-    rejects: dict[int, dict[str, Any]] = field(default_factory=dict)
-    notes: Counter = field(default_factory=Counter)
-    tokens: int = 0
-    seconds: float = 0.0
-
-
-class Regenerator:
-    """Regenerates the rows of one part (see the module docstring) with a renderer and an engine."""
-
-    def __init__(self, cfg: RegenerateConfig, renderer: ChatRenderer, generator: Generator, settings_id: str,
-                 counter: DropCounter):
-        self.cfg, self.renderer, self.gen, self.settings_id = cfg, renderer, generator, settings_id
-        self.tok, self.counter = renderer.tokenizer, counter
-
-    def _reject(self, part: _Part, row: int, sid: str, outcome: str, reason: str, detail: str) -> None:
-        part.rejects[row] = {"row": row, "source_id": sid, "outcome": outcome, "reason": reason, "detail": detail}
-        self.counter.add(Skip(row, sid, reason, detail))
-
-    def _jobs(self, rows: list[tuple[int, Any]], part: _Part) -> list[Job]:
-        jobs = []
-        for row, rec in rows:
-            conv = normalize_record(row, rec)
-            if isinstance(conv, Skip):
-                self._reject(part, row, conv.source_id, "skipped", conv.reason, conv.detail)
-                continue
-            for reason, _ in conv.notes:
-                part.notes[reason] += 1
-            try:
-                jobs.append(plan(conv, rec, self.cfg.mode))
-            except BadRecord as e:
-                self._reject(part, row, conv.source_id, "skipped", e.reason, str(e))
-        return jobs
-
-    def _prompt(self, job: Job, part: _Part) -> list[int] | None:
-        """Token ids of the next target's prompt, or None (the row was rejected or cut)."""
-        msgs = job.conv.messages[:job.pending]
-        try:
-            self.renderer.check_text(msgs, job.conv.tools)
-            text = self.renderer.render(msgs, add_generation_prompt=True, tools=job.conv.tools)
-        except MaskError as e:
-            self._reject(part, job.row, job.source_id, "skipped", e.reason, str(e))
-            return None
-        except Exception as e:  # jinja2 TemplateError / raise_exception from the template
-            self._reject(part, job.row, job.source_id, "skipped", "template_error", f"{type(e).__name__}: {e}")
-            return None
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        if len(ids) < self.cfg.max_length:
-            return ids
-        self._end_early(job, part, "cut_at_max_length", "skipped", "context_too_long",
-                        f"message {job.pending}: the prompt has {len(ids)} tokens, max_length is {self.cfg.max_length}")
-        return None
-
-    def _end_early(self, job: Job, part: _Part, note: str, outcome: str, reason: str, detail: str) -> None:
-        """The job's next turn cannot be regenerated: in mode "all" after a regenerated turn the
-        record ends before it (``note``), else the row is rejected."""
-        if self.cfg.mode == "all" and job.done:
-            job.cut = True
-            part.notes[note] += 1
-        else:
-            self._reject(part, job.row, job.source_id, outcome, reason, detail)
-
-    def _take(self, job: Job, prompt: list[int], reply, part: _Part) -> None:
-        part.tokens += reply.num_generated
-        if reply.error is not None:
-            self._reject(part, job.row, job.source_id, "failed", "engine_error", reply.error)
-            return
-        ids, text, why = reply_text(self.tok, reply)
-        fields = split_reply(text, self.cfg.split_reasoning)
-        if why is not None:
-            self._reject(part, job.row, job.source_id, "failed", why[0], f"message {job.pending}: {why[1]}")
-        elif not any(v.strip() for v in fields.values()):
-            self._reject(part, job.row, job.source_id, "failed", "empty_reply",
-                         f"message {job.pending}: {len(reply.token_ids)} token(s), blank text ({reply.finish})")
-        elif (hit := self.renderer.find_special(text)) is not None:
-            self._reject(part, job.row, job.source_id, "failed", "special_token_in_reply",
-                         f"message {job.pending}: the reply holds {hit!r}, which extraction refuses")
-        elif reply.finish == "length" and self.cfg.length_replies == "reject":
-            self._end_early(job, part, "cut_at_length", "failed", "reply_at_length",
-                            f"message {job.pending}: the reply ran out of tokens ({len(reply.token_ids)})")
-        else:
-            apply_reply(job, job.pending, fields, reply.finish, len(prompt), len(ids))
-
-    def _check_extractable(self, job: Job, part: _Part) -> None:
-        """Reject (with extraction's own reason) a regenerated row that extraction would skip."""
-        msgs = job.conv.messages[:job.done[-1].message + 1] if job.cut else job.conv.messages
-        try:
-            enc = self.renderer.encode_normalized(msgs, job.conv.tools)
-            if not bool(enc.loss_mask[:self.cfg.max_length].any()):  # e.g. cut after its only trained turn
-                self._reject(part, job.row, job.source_id, "skipped", "no_loss_tokens",
-                             f"extraction would skip it: nothing supervised within max_length {self.cfg.max_length}")
-        except MaskError as e:
-            self._reject(part, job.row, job.source_id, "skipped", e.reason, f"extraction would skip it: {e}")
-        except Exception as e:  # the template raised on the whole conversation
-            self._reject(part, job.row, job.source_id, "skipped", "template_error",
-                         f"extraction would skip it: {type(e).__name__}: {e}")
-
-    def part(self, rows: list[tuple[int, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], _Part]:
-        """``(regenerated records, reject records, outcomes)`` of a part's ``(row, record)`` pairs."""
-        part = _Part()
-        jobs = self._jobs(rows, part)
-        while True:
-            live = [j for j in jobs if j.row not in part.rejects and j.pending is not None]
-            todo = [(j, p) for j in live if (p := self._prompt(j, part)) is not None]
-            if not todo:
-                break
-            budgets = [min(self.cfg.max_new_tokens, self.cfg.max_length - len(p)) for _, p in todo]
-            seeds = [turn_seed(self.cfg.seed, j.row, j.pending) for j, _ in todo]
-            t0 = time.perf_counter()
-            replies = self.gen.generate([p for _, p in todo], budgets, seeds)
-            part.seconds += time.perf_counter() - t0
-            assert len(replies) == len(todo), "the engine answers every prompt"
-            for (j, p), r in zip(todo, replies):
-                self._take(j, p, r, part)
-        for j in jobs:
-            if j.row not in part.rejects:
-                self._check_extractable(j, part)
-        data = [output_record(j, self.settings_id) for j in jobs if j.row not in part.rejects]
-        return data, [part.rejects[r] for r in sorted(part.rejects)], part
-
-
-def reply_text(tok: Any, reply: Any) -> tuple[list[int], str, tuple[str, str] | None]:
-    """``(token ids, text, failure)`` of a reply: its text is what extraction will tokenise, so it
-    must be what the model wrote. A reply cut by the token budget in the middle of a character
-    loses that partial character (up to 3 trailing tokens; decoded alone it is U+FFFD, which
-    re-tokenises into other tokens). Failure ``(reason, detail)``, else None:
-    ``token_id_out_of_range`` (an id past the tokenizer's vocabulary, i.e. a padded embedding row:
-    it decodes to nothing), ``invalid_utf8_reply`` (U+FFFD left that is not the model's own character
-    U+FFFD, i.e. the text does not tokenise back to its tokens: bytes that are not UTF-8)."""
-    ids, n_ids = list(reply.token_ids), len(tok)  # (len of a tokenizer is not free: once per reply)
-    bad = [t for t in ids if not 0 <= t < n_ids]
-    if bad:
-        return ids, "", ("token_id_out_of_range", f"the reply holds token id {bad[0]}, past the tokenizer's "
-                                                  f"{n_ids} ids: it has no text")
-    decode = lambda x: tok.decode(x, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
-    text = decode(ids)
-    if reply.finish == "length":
-        for _ in range(3):  # (a real U+FFFD at the very end may go too: the reply was cut there anyway)
-            if not (ids and text.endswith("\ufffd")):
-                break
-            ids = ids[:-1]
-            text = decode(ids)
-    if "\ufffd" in text and tok.encode(text, add_special_tokens=False) != ids:  # (a real U+FFFD round-trips)
-        return ids, text, ("invalid_utf8_reply", f"the reply decodes to U+FFFD at character {text.index(chr(0xfffd))} "
-                                                 f"and that text does not tokenise back to the model's tokens: its bytes "
-                                                 f"are not UTF-8 there")
-    return ids, text, None
 
 
 def _settings(cfg: RegenerateConfig, model_path: str, renderer: ChatRenderer, stops: frozenset[int]) -> dict[str, Any]:
@@ -290,10 +138,9 @@ def _engine(cfg: RegenerateConfig, model_path: str, tokenizer, stops: frozenset[
                           trust_remote_code=cfg.trust_remote_code, backend_kwargs=dict(cfg.backend_kwargs))
 
 
-def _part_record(start: int, end: int, rows: list[tuple[int, Any]], data: list[dict[str, Any]],
-                 rejects: list[dict[str, Any]], part: _Part) -> PartRecord:
+def _part_record(part: Part, data: list[dict[str, Any]], rejects: list[dict[str, Any]]) -> PartRecord:
     outcome = Counter(r["outcome"] for r in rejects)
-    return PartRecord(start, end, combine(record_fingerprint(r, x) for r, x in rows),
+    return PartRecord(part.start, part.end, combine(record_fingerprint(r, x) for r, x in part.rows),
                       {"regenerated": len(data), "failed": outcome["failed"], "skipped": outcome["skipped"]},
                       dict(Counter(r["reason"] for r in rejects)),
                       dict(Counter(f for d in data for f in d["regeneration"]["finish"])),
@@ -312,20 +159,23 @@ def _run(cfg: RegenerateConfig, out: Path, generator: Generator | None, renderer
     bar = tqdm(total=cfg.num_samples, desc=f"regenerate rank {cfg.rank}", unit="row", disable=not cfg.progress,
                dynamic_ncols=True)
     t0, rows_done, tokens, gen_s = time.perf_counter(), 0, 0, 0.0
-    regen, own = None, generator is None
+    own = generator is None
     _check_source(cfg, progress)
     try:
-        for start, end, rows in _work(cfg, progress, cfg.num_samples, rows_read):
-            if regen is None:  # there is work: the run is not complete until it ends
-                (out / MANIFEST).unlink(missing_ok=True)
-                generator = generator or _engine(cfg, model_path, tokenizer, stops)
-                progress.begin(generator.describe())
-                regen = Regenerator(cfg, renderer, generator, settings_id, counter)
-            data, rejects, part = regen.part(rows)
-            progress.publish(_part_record(start, end, rows, data, rejects, part), data, rejects)
-            rows_done, tokens, gen_s = rows_done + len(rows), tokens + part.tokens, gen_s + part.seconds
-            bar.update(len(rows))
-            bar.set_postfix(tok_s=f"{tokens / max(gen_s, 1e-9):.0f}", rejected=sum(counter.counts.values()))
+        work = _work(cfg, progress, cfg.num_samples, rows_read)
+        first = next(work, None)
+        if first is not None:  # there is work: the run is not complete until it ends
+            (out / MANIFEST).unlink(missing_ok=True)
+            generator = generator or _engine(cfg, model_path, tokenizer, stops)
+            progress.begin(generator.describe())
+            regen = Regenerator(cfg, renderer, generator, settings_id, counter)
+            for done in regen.stream(itertools.chain([first], work)):
+                p = done.part
+                progress.publish(_part_record(p, done.data, done.rejects), done.data, done.rejects)
+                rows_done, tokens, gen_s = rows_done + len(p.rows), tokens + p.tokens, gen_s + p.seconds
+                bar.update(len(p.rows))
+                bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f}",
+                                rejected=sum(counter.counts.values()))
         progress.finish(rows_read[0])
     finally:
         bar.close()

@@ -235,11 +235,11 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
 
 
 def heldout_prompts(dataset_dir: str | Path, keys: list[str], max_prompt_tokens: int,
-                    limit: int) -> tuple[list[list[int]], list[str]]:
+                    limit: int, first: bool = False) -> tuple[list[list[int]], list[str]]:
     """Up to ``limit`` prompts from held-out samples (``keys`` in sorted order, read a few at a
     time): each sample's tokens up to the start of its last assistant reply that begins within
-    ``max_prompt_tokens`` (the context the target answers); samples with no such reply are passed
-    over. Returns ``(prompts, their keys)``."""
+    ``max_prompt_tokens`` (the context the target answers), or its first reply (``first``);
+    samples with no such reply are passed over. Returns ``(prompts, their keys)``."""
     from eagle_data.tools.read_samples import read_samples
 
     prompts, used = [], []
@@ -251,6 +251,6 @@ def heldout_prompts(dataset_dir: str | Path, keys: list[str], max_prompt_tokens:
             ids, m = samples[key]["input_ids"], samples[key]["loss_mask"].bool()
             starts = [t for t in range(1, min(len(m), max_prompt_tokens + 1)) if m[t] and not m[t - 1]]
             if starts and len(prompts) < limit:
-                prompts.append(ids[:starts[-1]].tolist())
+                prompts.append(ids[:starts[0 if first else -1]].tolist())
                 used.append(key)
     return prompts, used
