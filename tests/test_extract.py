@@ -437,6 +437,22 @@ def test_skip_log_holds_the_current_state_after_a_rerun(tmp_path, model_dir):
     assert m["skip_counts"] == {"unknown_role": 1} and [(x["row"], x["reason"]) for x in log] == [(1, "unknown_role")]
 
 
+def test_skip_log_keeps_earlier_lines_holding_line_separators(tmp_path, model_dir):
+    """A rerun over fewer rows keeps the earlier run's skip lines of the rows it does not read; JSON
+    text keeps U+2028 and U+0085 raw, so reading the log back by ``splitlines`` cut such a line
+    and dropped it."""
+    rows = [json.dumps({**GOOD[i % 2], "id": f"r{i}"}) for i in range(4)]
+    bad = json.dumps({"id": "bad\u2028one\x85", "conversations": [{"from": "alien", "value": "x"},
+                                                                   {"from": "gpt", "value": "y"}]}, ensure_ascii=False)
+    data, out = tmp_path / "chats.jsonl", tmp_path / "ds"
+    data.write_text("\n".join([rows[0], bad, *rows[1:]]) + "\n", encoding="utf-8")
+    run_extract(cfg(out, model_dir, data))
+    m = run_extract(cfg(out, model_dir, data, num_samples=1))  # row 1 is not read again
+    log = [json.loads(x) for x in (out / "skips-00000.jsonl").read_text(encoding="utf-8").split("\n") if x]
+    assert m["skip_counts"] == {"unknown_role": 1} and m["num_samples"] == 4
+    assert [(x["row"], x["id"], x["reason"]) for x in log] == [(1, "bad\u2028one\x85", "unknown_role")]
+
+
 def test_model_folder_without_tokenizer_is_a_clear_error(tmp_path, data_file):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")

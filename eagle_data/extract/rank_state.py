@@ -231,7 +231,9 @@ def _reopen_skip_log(path: Path, state: dict[str, Any]):
     does not decide again (``state`` after pruning), then open for appending."""
     kept = []
     if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in path.read_text(encoding="utf-8").split("\n"):  # (not splitlines: U+2028 is in JSON text)
+            if not line:
+                continue
             try:
                 x = json.loads(line)
             except json.JSONDecodeError:
