@@ -87,7 +87,8 @@ def _capture_run(model_path: str, prompts, dtype, device, aux_layer_ids, common:
             sink.close()
             sink, written = None, sink.bytes_written
         res: dict[str, Any] = {"seconds": time.perf_counter() - t0, "startup_s": be.startup_s,
-                               "bytes_per_token": first.aux_hidden_states[0].nbytes + first.hidden_states[0].nbytes}
+                               "bytes_per_token": first.aux_hidden_states[0].nbytes + first.hidden_states[0].nbytes,
+                               "hook": be.hook_stats(), "collect": dict(be.collect_stats)}
         if write_dir is not None:
             res["shard_bytes"] = written
         return res

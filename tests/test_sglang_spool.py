@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections import Counter
 from enum import Enum
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ import torch
 
 from eagle_data.engines.sglang_hook import hook_specs, make_capture_hook, make_layer_hook
 from eagle_data.engines.sglang_spool import (SPOOL_PREFIX, Piece, Spool, StitchError, list_spool, read_error,
-                                              read_piece, remove_stale_spools, stitch, write_piece)
+                                              read_hook_stats, read_piece, remove_stale_spools, stitch, write_piece)
 
 H, K = 4, 3
 
@@ -203,6 +204,9 @@ def test_hook_splits_a_pass_by_rid_and_prefix(tmp_path, packed):
     assert p1.offset == 0 and torch.equal(p1.aux, aux[:5]) and torch.equal(p1.final, fin[:5])
     assert p2.offset == 128 and torch.equal(p2.input_ids, ids[12:]) and torch.equal(p2.aux, aux[12:])
     assert p2.seq > p1.seq
+    st = read_hook_stats(tmp_path)  # one pass, two pieces, all of the pass's rows (the foreign ones too)
+    assert (st["passes"], st["pieces"], st["bytes"]) == (1, 2, sum(x.nbytes for x in (ids, aux, fin)) + 135)
+    assert st["put_s"] > 0 and st["write_s"] > 0 and st["pin_s"] == 0  # (pinned buffers only on a GPU)
 
 
 def test_hook_ignores_decode_and_refuses_mixed_and_bad_batches(tmp_path):
@@ -358,12 +362,37 @@ def _collector(tmp_path, timeout):
     from eagle_data.engines.sglang import SGLangBackend
     be = SGLangBackend.__new__(SGLangBackend)
     be.spool, be.collect_timeout_s, be._chunks = SimpleNamespace(path=tmp_path), timeout, {}
+    be.collect_stats = Counter()
     return be
 
 
 def _collect(be, ids):
     import asyncio
     return asyncio.run(be._collect("sample_7", ids, "ed1-7", {"meta_info": {"prompt_tokens": ids.shape[0]}}))
+
+
+def test_collect_reads_each_chunk_once_while_waiting_for_the_rest(tmp_path, monkeypatch):
+    """Rows [0, 4) arrive first, [4, 6) after many polls: each chunk file is read once, and the
+    joined rows are the writer's."""
+    import eagle_data.engines.sglang as sg
+
+    ids, aux, fin = _rows(6)
+    reads = []
+    monkeypatch.setattr(sg, "read_piece", lambda p: reads.append(p.name) or read_piece(p))
+    write_piece(tmp_path, "ed1-7", 0, 1, ids[:4], aux[:4], fin[:4])
+
+    def late_writer():
+        threading.Event().wait(0.3)  # ~30 polls of 10 ms
+        write_piece(tmp_path, "ed1-7", 4, 2, ids[4:], aux[4:], fin[4:])
+
+    t = threading.Thread(target=late_writer)
+    t.start()
+    be = _collector(tmp_path, 5.0)
+    got = _collect(be, ids)
+    t.join()
+    assert torch.equal(got.aux_hidden_states, aux) and torch.equal(got.hidden_states, fin)
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == 2
+    assert be.collect_stats["files_read"] == 2 and be.collect_stats["polls"] > 2
 
 
 def test_collect_waits_while_the_spool_changes_and_gives_up_when_it_stops(tmp_path):

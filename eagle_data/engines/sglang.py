@@ -44,6 +44,7 @@ import logging
 import os
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
@@ -57,7 +58,8 @@ from eagle_data.engines.sglang_engine import (CPU_KERNEL_DIR, base_engine_kwargs
                                               check_capture_invariants, check_version, model_facts,
                                               prepare_cpu_environment, scoped_shutdown, start_engine)
 from eagle_data.engines.sglang_hook import hook_specs
-from eagle_data.engines.sglang_spool import RowsMissing, Spool, StitchError, list_spool, read_error, read_piece, stitch
+from eagle_data.engines.sglang_spool import (Piece, RowsMissing, Spool, StitchError, list_spool, read_error,
+                                            read_hook_stats, read_piece, stitch)
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +154,8 @@ class SGLangBackend:
         self._prefix = f"ed{uuid.uuid4().hex[:8]}-"
         self._counter = 0
         self.last_chunks: dict[str, int] = {}  # key -> prefill chunks stitched, last capture()
+        # from the engine's answer to the rows joined: seconds summed over requests, spool polls, files read
+        self.collect_stats: Counter = Counter(collect_s=0.0, polls=0, files_read=0)
         self._budget = None
         self._orphans: set[str] = set()  # rids of cancelled requests
         self._chunks: dict[str, int] = {}  # rid -> chunks stitched, until its batch is yielded
@@ -346,16 +350,27 @@ class SGLangBackend:
             raise StitchError(f"sample {key!r}: engine reports prompt_tokens={meta.get('prompt_tokens')}, "
                               f"cached_tokens={meta.get('cached_tokens')} for {t} tokens")
         deadline, seen = time.monotonic() + self.collect_timeout_s, None
+        pieces: dict[Path, Piece] = {}  # each file read once, however often the rows are found incomplete
+
+        def read_and_stitch(files: list[Path]) -> dict[str, torch.Tensor]:
+            new = [p for p in files if p not in pieces]
+            pieces.update((p, read_piece(p)) for p in new)
+            self.collect_stats["files_read"] += len(new)
+            return stitch(key, ids, [pieces[p] for p in files])
+
+        t0 = time.perf_counter()
         while True:
+            self.collect_stats["polls"] += 1
             files = [p for p in self.spool.path.glob(f"{rid}@*") if not p.name.endswith(".tmp")]
             try:
                 errs = [p for p in files if "@ERROR@" in p.name]
                 if errs:
                     raise RuntimeError(f"sample {key!r}: capture hook refused a forward pass: {read_error(errs[0])}")
                 # read and joined in a thread: the engine's event loop keeps sending and receiving meanwhile
-                got = await asyncio.to_thread(lambda: stitch(key, ids, [read_piece(p) for p in files]))
+                got = await asyncio.to_thread(read_and_stitch, files)
                 Spool.remove(files)
                 self._chunks[rid] = len(files)
+                self.collect_stats["collect_s"] += time.perf_counter() - t0
                 return Captured(key, got["aux"], got["final"], got.get("aux_scale"), got.get("final_scale"),
                                 bool(got["ok"].all()) if "ok" in got else None)
             except RowsMissing as e:  # pieces may still be arriving
@@ -369,6 +384,11 @@ class SGLangBackend:
                 Spool.remove(files)
                 raise
             await asyncio.sleep(0.01)
+
+    def hook_stats(self) -> dict[str, float]:
+        """The capture hook's timings so far (seconds per step, passes, bytes; see
+        :class:`~eagle_data.engines.sglang_hook._Writer`), as it last wrote them to the spool."""
+        return read_hook_stats(self.spool.path)
 
     def close(self) -> None:
         """Shut the engine down and delete the spool (idempotent).

@@ -53,11 +53,13 @@ import logging
 import os
 import queue
 import threading
+import time
+from collections import Counter
 from typing import Any
 
 import torch
 
-from eagle_data.engines.sglang_spool import write_error, write_piece
+from eagle_data.engines.sglang_spool import write_error, write_hook_stats, write_piece
 from eagle_data.format.fp8 import finite_rows, to_storage
 from eagle_data.format.schema import storage_dtype_of
 
@@ -247,6 +249,10 @@ class _Writer:
     GPU: the rows in their storage dtypes (:func:`stored_rows`) are copied to pinned host memory on a
     side stream; the thread waits for the copy's event, then writes. At most ``max_bytes`` of passes
     wait at once (a single larger pass waits alone); :meth:`put` blocks only at that bound.
+    ``stats``: seconds spent per step (``put``: the scheduler thread's share, of which ``pin``
+    allocating pinned buffers and ``bound`` waiting at the bound; ``copy_wait`` and ``write``: the
+    writer thread's), passes and bytes; rewritten to the spool's
+    :data:`~eagle_data.engines.sglang_spool.HOOK_STATS` after each pass's pieces.
     """
 
     def __init__(self, spool: str, max_bytes: int,
@@ -256,6 +262,8 @@ class _Writer:
         self.busy, self.cond = 0, threading.Condition()
         self.q: queue.Queue = queue.Queue()
         self.stream = None
+        self.stats: Counter = Counter(dict.fromkeys(  # every key now: the writer thread copies it meanwhile
+            ("put_s", "pin_s", "bound_s", "copy_wait_s", "write_s", "passes", "pieces", "bytes"), 0))
         threading.Thread(target=self._run, name="eagle-data-spool-writer", daemon=True).start()
 
     def next_seq(self) -> int:
@@ -266,12 +274,15 @@ class _Writer:
         """``rows``: ``(rid, offset, seq, start, n)`` for each of our requests in the pass."""
         if not rows:
             return
+        t0 = time.perf_counter()
         fresh = stored_rows(input_ids, aux, final, self.dtypes)  # on the engine's stream
         event = None
         if aux.device.type == "cuda":
             self.stream = self.stream or torch.cuda.Stream(aux.device)
             self.stream.wait_stream(torch.cuda.current_stream(aux.device))
+            t1 = time.perf_counter()
             host = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in fresh.items()}
+            self.stats["pin_s"] += time.perf_counter() - t1
             with torch.cuda.stream(self.stream):
                 for k, t in fresh.items():
                     host[k].copy_(t, non_blocking=True)
@@ -280,17 +291,21 @@ class _Writer:
                 event.record(self.stream)
             fresh = host
         size = sum(t.numel() * t.element_size() for t in fresh.values())
+        t1 = time.perf_counter()
         with self.cond:
             self.cond.wait_for(lambda: self.busy == 0 or self.busy + size <= self.max_bytes)
             self.busy += size
+        self.stats.update(bound_s=time.perf_counter() - t1, put_s=time.perf_counter() - t0, passes=1, bytes=size)
         self.q.put((fresh, event, rows, size))
 
     def _run(self) -> None:
         while True:
             t, event, rows, size = self.q.get()
             try:
+                t0 = time.perf_counter()
                 if event is not None:
                     event.synchronize()
+                t1 = time.perf_counter()
                 for rid, off, seq, start, n in rows:
                     sl = slice(start, start + n)
                     extra = {k: x[sl] for k, x in t.items() if k not in ("input_ids", "aux", "final")}
@@ -298,6 +313,11 @@ class _Writer:
                         write_piece(self.spool, rid, off, seq, t["input_ids"][sl], t["aux"][sl], t["final"][sl], extra)
                     except Exception as e:  # the backend raises it naming the sample
                         write_error(self.spool, rid, seq, f"capture hook failed to write rows: {e!r}")
+                self.stats.update(copy_wait_s=t1 - t0, write_s=time.perf_counter() - t1, pieces=len(rows))
+                try:
+                    write_hook_stats(self.spool, dict(self.stats))
+                except OSError:  # diagnostics only: a full spool is reported by the pieces' own writes
+                    pass
             finally:
                 with self.cond:
                     self.busy -= size

@@ -8,6 +8,7 @@ Spool layout (one directory per backend instance, default under ``/dev/shm``)::
     eagle-data-sglang-<pid>-<hex>/
         <rid>@<offset:010d>@<seq:010d>.safetensors   one prefill chunk of one request
         <rid>@ERROR@<seq:010d>.json                   the hook refused a forward pass
+        hook-stats.json                                the hook's timings so far (:data:`HOOK_STATS`)
 
 A chunk file holds ``input_ids`` [n] int64, ``aux`` [n, K*H] and ``final`` [n, H] in their
 storage dtypes (the model dtype, bit-exact, or fp8 quantised on the device), and per-row extras:
@@ -38,6 +39,8 @@ from safetensors.torch import load_file
 from eagle_data.host import pid_alive
 
 SPOOL_PREFIX = "eagle-data-sglang-"
+#: the capture hook's running timings (seconds and counts, rewritten every few seconds; diagnostics only)
+HOOK_STATS = "hook-stats.json"
 _PIECE_RE = re.compile(r"^(?P<rid>.+)@(?P<off>\d{10}|ERROR)@(?P<seq>\d{10})\.(?P<ext>safetensors|json)$")
 
 
@@ -186,6 +189,22 @@ def write_error(spool: str | os.PathLike, rid: str, seq: int, message: str) -> P
     tmp.write_text(json.dumps({"rid": rid, "error": message}))
     os.replace(tmp, path)
     return path
+
+
+def write_hook_stats(spool: str | os.PathLike, stats: dict[str, float]) -> None:
+    """Replace the hook's timings file (:data:`HOOK_STATS`) with ``stats``."""
+    path = Path(spool) / HOOK_STATS
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(stats, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def read_hook_stats(spool: str | os.PathLike) -> dict[str, float]:
+    """The hook's latest timings (:data:`HOOK_STATS`), ``{}`` before its first write."""
+    try:
+        return json.loads((Path(spool) / HOOK_STATS).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def list_spool(spool: str | os.PathLike) -> dict[str, list[tuple[str, Path]]]:
