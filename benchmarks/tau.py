@@ -5,7 +5,8 @@ regenerate``, as child processes):
 * ``prep``: ShareGPT rows [0, N) -> ``OUT/train.jsonl``, rows [17000, 17000 + HELD) ->
   ``OUT/heldout.jsonl`` (kept when both exist already, e.g. carried to a machine without network);
 * ``regen`` (with ``--regenerate true``): SmolLM2 writes every assistant turn of the training rows
-  itself (greedy) -> ``OUT/regen``, which extraction then reads instead of ``OUT/train.jsonl``;
+  itself (greedy) -> ``OUT/regen``, which extraction then reads instead of ``OUT/train.jsonl``
+  (``regen_ranks`` processes at once, logs ``OUT/regen_R.log``);
 * ``extract``: both sets with SmolLM2 (the training set stored as ``storage_dtype``, the held-out
   one as served), then the draft vocabulary of the training set;
 * ``tune`` (with ``variants`` or ``lrs``): a short run per variant side by side, cosine over
@@ -17,7 +18,12 @@ regenerate``, as child processes):
 * ``control``: the same training with the target's features zeroed, up to the first mark
   (``OUT/run_zero``);
 * ``eval``: τ of each checkpoint on the first ``eval_samples`` held-out keys, 16 positions each,
-  K=7, beside the untrained drafter and prompt lookup (95 % intervals), all at once; then a table.
+  K=7, beside the untrained drafter and prompt lookup (95 % intervals), all at once; then a table;
+* ``serve``: the last mark's checkpoint exported (``OUT/drafter``) and served by SGLang
+  (``eagle-data serve-check``): EAGLE-3 with it vs SGLang's own NGRAM speculation vs plain decoding
+  on the opening user turns of ``serve_prompts`` held-out conversations, K=7 chains, greedy: engine
+  accept length (95 % intervals over prompts), the offline replay of the same drafts, decode
+  tokens/s at ``serve_speed_batches`` -> ``OUT/serve/serve_check.json``.
 
 GPU: ``python -m benchmarks tau --out out/tau --num_train 8769 --lrs '[3e-4, 6e-4, 1.2e-3]'``.
 CPU smoke test (~7 min on 2 cores; the GPU config's 65,536-token batches and 8 workers alone take
@@ -59,7 +65,7 @@ def run_tau(cfg: TauConfig) -> None:
     if "prep" in cfg.phases and not (_nonempty(out / "train.jsonl") and _nonempty(out / "heldout.jsonl")):
         prep(out, cfg.num_train, cfg.num_heldout)
     if "regen" in cfg.phases and cfg.regenerate:
-        _last_line("regen", _regenerate_command(cfg))
+        regen(cfg)
     if "extract" in cfg.phases:
         for part in ("train", "heldout"):
             _last_line("extract", _extract_command(cfg, part))
@@ -76,6 +82,8 @@ def run_tau(cfg: TauConfig) -> None:
         _check("control", train_command(cfg, out / "run_zero", names[:1], lr, True, train_args))
     if "eval" in cfg.phases:
         evaluate(cfg, names)
+    if "serve" in cfg.phases:
+        serve(cfg, names[-1])
 
 
 def prep(out: Path, num_train: int, num_heldout: int) -> None:
@@ -198,6 +206,46 @@ def eval_targets(cfg: TauConfig, names: list[str]) -> list[tuple[str, str, bool]
             else:
                 print(f"eval: tune variant {w} has no checkpoint")
     return evals
+
+
+def regen(cfg: TauConfig) -> None:
+    """``regen_ranks`` regenerate processes at once over the training rows (logs ``OUT/regen_R.log``).
+
+    Raises:
+        TauPhaseFailed: a rank failed (the others ran to their end; rerun to resume).
+    """
+    n = cfg.regen_ranks
+    cmds = [_regenerate_command(cfg) + (["--rank", str(r), "--world_size", str(n)] if n > 1 else []) for r in range(n)]
+    failed = [r for r, rc in enumerate(_run_all([(c, Path(cfg.out) / f"regen_{r}.log") for r, c in enumerate(cmds)]))
+              if rc != 0]
+    if failed:
+        raise TauPhaseFailed(f"regen: rank(s) {failed} failed (see {cfg.out}/regen_R.log); rerun to resume")
+    print(f"{cfg.out}/regen")
+
+
+def serve(cfg: TauConfig, mark: str) -> None:
+    """Export checkpoint ``OUT/run/at_{mark}min.ckpt`` and serve-check it (see the module docstring).
+
+    Raises:
+        TauPhaseFailed: no such checkpoint, or a command failed.
+    """
+    out = Path(cfg.out)
+    ckpt = out / "run" / f"at_{mark}min.ckpt"
+    if not ckpt.is_file():
+        raise TauPhaseFailed(f"serve: no checkpoint {ckpt} (train first)")
+    _check("serve", _eagle_data("export", str(ckpt), str(out / "drafter"), "--overwrite", "true"))
+    _check("serve", serve_command(cfg))
+
+
+def serve_command(cfg: TauConfig) -> list[str]:
+    """``eagle-data serve-check`` of ``OUT/drafter`` on the held-out set (bf16 on a GPU, fp32 on CPU)."""
+    return _eagle_data("serve-check", f"{cfg.out}/drafter", f"{cfg.out}/heldout", "--heldout_fraction", "1.0",
+                       "--prompt_turn", "first", "--ngram", "true", "--num_prompts", str(cfg.serve_prompts),
+                       "--max_prompt_tokens", "1024", "--max_new_tokens", str(cfg.serve_new_tokens),
+                       "--steps", "7", "--device", "cpu" if cfg.device == "cpu" else "cuda",
+                       "--dtype", "float32" if cfg.device == "cpu" else "bfloat16",
+                       "--speed_batches", json.dumps(cfg.serve_speed_batches), "--out", f"{cfg.out}/serve",
+                       *cfg.serve_args)
 
 
 def _regenerate_command(cfg: TauConfig) -> list[str]:

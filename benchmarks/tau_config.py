@@ -13,7 +13,7 @@ from eagle_data.checks import check_positive
 from eagle_data.format.names import FINAL_ROWS, STORAGE_DTYPE_NAMES
 
 #: the phases, in the order they run
-PHASES = ("prep", "regen", "extract", "tune", "train", "control", "eval")
+PHASES = ("prep", "regen", "extract", "tune", "train", "control", "eval", "serve")
 #: Lightning's accelerator names (``--trainer.accelerator``)
 ACCELERATORS = ("cpu", "gpu", "cuda", "mps", "tpu", "auto")
 
@@ -24,8 +24,8 @@ class TauPhaseFailed(ChildProcessError):
 
 @dataclass
 class TauConfig:
-    """τ on real data after fixed training time: prep, regen, extract, tune, train, control, eval
-    (module :mod:`benchmarks.tau` says what each does and writes).
+    """τ on real data after fixed training time: prep, regen, extract, tune, train, control, eval,
+    serve (module :mod:`benchmarks.tau` says what each does and writes).
 
     Lists are YAML/JSON: ``--phases '[extract, tune]'`` (or words: ``--phases train``, ``--phases
     extract,tune``); options passed on to ``eagle-data`` are strings, numbers quoted:
@@ -35,8 +35,8 @@ class TauConfig:
     out: str = "out/tau"
     """the benchmark's folder: data, datasets, vocabulary, runs, evaluations"""
     phases: Union[list[str], str] = field(default_factory=lambda: list(PHASES))
-    """the phases to run (any of prep, regen, extract, tune, train, control, eval; they run in that order):
-    a list, or one word or several split by commas or spaces"""
+    """the phases to run (any of prep, regen, extract, tune, train, control, eval, serve; they run in that
+    order): a list, or one word or several split by commas or spaces"""
     num_train: int = 6000
     """training rows: ShareGPT rows [0, num_train)"""
     num_heldout: int = 200
@@ -59,11 +59,16 @@ class TauConfig:
     regen_max_new_tokens: int = 512
     """regenerate: most new tokens per answer"""
     regen_batch_size: int = 256
-    """regenerate: conversations per batch"""
+    """regenerate: requests in flight at once (its ``--batch_size``)"""
     regen_rows_per_part: int = 500
     """regenerate: rows per output part"""
     regen_args: list[str] = field(default_factory=list)
-    """more ``eagle-data regenerate`` options"""
+    """more ``eagle-data regenerate`` options, e.g. ``["--backend", "sglang", "--backend_kwargs",
+    '{"mem_fraction_static": 0.25}']``"""
+    regen_ranks: int = 1
+    """regenerate processes at once (``--rank R --world_size N``; with SGLang each starts an engine:
+    give each its share of the GPU's memory in ``regen_args``; a small target's engine is bound by
+    its scheduler's one CPU core, so several fill the GPU better)"""
     storage_dtype: str = "bfloat16"
     """storage dtype of the training set (e.g. float8_e4m3fn); the held-out set is stored as served"""
     final_rows: str = "all"
@@ -90,6 +95,14 @@ class TauConfig:
     """training time of each variant of the tune"""
     tune_workers: int = 3
     """loader workers of each variant of the tune (they train side by side)"""
+    serve_prompts: int = 200
+    """serve: held-out conversations whose opening user turn(s) are the prompts"""
+    serve_new_tokens: int = 256
+    """serve: tokens generated per prompt"""
+    serve_speed_batches: list[int] = field(default_factory=lambda: [1, 32])
+    """serve: batch sizes of the decode-speed runs"""
+    serve_args: list[str] = field(default_factory=list)
+    """more ``eagle-data serve-check`` options, e.g. ``["--attention_backend", "triton"]``"""
     eval_tune: list[str] = field(default_factory=list)
     """tune variants whose checkpoints the eval phase scores too (``["v1", "v4"]``, or ``["all"]``)"""
 
@@ -116,9 +129,13 @@ class TauConfig:
             raise ValueError(f"final_rows must be one of {', '.join(FINAL_ROWS)}, got {self.final_rows!r}")
         check_positive(num_train=self.num_train, num_heldout=self.num_heldout, vocab_size=self.vocab_size,
                        eval_samples=self.eval_samples, regen_max_new_tokens=self.regen_max_new_tokens,
+                       regen_ranks=self.regen_ranks, serve_prompts=self.serve_prompts,
+                       serve_new_tokens=self.serve_new_tokens,
                        regen_batch_size=self.regen_batch_size, regen_rows_per_part=self.regen_rows_per_part)
         if self.tune_workers < 0:
             raise ValueError(f"tune_workers must be >= 0, got {self.tune_workers}")
+        for b in self.serve_speed_batches:
+            check_positive(serve_speed_batches=b)
         for name, lr in [("lr", self.lr)] + [("lrs", x) for x in self.lrs]:
             if lr is not None and not lr > 0:
                 raise ValueError(f"{name} must be > 0, got {lr}")

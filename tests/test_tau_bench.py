@@ -11,7 +11,7 @@ import math
 import pytest
 
 from benchmarks.__main__ import main
-from benchmarks.tau import eval_targets, train_command, tune, tune_variants
+from benchmarks.tau import eval_targets, regen, serve, serve_command, train_command, tune, tune_variants
 from benchmarks.tau_config import TauConfig, TauPhaseFailed
 from benchmarks.tau_results import EvalResult, TuneRun, choose_tune, minute_names, read_tune, table
 
@@ -38,7 +38,10 @@ def _run(tmp_path, capsys, *args):
                                       (["--storage_dtype", "fp8"], "storage_dtype must be one of"),
                                       (["--final_rows", "some"], "final_rows must be one of all, taught"),
                                       (["--num_heldout", "0"], "num_heldout must be an integer >= 1, got 0"),
-                                      (["--lrs", "[1e-3, 0]"], "lrs must be > 0, got 0")])
+                                      (["--lrs", "[1e-3, 0]"], "lrs must be > 0, got 0"),
+                                      (["--serve_speed_batches", "[1, 0]"], "serve_speed_batches must be an integer >= 1, got 0"),
+                                      (["--regen_ranks", "0"], "regen_ranks must be an integer >= 1, got 0"),
+                                      (["--phases", "serv"], "phases: unknown phase 'serv'")])
 def test_bad_phases_and_minutes_are_refused(tmp_path, capsys, args, msg):
     """``--device gpuu`` failed with exit 1 after the data prep: every setting is refused before any work."""
     code, out, err = _run(tmp_path, capsys, *args)
@@ -135,6 +138,46 @@ def test_a_training_run_takes_the_extra_options_after_its_own_and_an_explicit_lr
     assert "--model.lr" not in train_command(cfg, tmp_path, ["1"], None, False, [])
     assert tune_variants(TauConfig(lrs=[3e-4, 1.2e-3])) == [["--model.lr", "0.0003"], ["--model.lr", "0.0012"]]
     assert tune_variants(TauConfig(lrs=[1.0], variants=[[], ["--a", "1"]])) == [["--a", "1"]]
+
+
+def test_regen_runs_one_process_per_rank_and_names_a_failed_one(tmp_path, monkeypatch):
+    import benchmarks.tau as tau
+
+    jobs = []
+    monkeypatch.setattr(tau, "_run_all", lambda js: jobs.extend(js) or [0, 3, 0])
+    cfg = TauConfig(out=str(tmp_path), regen_ranks=3, regen_args=["--backend", "sglang"])
+    with pytest.raises(TauPhaseFailed, match=r"regen: rank\(s\) \[1\] failed"):
+        regen(cfg)
+    assert [log.name for _, log in jobs] == ["regen_0.log", "regen_1.log", "regen_2.log"]
+    for r, (cmd, _) in enumerate(jobs):
+        assert cmd[-6:] == ["--backend", "sglang", "--rank", str(r), "--world_size", "3"]
+    jobs.clear()
+    monkeypatch.setattr(tau, "_run_all", lambda js: jobs.extend(js) or [0])
+    regen(TauConfig(out=str(tmp_path)))
+    assert "--rank" not in jobs[0][0] and jobs[0][0][3] == "regenerate"
+
+
+def test_serve_exports_the_last_mark_and_runs_a_serve_check_the_cli_accepts(tmp_path, monkeypatch, capsys):
+    import benchmarks.tau as tau
+    from eagle_data.cli.main import main
+
+    cfg = TauConfig(out=str(tmp_path), minutes=[1, 2], serve_prompts=50, serve_speed_batches=[1, 8],
+                    serve_args=["--attention_backend", "triton"])
+    with pytest.raises(TauPhaseFailed, match="serve: no checkpoint .*at_2min.ckpt"):
+        serve(cfg, "2")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "at_2min.ckpt").write_text("x")
+    ran = []
+    monkeypatch.setattr(tau, "_check", lambda phase, cmd: ran.append(cmd))
+    serve(cfg, "2")
+    assert ran[0][3:] == ["export", str(tmp_path / "run" / "at_2min.ckpt"), str(tmp_path / "drafter"), "--overwrite", "true"]
+    assert ran[1] == serve_command(cfg)
+    with pytest.raises(SystemExit) as e:  # every option is one serve-check knows, with a valid value
+        main([*ran[1][3:], "--print_config"])
+    printed = capsys.readouterr().out
+    assert e.value.code == 0 and "prompt_turn: first" in printed and "num_prompts: 50" in printed
+    assert "heldout_fraction: 1.0" in printed and "ngram: true" in printed and "attention_backend: triton" in printed
+    assert "- 8" in printed and "max_new_tokens: 256" in printed and "dtype: bfloat16" in printed
 
 
 def test_the_tune_writes_the_winner_and_marks_failed_variants(tmp_path, monkeypatch, capsys):
