@@ -415,3 +415,49 @@ def test_collect_waits_while_the_spool_changes_and_gives_up_when_it_stops(tmp_pa
     (tmp_path / "quiet").mkdir()
     with pytest.raises(StitchError, match=r"sample_7.*no hidden-state rows.*waited 0.2 s with no change"):
         _collect(_collector(tmp_path / "quiet", 0.2), ids)
+
+
+# ----------------------------------------------------------------------------- the in-flight budget
+
+@pytest.mark.parametrize("dtypes", [(None, None), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e4m3fn, torch.bfloat16)])
+def test_stored_row_bytes_is_what_the_hook_hands_over(dtypes):
+    """The budget's bytes per token equal the bytes of the rows the hook copies off the device."""
+    from eagle_data.engines.sglang import stored_row_bytes
+    from eagle_data.engines.sglang_hook import stored_rows
+
+    ids, aux, fin = _rows(13)
+    got = stored_rows(ids, aux, fin, dtypes)
+    want = stored_row_bytes(K, H, dtypes[0] or aux.dtype, dtypes[1] or fin.dtype)
+    assert sum(t.nbytes for t in got.values()) == 13 * want
+
+
+def test_admission_keeps_the_stored_bytes_in_flight_within_the_budget():
+    """Requests are admitted in order while their rows fit ``max_inflight_bytes`` (a longer one
+    runs alone), every one is answered, in order."""
+    import asyncio
+
+    from eagle_data.engines.sglang import SGLangBackend
+
+    be = SGLangBackend.__new__(SGLangBackend)
+    be.max_inflight, be.max_inflight_bytes, be.row_bytes, be._budget = 100, 1000, 10, None  # 100 tokens
+    live, seen = {}, []
+
+    class Engine:
+        async def async_generate(self, input_ids, rid, sampling_params):
+            live[rid] = len(input_ids)
+            seen.append((len(live), sum(live.values())))
+            await asyncio.sleep(0.01 * (1 + len(input_ids) % 3))
+            return {"rid": rid}
+
+    async def collect(key, ids, rid, out):
+        await asyncio.sleep(0.005)
+        del live[rid]
+        return key
+
+    be.engine, be._collect = Engine(), collect
+    lengths = [30, 50, 20, 100, 250, 40, 10, 60, 5]
+    items = [(f"k{i}", torch.zeros(n, dtype=torch.long), f"r{i}") for i, n in enumerate(lengths)]
+    assert asyncio.run(be._run(items)) == [k for k, _, _ in items]
+    assert all(n == 1 or tokens <= 100 for n, tokens in seen) and max(n for n, _ in seen) >= 3
+    assert (1, 250) in seen  # the long one ran alone
