@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import time
 import uuid
 from collections import Counter
@@ -87,9 +88,10 @@ class SGLangOptions:
     """most requests in flight at once"""
     max_inflight_bytes: int = 2 << 30
     """most bytes of stored rows in flight (their prompt tokens times the bytes a token's rows take:
-    bounds the spool, in ``/dev/shm`` by default); a longer single sample still runs alone. It was a
-    count of 65,536 tokens: the engine then waited for each batch's rows to be collected before it
-    could start the next (SmolLM2 capture on an H100: 0.26 of plain prefill)"""
+    bounds the spool, in ``/dev/shm`` by default; at most half its free space); a longer single
+    sample still runs alone. It was a count of 65,536 tokens: the engine then waited for each
+    batch's rows to be collected before it could start the next (SmolLM2 capture on an H100: 0.26
+    of plain prefill)"""
     attention_backend: Optional[str] = None
     """default ``"torch_native"`` on CPU, SGLang's choice on GPU"""
     collect_timeout_s: float = 30.0
@@ -158,10 +160,11 @@ class SGLangBackend:
         ids = (validate_aux_layer_ids(aux_layer_ids, n_layers) if aux_layer_ids is not None
                else default_aux_layer_ids(n_layers))
         check_served_aux_ids(ids, architectures)
-        self.max_inflight, self.max_inflight_bytes = int(o.max_inflight), int(o.max_inflight_bytes)
         self.row_bytes = stored_row_bytes(len(ids), hidden, *(storage_dtype_of(n) for n in self.stored_dtypes))
         self.collect_timeout_s = float(o.collect_timeout_s)
         self.spool = Spool(o.spool_dir)
+        free = shutil.disk_usage(self.spool.path).free  # e.g. a container's 64 MB /dev/shm: half of it
+        self.max_inflight, self.max_inflight_bytes = int(o.max_inflight), min(int(o.max_inflight_bytes), free // 2)
         self._prefix = f"ed{uuid.uuid4().hex[:8]}-"
         self._counter = 0
         self.last_chunks: dict[str, int] = {}  # key -> prefill chunks stitched, last capture()
