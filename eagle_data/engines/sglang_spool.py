@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 from eagle_data.host import pid_alive
 
 SPOOL_PREFIX = "eagle-data-sglang-"
-#: the capture hook's running timings (seconds and counts, rewritten every few seconds; diagnostics only)
+#: the capture hook's running timings (seconds and counts, rewritten after each pass; diagnostics only)
 HOOK_STATS = "hook-stats.json"
 _PIECE_RE = re.compile(r"^(?P<rid>.+)@(?P<off>\d{10}|ERROR)@(?P<seq>\d{10})\.(?P<ext>safetensors|json)$")
 

@@ -216,5 +216,3 @@ def reply_text(tok: Any, reply: Any, n_ids: int | None = None) -> tuple[list[int
                                                  f"and that text does not tokenise back to the model's tokens: its bytes "
                                                  f"are not UTF-8 there")
     return ids, text, None
-
-

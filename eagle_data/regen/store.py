@@ -57,7 +57,7 @@ class PartRecord:
     finish: dict[str, int]          # finish reason ("stop"/"length") -> regenerated turns
     notes: dict[str, int]           # kept-but-changed reason (e.g. "cut_at_max_length") -> rows
     tokens: int                     # tokens generated (of regenerated rows and of failed ones)
-    seconds: float                  # time spent generating
+    seconds: float                  # its share of the time spent waiting on the engine (parts overlap)
     sha256: dict[str, str] = field(default_factory=dict)  # DATA_DIR / REJECTS_DIR -> sha256 of its file
 
 
