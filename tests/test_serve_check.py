@@ -135,7 +135,10 @@ def test_cli_refuses_bad_input_before_starting_anything(tmp_path, capsys):
         assert e.value.code == 2 and msg in capsys.readouterr().err, argv
     for argv, msg in ((["serve-check", str(tmp_path / "none"), str(tmp_path / "nodata")], "does not exist"),
                       (["serve-check", "d", "x", "--steps", "0"], "steps must be an integer >= 1"),
-                      (["serve-check", "d", "x", "--dtype", "float16"], "float32 or bfloat16")):
+                      (["serve-check", "d", "x", "--dtype", "float16"], "float32 or bfloat16"),
+                      (["serve-check", "d", "x", "--heldout_fraction", "1.5"], "heldout_fraction must be in (0, 1], got 1.5"),
+                      (["serve-check", "d", "x", "--heldout_fraction", "0"], "heldout_fraction must be in (0, 1], got 0"),
+                      (["serve-check", "d", "x", "--prompt_turn", "middle"], "prompt_turn")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err

@@ -423,7 +423,7 @@ def test_collect_waits_while_the_spool_changes_and_gives_up_when_it_stops(tmp_pa
                                     (torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e4m3fn, torch.bfloat16)])
 def test_stored_row_bytes_is_what_the_hook_hands_over(dtypes):
     """The budget's bytes per token equal the bytes of the rows the hook copies off the device."""
-    from eagle_data.engines.sglang import stored_row_bytes
+    from eagle_data.engines.sglang_spool import stored_row_bytes
     from eagle_data.engines.sglang_hook import stored_rows
 
     ids, aux, fin = _rows(13)

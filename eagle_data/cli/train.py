@@ -289,11 +289,8 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
     """
     from eagle_train.serve_check import run_serve_check
 
-    _check_serve_args(num_prompts, max_prompt_tokens, max_new_tokens, steps, dtype, device, speed_batches, out)
-    if not 0 < heldout_fraction <= 1:
-        raise ValueError(f"heldout_fraction must be in (0, 1], got {heldout_fraction}")
-    if prompt_turn not in ("first", "last"):
-        raise ValueError(f"prompt_turn must be first or last, got {prompt_turn!r}")
+    _check_serve_args(num_prompts, max_prompt_tokens, max_new_tokens, steps, dtype, device, speed_batches, out,
+                      heldout_fraction, prompt_turn)
     target_path, exported, prompts, used = _serve_prompts(drafter, data, target, heldout_keys, heldout_fraction,
                                                            num_prompts, max_prompt_tokens, prompt_turn == "first")
     res = run_serve_check(target_path, drafter, prompts, steps=steps, max_new_tokens=max_new_tokens,
@@ -308,9 +305,15 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
 
 
 def _check_serve_args(num_prompts: int, max_prompt_tokens: int, max_new_tokens: int, steps: int, dtype: str,
-                      device: str, speed_batches: Optional[list[int]], out: str) -> None:
+                      device: str, speed_batches: Optional[list[int]], out: str, heldout_fraction: float,
+                      prompt_turn: str) -> None:
     """:func:`serve_check`'s settings, checked before anything is read or started (ValueError)."""
     from eagle_data.checks import check_device, check_positive
+
+    if not 0 < heldout_fraction <= 1:
+        raise ValueError(f"heldout_fraction must be in (0, 1], got {heldout_fraction}")
+    if prompt_turn not in ("first", "last"):
+        raise ValueError(f"prompt_turn must be first or last, got {prompt_turn!r}")
 
     check_positive(num_prompts=num_prompts, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                    steps=steps)

@@ -47,20 +47,19 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
-from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
 from eagle_data.format.schema import hidden_dtype, storage_dtype_of
 from eagle_data.engines.base import (BackendInfo, Captured, check_served_aux_ids, default_aux_layer_ids,
                                              validate_aux_layer_ids)
-from eagle_data.engines.sglang_engine import (CPU_KERNEL_DIR, base_engine_kwargs, capture_info_extra,  # noqa: F401
-                                              check_capture_invariants, check_version, model_facts,
-                                              prepare_cpu_environment, scoped_shutdown, start_engine)
+from eagle_data.engines.sglang_engine import (CPU_KERNEL_DIR, SGLangOptions, base_engine_kwargs,  # noqa: F401
+                                              capture_info_extra, check_capture_invariants, check_version,
+                                              model_facts, prepare_cpu_environment, scoped_shutdown, start_engine)
 from eagle_data.engines.sglang_hook import hook_specs
 from eagle_data.engines.sglang_spool import (Piece, RowsMissing, Spool, StitchError, list_spool, read_error,
-                                            read_hook_stats, read_piece, stitch)
+                                            read_hook_stats, read_piece, stitch, stored_row_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -68,49 +67,6 @@ log = logging.getLogger(__name__)
 _OWNED = {"model_path", "dtype", "device", "tp_size", "skip_tokenizer_init", "disable_radix_cache",
           "enable_mixed_chunk", "enable_return_aux_hidden_states", "speculative_algorithm",
           "return_aux_hidden_state_layer_ids", "forward_hooks", "cuda_graph_backend_prefill"}
-
-
-@dataclass(frozen=True)
-class SGLangOptions:
-    """The knobs of :class:`SGLangBackend` (an extraction's ``backend_kwargs``, by name)."""
-
-    tp_size: int = 1
-    """tensor parallel size (only TP rank 0 writes chunks)"""
-    chunked_prefill_size: Optional[int] = None
-    """engine memory knob (None: SGLang's default)"""
-    mem_fraction_static: Optional[float] = None
-    """engine memory knob (None: SGLang's default; CPU: 0.3)"""
-    max_total_tokens: Optional[int] = None
-    """engine memory knob (None: SGLang's default; CPU: 32768)"""
-    spool_dir: Optional[Union[str, Path]] = None
-    """parent dir of the per-run spool (default ``/dev/shm``)"""
-    max_inflight: int = 4096
-    """most requests in flight at once"""
-    max_inflight_bytes: int = 2 << 30
-    """most bytes of stored rows in flight (their prompt tokens times the bytes a token's rows take:
-    bounds the spool, in ``/dev/shm`` by default; at most half its free space); a longer single
-    sample still runs alone. It was a count of 65,536 tokens: the engine then waited for each
-    batch's rows to be collected before it could start the next (SmolLM2 capture on an H100: 0.26
-    of plain prefill)"""
-    attention_backend: Optional[str] = None
-    """default ``"torch_native"`` on CPU, SGLang's choice on GPU"""
-    collect_timeout_s: float = 30.0
-    """how long a finished request waits for its chunk files while the spool sees no change (the
-    scheduler's writer thread may lag behind the engine under load: any file it adds restarts the wait)"""
-    cpu_kernel: str = "standin"
-    """``"standin"`` (default: our pure-torch ``sgl_kernel``) or ``"installed"`` (SGLang's own CPU kernel build)"""
-    log_level: str = "error"
-    """SGLang log level"""
-    engine_kwargs: Optional[dict[str, Any]] = None
-    """extra ``sglang.Engine`` kwargs (not the ones the backend owns)"""
-
-
-def stored_row_bytes(n_aux: int, hidden: int, aux_dtype: torch.dtype, final_dtype: torch.dtype) -> int:
-    """Bytes the capture hands over per token: its id (int64), ``n_aux`` aux rows and the final row
-    of ``hidden`` values in their storage dtypes, an fp8 row's float32 scale, the finite flag."""
-    scale = lambda dt, n: 4 * n if dt.itemsize == 1 else 0  # noqa: E731 (fp8: one scale per row)
-    return (8 + hidden * (n_aux * aux_dtype.itemsize + final_dtype.itemsize) + scale(aux_dtype, n_aux)
-            + scale(final_dtype, 1) + 1)
 
 
 class SGLangBackend:

@@ -1,4 +1,5 @@
-"""Engine settings shared by :class:`~eagle_data.engines.sglang.SGLangBackend` and the benchmark.
+"""Engine settings shared by :class:`~eagle_data.engines.sglang.SGLangBackend` and the benchmark, and
+the backend's knobs (:class:`SGLangOptions`).
 
 No sglang import here: :func:`prepare_cpu_environment` must run before sglang is imported.
 """
@@ -10,13 +11,49 @@ import logging
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 log = logging.getLogger(__name__)
 
 
 CPU_KERNEL_DIR = Path(__file__).resolve().parent / "cpu_sgl_kernel"
+
+
+@dataclass(frozen=True)
+class SGLangOptions:
+    """The knobs of :class:`~eagle_data.engines.sglang.SGLangBackend` (an extraction's ``backend_kwargs``, by name)."""
+
+    tp_size: int = 1
+    """tensor parallel size (only TP rank 0 writes chunks)"""
+    chunked_prefill_size: Optional[int] = None
+    """engine memory knob (None: SGLang's default)"""
+    mem_fraction_static: Optional[float] = None
+    """engine memory knob (None: SGLang's default; CPU: 0.3)"""
+    max_total_tokens: Optional[int] = None
+    """engine memory knob (None: SGLang's default; CPU: 32768)"""
+    spool_dir: Optional[Union[str, Path]] = None
+    """parent dir of the per-run spool (default ``/dev/shm``)"""
+    max_inflight: int = 4096
+    """most requests in flight at once"""
+    max_inflight_bytes: int = 2 << 30
+    """most bytes of stored rows in flight (their prompt tokens times the bytes a token's rows take:
+    bounds the spool, in ``/dev/shm`` by default; at most half its free space); a longer single
+    sample still runs alone. It was a count of 65,536 tokens: the engine then waited for each
+    batch's rows to be collected before it could start the next (SmolLM2 capture on an H100: 0.26
+    of plain prefill)"""
+    attention_backend: Optional[str] = None
+    """default ``"torch_native"`` on CPU, SGLang's choice on GPU"""
+    collect_timeout_s: float = 30.0
+    """how long a finished request waits for its chunk files while the spool sees no change (the
+    scheduler's writer thread may lag behind the engine under load: any file it adds restarts the wait)"""
+    cpu_kernel: str = "standin"
+    """``"standin"`` (default: our pure-torch ``sgl_kernel``) or ``"installed"`` (SGLang's own CPU kernel build)"""
+    log_level: str = "error"
+    """SGLang log level"""
+    engine_kwargs: Optional[dict[str, Any]] = None
+    """extra ``sglang.Engine`` kwargs (not the ones the backend owns)"""
 
 
 def prepare_cpu_environment(use_standin: bool = True) -> None:

@@ -191,6 +191,14 @@ def write_error(spool: str | os.PathLike, rid: str, seq: int, message: str) -> P
     return path
 
 
+def stored_row_bytes(n_aux: int, hidden: int, aux_dtype: torch.dtype, final_dtype: torch.dtype) -> int:
+    """Bytes the capture hands over per token: its id (int64), ``n_aux`` aux rows and the final row
+    of ``hidden`` values in their storage dtypes, an fp8 row's float32 scale, the finite flag."""
+    scale = lambda dt, n: 4 * n if dt.itemsize == 1 else 0  # noqa: E731 (fp8: one scale per row)
+    return (8 + hidden * (n_aux * aux_dtype.itemsize + final_dtype.itemsize) + scale(aux_dtype, n_aux)
+            + scale(final_dtype, 1) + 1)
+
+
 def write_hook_stats(spool: str | os.PathLike, stats: dict[str, float]) -> None:
     """Replace the hook's timings file (:data:`HOOK_STATS`) with ``stats``."""
     path = Path(spool) / HOOK_STATS
