@@ -100,7 +100,7 @@ class TauConfig:
     serve_new_tokens: int = 256
     """serve: tokens generated per prompt"""
     serve_speed_batches: list[int] = field(default_factory=lambda: [1, 32])
-    """serve: batch sizes of the decode-speed runs"""
+    """serve: batch sizes of the decode-speed runs (``[]``: none)"""
     serve_args: list[str] = field(default_factory=list)
     """more ``eagle-data serve-check`` options, e.g. ``["--attention_backend", "triton"]``"""
     eval_tune: list[str] = field(default_factory=list)

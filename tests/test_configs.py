@@ -173,6 +173,11 @@ def test_backend_options_of_another_type_are_refused(tmp_path):
 
     with pytest.raises(ValueError, match="max_inflight must be int.*'8'"):
         make_backend("sglang", model_path=str(tmp_path), max_inflight="8")
+    for knob, value in (("max_inflight_bytes", 0), ("max_inflight", -5), ("collect_timeout_s", 0.0)):
+        with pytest.raises(ValueError, match=f"{knob} must be"):  # before any model or engine
+            make_backend("sglang", model_path=str(tmp_path), **{knob: value})
+    with pytest.raises(ValueError, match=r"\['max_inflight_tokens'\]; max_inflight_tokens is now max_inflight_bytes"):
+        make_backend("sglang", model_path=str(tmp_path), max_inflight_tokens=1000)
     with pytest.raises(ValueError, match="cuda_graphs must be bool.*'yes'.*unquoted"):
         make_backend("hf", model_path=str(tmp_path), cuda_graphs="yes")
     hints = {"a": "bool", "b": "Optional[int]", "c": "float | None", "d": "list[int]"}

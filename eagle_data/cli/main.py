@@ -53,7 +53,7 @@ def run_cli(commands: dict[str, Any], argv: list[str] | None, prog: str,
             res = CLI(commands, args=argv, prog=prog, allow_abbrev=False, exit_on_error=False)
         except ArgumentError as e:
             cmd = f"{prog} {argv[0]}" if argv and argv[0] in commands else prog
-            print(f"error: {usage_error(str(e), cmd)}", file=sys.stderr)
+            print(f"error: {usage_error(str(e), cmd, positionals(commands, argv))}", file=sys.stderr)
             sys.exit(2)
         if type(res) in (runners or {}):
             runners[type(res)](res)
@@ -112,11 +112,26 @@ def loose_boolean(commands: dict[str, Any], argv: list[str], prog: str) -> str |
     return None
 
 
-def usage_error(msg: str, cmd: str) -> str:
+def positionals(commands: dict[str, Any], argv: list[str]) -> list[str]:
+    """The positional arguments of ``argv``'s command (a function's parameters without a default)."""
+    import inspect
+
+    target = commands.get(argv[0]) if argv else None
+    if target is None or isinstance(target, type):
+        return []
+    return [n for n, p in inspect.signature(target).parameters.items() if p.default is inspect.Parameter.empty]
+
+
+def usage_error(msg: str, cmd: str, args: list[str] = ()) -> str:
     """jsonargparse's message for a value of the wrong type, in one line: the option, the value
     and what it must be (``--dtype bf16: not one of bfloat16, float32, float16``); others joined."""
     import re
 
+    required = re.search(r"the following arguments are required: (.*)$", msg, re.M)
+    if required:  # positional arguments, named as "serve-check.drafter": users then tried --drafter
+        names = " ".join(n.strip().rsplit(".", 1)[-1].upper() for n in required.group(1).split(","))
+        usage = " ".join(a.upper() for a in args) or names
+        return f"{cmd}: missing {names}: give them first, by position: {cmd} {usage} [options] ({cmd} --help)"
     key, choices = re.match(r'Parser key "([^"]+)":', msg), re.search(r"Literal\[([^\]]*)\]", msg)
     given = re.search(r"(?:Given|Got) value: (.*)$", msg, re.M)
     subtypes = re.search(r"Subtypes: \[(.*)\]$", msg, re.M)

@@ -45,7 +45,8 @@ def make_backend(name: str, **kwargs) -> Backend:
     unknown = sorted(k for k in kwargs if k not in hints or k.startswith("_"))
     if unknown:
         takes = sorted(k for k in hints if not k.startswith("_") and k not in BACKEND_OPTIONS_SET_BY_RUN)
-        raise ValueError(f"backend_kwargs: the {name} backend takes no option(s) {unknown}; it takes {takes}")
+        renamed = "".join(f"; {k} is now {RENAMED[k]}" for k in unknown if k in RENAMED)
+        raise ValueError(f"backend_kwargs: the {name} backend takes no option(s) {unknown}{renamed}; it takes {takes}")
     check_option_types(f"backend_kwargs of the {name} backend", kwargs, hints)
     if options is None:
         return cls(**kwargs)
@@ -53,6 +54,9 @@ def make_backend(name: str, **kwargs) -> Backend:
     knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
     return cls(**kwargs, options=options(**knobs))
 
+
+#: backend options that were renamed -> what to give instead
+RENAMED = {"max_inflight_tokens": "max_inflight_bytes (bytes of stored rows in flight, not tokens)"}
 
 __all__ = ["Backend", "BackendInfo", "Captured", "default_aux_layer_ids", "validate_aux_layer_ids",
            "make_backend"]

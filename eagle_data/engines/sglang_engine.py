@@ -55,6 +55,14 @@ class SGLangOptions:
     engine_kwargs: Optional[dict[str, Any]] = None
     """extra ``sglang.Engine`` kwargs (not the ones the backend owns)"""
 
+    def __post_init__(self) -> None:
+        """Raises: ValueError naming a bound that is not positive."""
+        from eagle_data.checks import check_positive
+
+        check_positive(tp_size=self.tp_size, max_inflight=self.max_inflight, max_inflight_bytes=self.max_inflight_bytes)
+        if not self.collect_timeout_s > 0:
+            raise ValueError(f"collect_timeout_s must be > 0, got {self.collect_timeout_s}")
+
 
 def prepare_cpu_environment(use_standin: bool = True) -> None:
     """Set ``SGLANG_USE_CPU_ENGINE=1`` and put the stand-in ``sgl_kernel`` first on the path.

@@ -3,8 +3,9 @@ next turn is asked for as soon as its last reply is back), and parts are publish
 order as their last row ends. A round per part (every row's turn *j* in one call) left the GPU
 waiting on each round's longest reply: 753 rounds for 17,000 ShareGPT rows in parts of 500.
 
-At most ``batch_size`` requests are in flight: HF generates them as left-padded batches, SGLang
-schedules them itself (:mod:`eagle_data.regen.engines`). The outcome of each row is decided here
+At most ``batch_size`` requests are in flight (HF generates them as left-padded batches, SGLang
+schedules them itself: :mod:`eagle_data.regen.engines`), and parts open while the open ones hold
+fewer than ``4 * batch_size`` rows. The outcome of each row is decided here
 (module :mod:`eagle_data.regen.run` lists them).
 """
 
@@ -57,14 +58,17 @@ class Regenerator:
 
     def stream(self, parts: Iterable[tuple[int, int, list[tuple[int, Any]]]]) -> Iterator[Done]:
         """Each ``(start, end, [(row, record)])`` of ``parts`` as a :class:`Done`, in the same order."""
-        parts, open_parts, waiting = iter(parts), deque(), deque()
+        parts, open_parts, waiting, more = iter(parts), deque(), deque(), True
         asked: dict[int, tuple[Part, Job, list[int]]] = {}  # request tag -> (part, job, prompt)
         while True:
             while len(asked) < self.cfg.batch_size:  # fill: rows of open parts first, then a new part
                 if waiting:
                     n = min(len(waiting), self.cfg.batch_size - len(asked))
                     self._advance([waiting.popleft() for _ in range(n)], asked)
-                elif (nxt := next(parts, None)) is not None:
+                elif more and self._may_open(open_parts):
+                    if (nxt := next(parts, None)) is None:
+                        more = False
+                        continue
                     p = self._open(*nxt)
                     open_parts.append(p)
                     waiting.extend((p, j) for j in p.jobs)
@@ -72,9 +76,11 @@ class Regenerator:
                     break
             while open_parts and open_parts[0].live == 0:
                 yield self._close(open_parts.popleft())
-            if not asked:
+            if not asked:  # every open part ended (the bound may have stopped the fill: fill again)
                 assert not open_parts and not waiting, "an open part with nothing asked"
-                return
+                if not more:
+                    return
+                continue
             t0 = time.perf_counter()
             answers = self.gen.collect()
             share = (time.perf_counter() - t0) / len(open_parts)
@@ -86,6 +92,12 @@ class Regenerator:
                 self._take(job, prompt, reply, p)
                 after.append((p, job))
             self._advance(after, asked)
+
+    def _may_open(self, open_parts: deque) -> bool:
+        """Another part may open while the open ones hold fewer than ``4 * batch_size`` rows: a
+        long conversation holds back the publication of the parts after it, and what they finished
+        is kept in memory (and lost to a kill) until it ends."""
+        return sum(len(p.rows) for p in open_parts) < 4 * self.cfg.batch_size
 
     def _open(self, start: int, end: int, rows: list[tuple[int, Any]]) -> Part:
         p = Part(start, end, rows)
