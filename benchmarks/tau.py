@@ -252,8 +252,8 @@ def _regenerate_command(cfg: TauConfig) -> list[str]:
     return _eagle_data("regenerate", "--out", f"{cfg.out}/regen", "--data", f"{cfg.out}/train.jsonl",
                        "--device", cfg.device, "--dtype", "bfloat16", "--mode", "all",
                        "--max_new_tokens", str(cfg.regen_max_new_tokens), "--max_length", "2048",
-                       "--batch_size", str(cfg.regen_batch_size), "--rows_per_part", str(cfg.regen_rows_per_part),
-                       "--progress", "false", *cfg.regen_args)
+                       *(["--batch_size", str(cfg.regen_batch_size)] if cfg.regen_batch_size else []),
+                       "--rows_per_part", str(cfg.regen_rows_per_part), "--progress", "false", *cfg.regen_args)
 
 
 def _extract_command(cfg: TauConfig, part: str) -> list[str]:

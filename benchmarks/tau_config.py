@@ -58,8 +58,8 @@ class TauConfig:
     """the regen phase runs and extraction reads its answers (``OUT/regen``) instead of the originals"""
     regen_max_new_tokens: int = 512
     """regenerate: most new tokens per answer"""
-    regen_batch_size: int = 256
-    """regenerate: requests in flight at once (its ``--batch_size``)"""
+    regen_batch_size: Optional[int] = None
+    """regenerate: requests in flight at once (its ``--batch_size``; default: the engine's own)"""
     regen_rows_per_part: int = 500
     """regenerate: rows per output part"""
     regen_args: list[str] = field(default_factory=list)

@@ -476,6 +476,15 @@ def test_refused_settings_write_nothing(tiny, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_requests_in_flight_default_per_engine_and_are_checked(tmp_path):
+    """HF's left-padded batches stay small by default; SGLang's continuous batching gets enough to
+    fill a GPU (with 32 it idled)."""
+    mk = lambda **kw: RegenerateConfig(out=str(tmp_path / "o"), data=str(tmp_path / "d.jsonl"), **kw)  # noqa: E731
+    assert (mk().batch_size, mk(backend="sglang").batch_size, mk(backend="sglang", batch_size=8).batch_size) == (32, 1024, 8)
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
+        mk(batch_size=0)
+
+
 def test_extract_warns_on_another_template_or_a_shorter_max_length(tiny, tmp_path, caplog):
     from eagle_data.extract.config import ExtractConfig
     from eagle_data.extract.run import run_extract

@@ -153,8 +153,10 @@ def test_regen_runs_one_process_per_rank_and_names_a_failed_one(tmp_path, monkey
         assert cmd[-6:] == ["--backend", "sglang", "--rank", str(r), "--world_size", "3"]
     jobs.clear()
     monkeypatch.setattr(tau, "_run_all", lambda js: jobs.extend(js) or [0])
-    regen(TauConfig(out=str(tmp_path)))
-    assert "--rank" not in jobs[0][0] and jobs[0][0][3] == "regenerate"
+    regen(TauConfig(out=str(tmp_path)))  # the engine's own number of requests in flight unless given
+    assert "--rank" not in jobs[0][0] and "--batch_size" not in jobs[0][0] and jobs[0][0][3] == "regenerate"
+    regen(TauConfig(out=str(tmp_path), regen_batch_size=64))
+    assert jobs[1][0][jobs[1][0].index("--batch_size") + 1] == "64"
 
 
 def test_serve_exports_the_last_mark_and_runs_a_serve_check_the_cli_accepts(tmp_path, monkeypatch, capsys):

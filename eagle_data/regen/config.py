@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional
 
 from eagle_data.extract.config import CommonConfig, _is_int, check_run_paths
 
@@ -52,10 +52,10 @@ class RegenerateConfig(CommonConfig):
     before that turn (note cut_at_length), else the row fails (reply_at_length)"""
     split_reasoning: bool = True
     """a reply holding "</think>" is stored as reasoning_content (before it) + content (after it)"""
-    batch_size: int = 32
+    batch_size: Optional[int] = None
     """requests in flight at most (each row's next turn is asked for as soon as its reply is back):
-    HF generates them as one left-padded batch (sorted by length); SGLang schedules them itself, so
-    give it enough to fill the GPU (e.g. 1024)"""
+    HF generates them as one left-padded batch (sorted by length); SGLang schedules them itself and
+    needs many to fill a GPU. Default: 32 with HF, 1024 with SGLang"""
     rows_per_part: int = 256
     """source rows per output part (the unit of crash safety and of the rank split)"""
 
@@ -66,6 +66,8 @@ class RegenerateConfig(CommonConfig):
             ValueError: naming the bad setting.
         """
         super().__post_init__()
+        if self.batch_size is None:
+            self.batch_size = 1024 if self.backend == "sglang" else 32
         for name, lo in (("max_new_tokens", 1), ("max_length", 2), ("batch_size", 1), ("rows_per_part", 1)):
             v = getattr(self, name)
             if not _is_int(v) or v < lo:
