@@ -140,7 +140,9 @@ def test_cli_refuses_bad_input_before_starting_anything(tmp_path, capsys):
                       (["serve-check", "d", "x", "--heldout_fraction", "0"], "heldout_fraction must be in (0, 1], got 0"),
                       (["serve-check", "d", "x", "--prompt_turn", "middle"], "prompt_turn"),
                       (["serve-check", "--heldout_fraction", "1"],  # positionals, not --drafter/--data
-                       "missing DRAFTER DATA: give them first, by position: eagle-data serve-check DRAFTER DATA")):
+                       "missing DRAFTER DATA: give them first, by position: eagle-data serve-check DRAFTER DATA"),
+                      (["serve-check", "--drafter", "d", "--data", "x"],
+                       "DRAFTER is given by position, not as --drafter: eagle-data serve-check DRAFTER DATA")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err

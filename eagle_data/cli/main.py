@@ -79,10 +79,15 @@ def unknown_option(commands: dict[str, Any], argv: list[str], prog: str) -> str 
     target = commands[argv[0]]
     names = ({f.name for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target)
              else set(inspect.signature(target).parameters)) | {"config", "help", "print_config"}
+    given_by_position = positionals(commands, argv)
     for arg in argv[1:]:
         if arg == "--":
             break
         name = arg[2:].split("=", 1)[0].split(".", 1)[0].removesuffix("+") if arg.startswith("--") else None
+        if name in given_by_position:  # "--drafter x": jsonargparse says only "unrecognized arguments"
+            usage = " ".join(a.upper() for a in given_by_position)
+            return (f"{prog} {argv[0]}: {name.upper()} is given by position, not as --{name}: "
+                    f"{prog} {argv[0]} {usage} [options]")
         if name and name not in names:
             near = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
             return (f"{prog} {argv[0]}: unknown option --{name}" + (f"; did you mean --{near[0]}?" if near else "")
