@@ -40,9 +40,8 @@ class SGLangOptions:
     max_inflight_bytes: int = 2 << 30
     """most bytes of stored rows in flight (their prompt tokens times the bytes a token's rows take:
     bounds the spool, in ``/dev/shm`` by default; at most half its free space); a longer single
-    sample still runs alone. It was a count of 65,536 tokens: the engine then waited for each
-    batch's rows to be collected before it could start the next (SmolLM2 capture on an H100: 0.26
-    of plain prefill)"""
+    sample still runs alone. (A count of 65,536 tokens made the engine wait for each batch's rows to
+    be collected before it could start the next.)"""
     attention_backend: Optional[str] = None
     """default ``"torch_native"`` on CPU, SGLang's choice on GPU"""
     collect_timeout_s: float = 30.0

@@ -1,7 +1,7 @@
 """The turns of a regeneration, streamed through the engine: every row advances on its own (its
 next turn is asked for as soon as its last reply is back), and parts are published in source
 order as their last row ends. A round per part (every row's turn *j* in one call) left the GPU
-waiting on each round's longest reply: 753 rounds for 17,000 ShareGPT rows in parts of 500.
+waiting on each round's longest reply (BENCHMARKS.md, "SGLang on the GPU").
 
 At most ``batch_size`` requests are in flight (HF generates them as left-padded batches, SGLang
 schedules them itself: :mod:`eagle_data.regen.engines`), and parts open while the open ones hold
@@ -54,7 +54,7 @@ class Regenerator:
                  counter: DropCounter):
         self.cfg, self.renderer, self.gen, self.settings_id = cfg, renderer, generator, settings_id
         self.tok, self.counter = renderer.tokenizer, counter
-        self.n_ids = len(self.tok)  # (not free: ~10 ms with transformers 5.12; it was 70 % of a GPU run)
+        self.n_ids = len(self.tok)  # once: not free in transformers 5 (per reply it bounded a GPU run)
 
     def stream(self, parts: Iterable[tuple[int, int, list[tuple[int, Any]]]]) -> Iterator[Done]:
         """Each ``(start, end, [(row, record)])`` of ``parts`` as a :class:`Done`, in the same order."""
