@@ -323,10 +323,8 @@ class SGLangBackend:
         deadline, seen = time.monotonic() + self.collect_timeout_s, None
         pieces: dict[Path, Piece] = {}  # each file read once, however often the rows are found incomplete
 
-        def read_and_stitch(files: list[Path]) -> dict[str, torch.Tensor]:
-            new = [p for p in files if p not in pieces]
-            pieces.update((p, read_piece(p)) for p in new)
-            self.collect_stats["files_read"] += len(new)
+        def read_and_stitch(files: list[Path]) -> dict[str, torch.Tensor]:  # (in a worker thread)
+            pieces.update((p, read_piece(p)) for p in files if p not in pieces)
             return stitch(key, ids, [pieces[p] for p in files])
 
         t0 = time.perf_counter()
@@ -341,7 +339,7 @@ class SGLangBackend:
                 got = await asyncio.to_thread(read_and_stitch, files)
                 Spool.remove(files)
                 self._chunks[rid] = len(files)
-                self.collect_stats["collect_s"] += time.perf_counter() - t0
+                self.collect_stats.update(collect_s=time.perf_counter() - t0, files_read=len(pieces))  # (loop thread)
                 return Captured(key, got["aux"], got["final"], got.get("aux_scale"), got.get("final_scale"),
                                 bool(got["ok"].all()) if "ok" in got else None)
             except RowsMissing as e:  # pieces may still be arriving
