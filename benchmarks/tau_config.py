@@ -66,9 +66,10 @@ class TauConfig:
     """more ``eagle-data regenerate`` options, e.g. ``["--backend", "sglang", "--backend_kwargs",
     '{"mem_fraction_static": 0.25}']``"""
     regen_ranks: int = 1
-    """regenerate processes at once (``--rank R --world_size N``; with SGLang each starts an engine:
-    give each its share of the GPU's memory in ``regen_args``; a small target's engine is bound by
-    its scheduler's one CPU core, so several fill the GPU better)"""
+    """regenerate processes at once (``--rank R --world_size N``; with SGLang each starts an engine,
+    one at a time, sizing its KV pool from the memory the earlier ones left: give each its share with
+    ``max_total_tokens`` in ``regen_args``; a small target's engine is bound by its scheduler's one CPU
+    core, so several fill the GPU better)"""
     storage_dtype: str = "bfloat16"
     """storage dtype of the training set (e.g. float8_e4m3fn); the held-out set is stored as served"""
     final_rows: str = "all"

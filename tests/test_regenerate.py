@@ -170,6 +170,7 @@ def test_sglang_equals_hf(tmp_path, multi, stop_token):
     a = run_regenerate(cfg(tmp_path / "hf", model, data, stop_tokens=[stop_token]))
     b = run_regenerate(cfg(tmp_path / "sg", model, data, stop_tokens=[stop_token], backend="sglang"))
     assert b["engine"]["engine"] == "sglang" and a["engine"]["engine"] == "hf"
+    assert 0 < b["engine"]["kv_pool_tokens"] <= 32768  # the CPU engine's max_total_tokens
     ra, rb = read(tmp_path / "hf"), read(tmp_path / "sg")
     for x in ra + rb:
         x["regeneration"].pop("settings")

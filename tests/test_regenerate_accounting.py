@@ -568,3 +568,43 @@ def test_a_weight_0_turn_stays_untrained_after_regeneration(tiny, tmp_path):
         {"from": "human", "value": LONG}, {"from": "gpt", "value": "b"}]}) + "\n")
     man = _run(tiny, tmp_path / "o", data=src, mode="all")
     assert (man["regenerated"], man["skipped"]) == (0, 1) and man["reasons"] == {"no_loss_tokens": 1}
+
+
+class Pooled(Scripted):
+    """:class:`Scripted` that says how many tokens its KV pool holds."""
+
+    def __init__(self, tok, pool: int):
+        super().__init__(tok)
+        self.pool = pool
+
+    def describe(self):
+        return {"engine": "scripted", "kv_pool_tokens": self.pool}
+
+
+def test_a_small_kv_pool_and_the_progress_are_in_the_log(tiny, tmp_path, caplog, monkeypatch):
+    """2026-12-07: two of three SGLang engines on one GPU got almost no KV pool and their ranks ran
+    for minutes without a line in their logs (BENCHMARKS.md)."""
+    import re
+
+    import eagle_data.regen.regenerator as rg
+    from transformers import AutoTokenizer
+
+    monkeypatch.setattr(rg, "REPORT_EVERY_S", 0.0)
+    tok = AutoTokenizer.from_pretrained(tiny[0])
+    with caplog.at_level("INFO"):
+        man = _run(tiny, tmp_path / "a", gen=Pooled(tok, 4 * MAX_LENGTH - 1), batch_size=8)
+    assert ("the engine's KV pool holds 1599 tokens, under half of the 3200 that --batch_size 8 requests of up to "
+            f"--max_length {MAX_LENGTH} tokens may hold") in caplog.text
+    assert man["progress"]["engine"]["kv_pool_tokens"] == 1599
+    lines = [re.fullmatch(r"rank 0: (\d+) part\(s\) published, (\d+) open.*, (\d+) request\(s\) in flight; "
+                          r"(\d+) new tokens in .*", r.getMessage()) for r in caplog.records
+             if "part(s) published" in r.getMessage()]
+    assert lines and all(lines)
+    published, tokens = [int(m[1]) for m in lines], [int(m[4]) for m in lines]
+    assert published == sorted(published) and tokens == sorted(tokens)
+    assert published[0] == 0 and tokens[-1] == man["run_stats"]["tokens_generated"] > 0
+    assert all(int(m[3]) <= 8 for m in lines)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        _run(tiny, tmp_path / "b", gen=Pooled(tok, 4 * MAX_LENGTH), batch_size=8)
+    assert "KV pool" not in caplog.text

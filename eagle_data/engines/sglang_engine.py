@@ -6,6 +6,7 @@ No sglang import here: :func:`prepare_cpu_environment` must run before sglang is
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -13,7 +14,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +143,6 @@ def start_engine(kw: dict[str, Any]):
             (``"yes"`` for a bool would silently be true).
         RuntimeError: the engine resolved another attention backend than the one asked for.
     """
-    import contextlib
-
     import sglang
     from sglang.srt.server_args import ServerArgs
 
@@ -159,17 +158,60 @@ def start_engine(kw: dict[str, Any]):
             ctx = override_platform(has_amx=True)
         else:
             ctx = contextlib.nullcontext()
-        with ctx:
+        with ctx, gpu_start_lock(kw):
             engine = sglang.Engine(**kw)
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+    log.info("SGLang engine started: KV pool %s tokens", kv_pool_tokens(engine))
     want, got = kw.get("attention_backend"), getattr(engine.server_args, "attention_backend", None)
     if want is not None and got != want:
         engine.shutdown()
         raise RuntimeError(f"sglang resolved attention_backend={got!r}, not the {want!r} asked for (sglang "
                            f"{sglang.__version__})")
     return engine
+
+
+@contextlib.contextmanager
+def gpu_start_lock(kw: dict[str, Any]) -> Iterator[None]:
+    """Held while an engine with ``kw`` starts on a GPU, one start at a time per set of GPUs (the
+    visible devices and ``base_gpu_id``; a lock file in the temp folder, freed when its process ends).
+
+    SGLang sizes its KV pool from the memory free when it starts (``mem_fraction_static`` of that):
+    engines that start side by side on one GPU all count the same free memory, and the later ones to
+    allocate get almost none (BENCHMARKS.md, "SGLang on the GPU"). One at a time, each sees what the
+    earlier ones took: give each ``max_total_tokens`` so that the first leaves room for the others.
+    CPU engines take no lock.
+    """
+    if kw.get("device") == "cpu":
+        yield
+        return
+    import fcntl
+    import tempfile
+
+    key = re.sub(r"[^0-9A-Za-z,_-]", "_", f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'all')}-{kw.get('base_gpu_id', 0)}")
+    path = Path(tempfile.gettempdir()) / f"eagle-data-sglang-start-{key}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another SGLang engine to finish starting on the same GPU(s) (lock %s)", path)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def kv_pool_tokens(engine) -> Optional[int]:
+    """The started engine's KV pool size in tokens (``get_server_info()["max_total_num_tokens"]``),
+    None where this sglang does not say."""
+    try:
+        n = engine.get_server_info().get("max_total_num_tokens")
+    except Exception as e:  # only reported: a version without it must not stop a run
+        log.debug("get_server_info failed: %s", e)
+        return None
+    return int(n) if n is not None else None
 
 
 def spec_engine_kwargs(model_path: str, draft_model_path: str, dtype: str, device: str, *, steps: int,

@@ -170,7 +170,7 @@ class SGLangGenerator:
 
     def __init__(self, model_path: str, stop_ids: frozenset[int], *, dtype: str = "bfloat16", device: str = "cpu",
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1, **engine_kwargs: Any):
-        from eagle_data.engines.sglang_engine import base_engine_kwargs, start_engine
+        from eagle_data.engines.sglang_engine import base_engine_kwargs, kv_pool_tokens, start_engine
 
         dev = torch.device(device).type
         named = {k: engine_kwargs.pop(k) for k in ("tp_size", "chunked_prefill_size", "mem_fraction_static",
@@ -196,6 +196,7 @@ class SGLangGenerator:
         except TypeError as e:  # an engine option sglang does not know
             raise ValueError(f"backend_kwargs: sglang.Engine refused the options: {e}") from e
         self.stop_ids, self.dtype, self.device = stop_ids, dtype, device
+        self.kv_pool_tokens = kv_pool_tokens(self.engine)
         self._asked: dict[asyncio.Task, tuple[int, int]] = {}  # in flight -> (tag, budget)
         self._ready: list[asyncio.Task] = []  # answered, not collected yet
         self._wake: asyncio.Future | None = None
@@ -205,7 +206,7 @@ class SGLangGenerator:
         import sglang
 
         return {"engine": "sglang", "sglang": sglang.__version__, "dtype": self.dtype, "device": self.device,
-                "seeded": self.seeded}
+                "seeded": self.seeded, "kv_pool_tokens": self.kv_pool_tokens}
 
     def _params(self, budget: int, seed: int) -> dict[str, Any]:
         p = {"max_new_tokens": int(budget), "temperature": self.temperature, "top_p": self.top_p,

@@ -11,6 +11,7 @@ fewer than ``4 * batch_size`` rows. The outcome of each row is decided here
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -23,6 +24,11 @@ from eagle_data.extract.mask import MaskError
 from eagle_data.regen.config import RegenerateConfig
 from eagle_data.regen.engines import Generator
 from eagle_data.regen.plan import Job, apply_reply, output_record, plan, split_reply, turn_seed
+
+log = logging.getLogger(__name__)
+
+#: seconds between progress lines in the log (a stalled run shows as lines that do not move)
+REPORT_EVERY_S = 60.0
 
 
 @dataclass
@@ -55,6 +61,8 @@ class Regenerator:
         self.cfg, self.renderer, self.gen, self.settings_id = cfg, renderer, generator, settings_id
         self.tok, self.counter = renderer.tokenizer, counter
         self.n_ids = len(self.tok)  # once: not free in transformers 5 (per reply it bounded a GPU run)
+        self.t0 = self.reported = time.perf_counter()
+        self.tokens = self.published = 0
 
     def stream(self, parts: Iterable[tuple[int, int, list[tuple[int, Any]]]]) -> Iterator[Done]:
         """Each ``(start, end, [(row, record)])`` of ``parts`` as a :class:`Done`, in the same order."""
@@ -75,6 +83,7 @@ class Regenerator:
                 else:
                     break
             while open_parts and open_parts[0].live == 0:
+                self.published += 1
                 yield self._close(open_parts.popleft())
             if not asked:  # every open part ended (the bound may have stopped the fill: fill again)
                 assert not open_parts and not waiting, "an open part with nothing asked"
@@ -92,6 +101,19 @@ class Regenerator:
                 self._take(job, prompt, reply, p)
                 after.append((p, job))
             self._advance(after, asked)
+            self._report(open_parts, len(asked))
+
+    def _report(self, open_parts: deque, in_flight: int) -> None:
+        """A progress line every :data:`REPORT_EVERY_S` seconds."""
+        now = time.perf_counter()
+        if now - self.reported < REPORT_EVERY_S:
+            return
+        self.reported, dt = now, now - self.t0
+        first = open_parts[0] if open_parts else None
+        log.info("rank %d: %d part(s) published, %d open%s, %d request(s) in flight; %d new tokens in %.0f s "
+                 "(%.0f tokens/s)", self.cfg.rank, self.published, len(open_parts),
+                 f" (the first, rows [{first.start}, {first.end}), waits on {first.live} row(s))" if first else "",
+                 in_flight, self.tokens, dt, self.tokens / dt)
 
     def _may_open(self, open_parts: deque) -> bool:
         """Another part may open while the open ones hold fewer than ``4 * batch_size`` rows: a
@@ -168,6 +190,7 @@ class Regenerator:
 
     def _take(self, job: Job, prompt: list[int], reply, part: Part) -> None:
         part.tokens += reply.num_generated
+        self.tokens += reply.num_generated
         if reply.error is not None:
             self._reject(part, job.row, job.source_id, "failed", "engine_error", reply.error)
             return

@@ -138,6 +138,16 @@ def _engine(cfg: RegenerateConfig, model_path: str, tokenizer, stops: frozenset[
                           trust_remote_code=cfg.trust_remote_code, backend_kwargs=dict(cfg.backend_kwargs))
 
 
+def _warn_small_pool(pool: int | None, batch_size: int, max_length: int) -> None:
+    """Warn when the engine's KV pool holds under half of what ``batch_size`` requests of up to
+    ``max_length`` tokens may hold: the engine then queues or retracts requests."""
+    if pool is not None and pool < batch_size * max_length // 2:
+        log.warning("the engine's KV pool holds %d tokens, under half of the %d that --batch_size %d requests of up "
+                    "to --max_length %d tokens may hold: it will queue or retract requests (give it more memory: "
+                    "backend_kwargs mem_fraction_static or max_total_tokens; or lower --batch_size)",
+                    pool, batch_size * max_length, batch_size, max_length)
+
+
 def _part_record(part: Part, data: list[dict[str, Any]], rejects: list[dict[str, Any]]) -> PartRecord:
     outcome = Counter(r["outcome"] for r in rejects)
     return PartRecord(part.start, part.end, combine(record_fingerprint(r, x) for r, x in part.rows),
@@ -167,7 +177,9 @@ def _run(cfg: RegenerateConfig, out: Path, generator: Generator | None, renderer
         if first is not None:  # there is work: the run is not complete until it ends
             (out / MANIFEST).unlink(missing_ok=True)
             generator = generator or _engine(cfg, model_path, tokenizer, stops)
-            progress.begin(generator.describe())
+            engine = generator.describe()
+            progress.begin(engine)
+            _warn_small_pool(engine.get("kv_pool_tokens"), cfg.batch_size, cfg.max_length)
             regen = Regenerator(cfg, renderer, generator, settings_id, counter)
             for done in regen.stream(itertools.chain([first], work)):
                 p = done.part
