@@ -8,7 +8,8 @@ regenerate``, as child processes):
   itself (greedy) -> ``OUT/regen``, which extraction then reads instead of ``OUT/train.jsonl``
   (``regen_ranks`` processes at once, logs ``OUT/regen_R.log``);
 * ``extract``: both sets with SmolLM2 (the training set stored as ``storage_dtype``, the held-out
-  one as served), then the draft vocabulary of the training set;
+  one as served; with ``mix`` the originals in ``OUT/train`` and the regenerated answers in
+  ``OUT/train_regen``), then the draft vocabulary of the training set (the regenerated one);
 * ``tune`` (with ``variants`` or ``lrs``): a short run per variant side by side, cosine over
   ``sweep_seconds``; the lowest training loss (last fifth of the logged steps) ->
   ``OUT/train_args.txt`` and ``OUT/tune.json``, the options of the two phases below unless
@@ -67,10 +68,10 @@ def run_tau(cfg: TauConfig) -> None:
     if "regen" in cfg.phases and cfg.regenerate:
         regen(cfg)
     if "extract" in cfg.phases:
-        for part in ("train", "heldout"):
+        for part in ("train", *(["train_regen"] if cfg.mix else []), "heldout"):
             _last_line("extract", _extract_command(cfg, part))
-        _check("vocab", _eagle_data("vocab", str(out / "train"), "--size", str(cfg.vocab_size),
-                                    "--out", str(_vocab(cfg))))
+        _check("vocab", _eagle_data("vocab", train_sets(cfg)[-1], "--size", str(cfg.vocab_size),
+                                    "--out", str(_vocab(cfg)), "--rebuild", "true"))
     variants = tune_variants(cfg)
     if "tune" in cfg.phases and variants:
         tune(cfg, variants)
@@ -103,6 +104,11 @@ def tune_variants(cfg: TauConfig) -> list[list[str]]:
     return [["--model.lr", f"{lr:g}"] for lr in cfg.lrs]
 
 
+def train_sets(cfg: TauConfig) -> list[str]:
+    """The extracted training sets: ``OUT/train``, and with ``mix`` ``OUT/train_regen``."""
+    return [f"{cfg.out}/train", *([f"{cfg.out}/train_regen"] if cfg.mix else [])]
+
+
 def train_command(cfg: TauConfig, run_dir: Path, marks: list[str], lr: Optional[float], zero: bool,
                   extra: list[str]) -> list[str]:
     """One ``eagle-data train`` run with a checkpoint ``RUN_DIR/at_{m}min.ckpt`` per mark, the lr
@@ -115,7 +121,7 @@ def train_command(cfg: TauConfig, run_dir: Path, marks: list[str], lr: Optional[
         "train", "--config", cfg.train_config, "--model.dataset_dir", f"{cfg.out}/train",
         "--model.draft_vocab", str(_vocab(cfg)), "--model.draft_vocab_size", str(cfg.vocab_size),
         "--model.zero_features", str(zero).lower(), "--model.lr_schedule_minutes", end,
-        "--data.train", f"{cfg.out}/train", "--trainer.accelerator", cfg.accelerator,
+        "--data.train", json.dumps(train_sets(cfg)), "--trainer.accelerator", cfg.accelerator,
         "--trainer.precision", cfg.precision, "--trainer.max_time", json.dumps({"seconds": int(float(end) * 60 + 600)}),
         "--trainer.default_root_dir", str(run_dir), "--trainer.callbacks", json.dumps([callback]),
         *extra, *(["--model.lr", repr(lr)] if lr is not None else []))
@@ -257,10 +263,11 @@ def _regenerate_command(cfg: TauConfig) -> list[str]:
 
 
 def _extract_command(cfg: TauConfig, part: str) -> list[str]:
-    """``part``: "train" (from ``OUT/regen`` with ``regenerate``; stored as ``storage_dtype``) or
-    "heldout" (as served: bf16)."""
-    src = f"{cfg.out}/regen" if part == "train" and cfg.regenerate else f"{cfg.out}/{part}.jsonl"
-    store = ["--storage_dtype", cfg.storage_dtype, "--final_rows", cfg.final_rows] if part == "train" else []
+    """``part``: "train" (from ``OUT/regen`` with ``regenerate`` and no ``mix``), "train_regen" (from
+    ``OUT/regen``), both stored as ``storage_dtype``; or "heldout" (as served: bf16)."""
+    regen = part == "train_regen" or (part == "train" and cfg.regenerate and not cfg.mix)
+    src = f"{cfg.out}/regen" if regen else f"{cfg.out}/{part}.jsonl"
+    store = ["--storage_dtype", cfg.storage_dtype, "--final_rows", cfg.final_rows] if part != "heldout" else []
     if cfg.cuda_graphs:
         store += ["--backend_kwargs", '{"cuda_graphs": true}']
     return _eagle_data("extract", "--out", f"{cfg.out}/{part}", "--data", src, "--dataset_tag", part,

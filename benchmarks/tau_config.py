@@ -56,6 +56,9 @@ class TauConfig:
     """held-out conversations evaluated (the first keys, sorted)"""
     regenerate: bool = False
     """the regen phase runs and extraction reads its answers (``OUT/regen``) instead of the originals"""
+    mix: bool = False
+    """with ``regenerate``: train on the original rows (``OUT/train``) and their regenerated answers
+    (``OUT/train_regen``) together; the draft vocabulary counts the regenerated set"""
     regen_max_new_tokens: int = 512
     """regenerate: most new tokens per answer"""
     regen_batch_size: Optional[int] = None
@@ -116,6 +119,8 @@ class TauConfig:
             ValueError: naming the setting.
         """
         self.phases = _phase_list(self.phases)
+        if self.mix and not self.regenerate:
+            raise ValueError("mix needs regenerate: true (it trains on the original rows and their regenerated answers)")
         minute_names(self.minutes)
         if not self.sweep_seconds > 0:
             raise ValueError(f"sweep_seconds must be > 0, got {self.sweep_seconds}")

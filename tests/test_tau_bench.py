@@ -210,3 +210,26 @@ def test_the_tune_writes_the_winner_and_marks_failed_variants(tmp_path, monkeypa
     assert [e[1] for e in eval_targets(cfg, ["1"])] == ["eval_tune_v1", "eval_tune_v2", "eval_tune_v3"]
     with pytest.raises(TauPhaseFailed, match="tune: no candidate"):
         tune(cfg, [["--model.lr", "5"]])
+
+
+@pytest.mark.parametrize("mix", [False, True])
+def test_regenerated_training_data_alone_or_mixed_with_the_originals(tmp_path, monkeypatch, mix):
+    import benchmarks.tau as tau
+
+    with pytest.raises(ValueError, match="mix needs regenerate: true"):
+        TauConfig(mix=True)
+    cfg = TauConfig(out=str(tmp_path), regenerate=True, mix=mix, phases="extract", device="cpu")
+    ran = []
+    monkeypatch.setattr(tau, "_last_line", lambda phase, cmd: ran.append(cmd))
+    monkeypatch.setattr(tau, "_check", lambda phase, cmd: ran.append(cmd))
+    tau.run_tau(cfg)
+    extracts = [dict(zip(c[4::2], c[5::2])) for c in ran if c[3] == "extract"]
+    t = str(tmp_path)
+    want = ([(f"{t}/train.jsonl", f"{t}/train"), (f"{t}/regen", f"{t}/train_regen")] if mix else
+            [(f"{t}/regen", f"{t}/train")]) + [(f"{t}/heldout.jsonl", f"{t}/heldout")]
+    assert [(o["--data"], o["--out"]) for o in extracts] == want
+    assert ["--storage_dtype" in o for o in extracts] == [True] * (len(want) - 1) + [False]
+    vocab = [c for c in ran if c[3] == "vocab"]
+    assert len(vocab) == 1 and vocab[0][4] == want[-2][1]  # the vocabulary counts the regenerated answers
+    opt = dict(zip(*[iter(train_command(cfg, tmp_path / "run", ["1"], None, False, [])[4:])] * 2))
+    assert json.loads(opt["--data.train"]) == [o for _, o in want[:-1]] and opt["--model.dataset_dir"] == f"{t}/train"
