@@ -33,6 +33,11 @@ CPU smoke test (~7 min on 2 cores; the GPU config's 65,536-token batches and 8 w
     python -m benchmarks tau --out /tmp/tau --num_train 12 --num_heldout 4 --minutes '[0.3, 0.6]' \\
         --device cpu --accelerator cpu --precision 32-true --eval_samples 2 \\
         --train_args '["--data.max_tokens", "4096", "--data.num_workers", "1"]'
+
+Every phase but the tune and the control, regeneration by SGLang's CPU engine in two ranks included:
+add ``--regenerate true --regen_ranks 2 --regen_max_new_tokens 48 --regen_args '["--backend",
+"sglang"]' --phases prep,regen,extract,train,eval,serve --serve_prompts 3 --serve_new_tokens 24
+--serve_speed_batches '[]'``.
 """
 
 from __future__ import annotations
@@ -118,7 +123,7 @@ def train_command(cfg: TauConfig, run_dir: Path, marks: list[str], lr: Optional[
     callback = {"class_path": "eagle_train.callbacks.TimedCheckpoints",
                 "init_args": {"minutes": [float(m) for m in marks], "stop_after_last": True}}
     return _eagle_data(
-        "train", "--config", cfg.train_config, "--model.dataset_dir", f"{cfg.out}/train",
+        "train", "--config", cfg.train_config, "--model.dataset_dir", train_sets(cfg)[-1],  # the vocabulary's
         "--model.draft_vocab", str(_vocab(cfg)), "--model.draft_vocab_size", str(cfg.vocab_size),
         "--model.zero_features", str(zero).lower(), "--model.lr_schedule_minutes", end,
         "--data.train", json.dumps(train_sets(cfg)), "--trainer.accelerator", cfg.accelerator,

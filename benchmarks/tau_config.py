@@ -58,7 +58,8 @@ class TauConfig:
     """the regen phase runs and extraction reads its answers (``OUT/regen``) instead of the originals"""
     mix: bool = False
     """with ``regenerate``: train on the original rows (``OUT/train``) and their regenerated answers
-    (``OUT/train_regen``) together; the draft vocabulary counts the regenerated set"""
+    (``OUT/train_regen``) together; the draft vocabulary counts the regenerated set. Each arm
+    (original, regenerated, mix) in its own ``out``: their extractions differ"""
     regen_max_new_tokens: int = 512
     """regenerate: most new tokens per answer"""
     regen_batch_size: Optional[int] = None

@@ -65,8 +65,8 @@ class Unordered(Scripted):
         super().__init__(tok)
         self.rng, self.held = random.Random(seed), []
 
-    def collect(self):
-        self.held += super().collect()
+    def collect(self, timeout=None):
+        self.held += super().collect(timeout)
         self.rng.shuffle(self.held)
         k = self.rng.randint(1, len(self.held)) if self.held else 0
         out, self.held = self.held[:k], self.held[k:]
@@ -573,12 +573,12 @@ def test_a_weight_0_turn_stays_untrained_after_regeneration(tiny, tmp_path):
 class Pooled(Scripted):
     """:class:`Scripted` that says how many tokens its KV pool holds."""
 
-    def __init__(self, tok, pool: int):
+    def __init__(self, tok, pool: int, device: str = "cuda"):
         super().__init__(tok)
-        self.pool = pool
+        self.pool, self.device = pool, device
 
     def describe(self):
-        return {"engine": "scripted", "kv_pool_tokens": self.pool}
+        return {"engine": "scripted", "kv_pool_tokens": self.pool, "device": self.device}
 
 
 def test_a_small_kv_pool_and_the_progress_are_in_the_log(tiny, tmp_path, caplog, monkeypatch):
@@ -603,8 +603,48 @@ def test_a_small_kv_pool_and_the_progress_are_in_the_log(tiny, tmp_path, caplog,
     published, tokens = [int(m[1]) for m in lines], [int(m[4]) for m in lines]
     assert published == sorted(published) and tokens == sorted(tokens)
     assert published[0] == 0 and tokens[-1] == man["run_stats"]["tokens_generated"] > 0
+    assert published[-1] == len(man["progress"]["parts"]) and " 0 open, 0 request(s) in flight" in lines[-1][0]
     assert all(int(m[3]) <= 8 for m in lines)
     caplog.clear()
     with caplog.at_level("INFO"):
         _run(tiny, tmp_path / "b", gen=Pooled(tok, 4 * MAX_LENGTH), batch_size=8)
+        _run(tiny, tmp_path / "c", gen=Pooled(tok, 10, device="cpu"), batch_size=8)  # CPU: a fixed pool
     assert "KV pool" not in caplog.text
+    for r, pool in ((1, 20), (0, 10)):  # each rank's pool in the manifest, not only the first's
+        man = _run(tiny, tmp_path / "d", gen=Pooled(tok, pool), rank=r, world_size=2)
+    assert man["complete"] and man["kv_pool_tokens"] == [10, 20]
+
+
+def test_sglang_collect_comes_back_after_its_timeout_while_no_reply_is_ready():
+    """The run's progress line is written between collects: an engine that answers nothing must not
+    keep the run from saying so."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from eagle_data.regen.engines import SGLangGenerator
+
+    async def never(**kw):
+        await asyncio.sleep(3600)
+
+    async def soon(**kw):
+        await asyncio.sleep(0.01)
+        return {"output_ids": [5, 2], "meta_info": {"finish_reason": {"type": "stop"}}}
+
+    gen = object.__new__(SGLangGenerator)  # the engine faked: only submit/collect run
+    gen.engine = SimpleNamespace(loop=asyncio.new_event_loop(), async_generate=never)
+    gen.stop_ids, gen.temperature, gen.top_p, gen.top_k = frozenset([2]), 0.0, 1.0, -1
+    gen._asked, gen._ready, gen._wake = {}, [], None
+    try:
+        gen.submit(1, [1, 2, 3], 8, 0)
+        t0 = time.perf_counter()
+        assert gen.collect(0.2) == [] and 0.2 <= time.perf_counter() - t0 < 3
+        gen.engine.async_generate = soon
+        gen.submit(2, [1], 8, 0)
+        (tag, reply), = gen.collect(10)
+        assert tag == 2 and reply.error is None and reply.finish == "stop" and list(gen._asked.values()) == [(1, 8)]
+    finally:
+        for t in gen._asked:
+            t.cancel()
+        gen.engine.loop.run_until_complete(asyncio.sleep(0))
+        gen.engine.loop.close()

@@ -50,7 +50,7 @@ def fake_engine(monkeypatch, tmp_path):
     return seen
 
 
-def test_a_gpu_engine_starts_under_its_gpus_lock_and_a_cpu_engine_takes_none(fake_engine, monkeypatch, caplog):
+def test_a_gpu_engine_starts_under_its_gpus_locks_and_a_cpu_engine_takes_none(fake_engine, monkeypatch, caplog):
     """Three regeneration engines started side by side on one H100 (2026-12-07, mem_fraction_static
     0.25 each) held 23 GB together: each sized its KV pool from the same free memory, so the later
     ones got almost none (BENCHMARKS.md)."""
@@ -58,26 +58,52 @@ def test_a_gpu_engine_starts_under_its_gpus_lock_and_a_cpu_engine_takes_none(fak
     with caplog.at_level("INFO", logger="eagle_data.engines.sglang_engine"):
         se.start_engine({"model_path": "m", "device": "cuda"})
         se.start_engine({"model_path": "m", "device": "cuda", "base_gpu_id": 1})
+        se.start_engine({"model_path": "m", "device": "cuda", "tp_size": 2})
         se.start_engine({"model_path": "m", "device": "cpu"})
-    a, b = "eagle-data-sglang-start-2,3-0.lock", "eagle-data-sglang-start-2,3-1.lock"
-    assert fake_engine == [{a: True}, {a: False, b: True}, {a: False, b: False}]
-    assert caplog.text.count("SGLang engine started: KV pool 12345 tokens") == 3
+    a, b = se.start_lock_path("2").name, se.start_lock_path("3").name
+    assert fake_engine == [{a: True}, {a: False, b: True}, {a: True, b: True}, {a: False, b: False}]
+    assert caplog.text.count("SGLang engine started: KV pool 12345 tokens") == 4
+
+
+@pytest.mark.parametrize("visible, kw, gpus", [
+    (None, {}, ["0"]), ("0", {}, ["0"]), ("1,0", {"base_gpu_id": 1}, ["0"]), (" 4, 5 ,6", {"tp_size": 2}, ["4", "5"]),
+    ("4,5,6,7", {"tp_size": 2, "gpu_id_step": 2, "base_gpu_id": 1}, ["5", "7"]), ("", {}, []),
+    (None, {"pp_size": 2, "tp_size": 2}, ["0", "1", "2", "3"]), ("0", {"device": "cpu"}, [])])
+def test_an_engines_gpus_are_named_as_cuda_visible_devices_names_them(monkeypatch, visible, kw, gpus):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert se.engine_gpus({"device": "cuda", **kw}) == gpus
+
+
+def test_start_locks_are_private_files_with_short_names_whatever_the_gpu_is_called(tmp_path, monkeypatch):
+    """A 6-UUID CUDA_VISIBLE_DEVICES in the file name was too long for the file system; a lock
+    file of another user (0o644 after the umask) refused every later start with EACCES."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    uuids = ",".join(f"GPU-8f3a{i}c2e-1111-2222-3333-444455556666/with slash" for i in range(6))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuids)
+    with se.gpu_start_lock({"device": "cuda", "tp_size": 6}):
+        files = sorted(tmp_path.iterdir())
+    assert len(files) == 6 and all(len(f.name) < 64 and str(os.getuid()) in f.name for f in files)
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
 
 
 def test_a_start_waits_while_another_engine_starts_on_the_same_gpu(fake_engine, monkeypatch, tmp_path, caplog):
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    path = tmp_path / "eagle-data-sglang-start-all-0.lock"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    path = se.start_lock_path("0")
+    assert path.parent == tmp_path
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)  # another engine is starting
     with caplog.at_level("INFO", logger="eagle_data.engines.sglang_engine"):
-        t = threading.Thread(target=se.start_engine, args=({"model_path": "m", "device": "cuda"},))
+        t = threading.Thread(target=se.start_engine, args=({"model_path": "m", "device": "cuda", "base_gpu_id": 1},))
         t.start()
         time.sleep(0.5)
         assert fake_engine == [] and t.is_alive()
         os.close(fd)  # its start ended
         t.join(10)
     assert fake_engine == [{path.name: True}]
-    assert f"waiting for another SGLang engine to finish starting on the same GPU(s) (lock {path})" in caplog.text
+    assert f"waiting for another SGLang engine to finish starting on the same GPU (lock {path})" in caplog.text
 
 
 def test_kv_pool_tokens_is_none_where_the_engine_does_not_say():

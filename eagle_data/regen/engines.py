@@ -30,8 +30,9 @@ class Generator(Protocol):
         engine's stop ids; ``seed`` seeds sampling where the engine can seed per request."""
         ...
 
-    def collect(self) -> list[tuple[int, Reply]]:
-        """Wait until at least one asked reply is ready; ``(tag, reply)`` of every ready one."""
+    def collect(self, timeout: float | None = None) -> list[tuple[int, Reply]]:
+        """Wait until at least one asked reply is ready, or ``timeout`` seconds (None: no limit);
+        ``(tag, reply)`` of every ready one (none after a timeout)."""
         ...
 
     def describe(self) -> dict[str, Any]:
@@ -55,7 +56,9 @@ class BatchedGenerator:
     def submit(self, tag: int, prompt: list[int], budget: int, seed: int) -> None:
         self._asked.append((tag, prompt, budget, seed))
 
-    def collect(self) -> list[tuple[int, Reply]]:
+    def collect(self, timeout: float | None = None) -> list[tuple[int, Reply]]:
+        """Generates every request asked since the last call (``timeout`` does not apply: it returns
+        when they are done)."""
         asked, self._asked = self._asked, []
         if not asked:
             return []
@@ -233,11 +236,11 @@ class SGLangGenerator:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
-    def collect(self) -> list[tuple[int, Reply]]:
+    def collect(self, timeout: float | None = None) -> list[tuple[int, Reply]]:
         loop = self.engine.loop
         if self._asked and not self._ready:  # (a callback per task, not asyncio.wait over all in flight)
             self._wake = loop.create_future()
-            loop.run_until_complete(self._wake)
+            loop.run_until_complete(asyncio.wait({self._wake}, timeout=timeout))
         loop.run_until_complete(asyncio.sleep(0))  # the replies that arrived with it
         ready, self._ready = self._ready, []
         out = []

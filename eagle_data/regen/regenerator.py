@@ -85,13 +85,14 @@ class Regenerator:
             while open_parts and open_parts[0].live == 0:
                 self.published += 1
                 yield self._close(open_parts.popleft())
+            self._report(open_parts, len(asked))
             if not asked:  # every open part ended (the bound may have stopped the fill: fill again)
                 assert not open_parts and not waiting, "an open part with nothing asked"
                 if not more:
                     return
                 continue
             t0 = time.perf_counter()
-            answers = self.gen.collect()
+            answers = self.gen.collect(REPORT_EVERY_S)  # back at least this often: a silent engine is reported
             share = (time.perf_counter() - t0) / len(open_parts)
             for p in open_parts:
                 p.seconds += share
@@ -101,7 +102,6 @@ class Regenerator:
                 self._take(job, prompt, reply, p)
                 after.append((p, job))
             self._advance(after, asked)
-            self._report(open_parts, len(asked))
 
     def _report(self, open_parts: deque, in_flight: int) -> None:
         """A progress line every :data:`REPORT_EVERY_S` seconds."""
@@ -111,7 +111,7 @@ class Regenerator:
         self.reported, dt = now, now - self.t0
         first = open_parts[0] if open_parts else None
         log.info("rank %d: %d part(s) published, %d open%s, %d request(s) in flight; %d new tokens in %.0f s "
-                 "(%.0f tokens/s)", self.cfg.rank, self.published, len(open_parts),
+                 "(%.1f tokens/s)", self.cfg.rank, self.published, len(open_parts),
                  f" (the first, rows [{first.start}, {first.end}), waits on {first.live} row(s))" if first else "",
                  in_flight, self.tokens, dt, self.tokens / dt)
 

@@ -138,10 +138,13 @@ def _engine(cfg: RegenerateConfig, model_path: str, tokenizer, stops: frozenset[
                           trust_remote_code=cfg.trust_remote_code, backend_kwargs=dict(cfg.backend_kwargs))
 
 
-def _warn_small_pool(pool: int | None, batch_size: int, max_length: int) -> None:
-    """Warn when the engine's KV pool holds under half of what ``batch_size`` requests of up to
-    ``max_length`` tokens may hold: the engine then queues or retracts requests."""
-    if pool is not None and pool < batch_size * max_length // 2:
+def _warn_small_pool(engine: dict[str, Any], batch_size: int, max_length: int) -> None:
+    """Warn when the engine's KV pool (its description's ``kv_pool_tokens``) holds under half of what
+    ``batch_size`` requests of up to ``max_length`` tokens may hold: the engine then queues or
+    retracts requests. Not on CPU, where the pool is the fixed ``max_total_tokens``, not a share of
+    the memory that other engines may have taken."""
+    pool = engine.get("kv_pool_tokens")
+    if pool is not None and engine.get("device") != "cpu" and pool < batch_size * max_length // 2:
         log.warning("the engine's KV pool holds %d tokens, under half of the %d that --batch_size %d requests of up "
                     "to --max_length %d tokens may hold: it will queue or retract requests (give it more memory: "
                     "backend_kwargs mem_fraction_static or max_total_tokens; or lower --batch_size)",
@@ -179,7 +182,7 @@ def _run(cfg: RegenerateConfig, out: Path, generator: Generator | None, renderer
             generator = generator or _engine(cfg, model_path, tokenizer, stops)
             engine = generator.describe()
             progress.begin(engine)
-            _warn_small_pool(engine.get("kv_pool_tokens"), cfg.batch_size, cfg.max_length)
+            _warn_small_pool(engine, cfg.batch_size, cfg.max_length)
             regen = Regenerator(cfg, renderer, generator, settings_id, counter)
             for done in regen.stream(itertools.chain([first], work)):
                 p = done.part

@@ -227,7 +227,8 @@ def summarize(out: Path, world_size: int, extra: dict[str, Any]) -> dict[str, An
     man = {"format": FORMAT, "version": VERSION, "complete": complete, "world_size": world_size,
            "ranks_finished": len(done), "ranks_unfinished": [r for r, p in enumerate(ranks) if p not in done],
            "missing_rows": gap, "settings": next((p["settings"] for p in ranks if p), {}),
-           "engine": next((p["engine"] for p in ranks if p and p.get("engine")), None), **_totals(parts),
+           "engine": next((p["engine"] for p in ranks if p and p.get("engine")), None),
+           "kv_pool_tokens": [((p or {}).get("engine") or {}).get("kv_pool_tokens") for p in ranks], **_totals(parts),
            "parts": [{"name": part_name(p["start"], p["end"]), "regenerated": p["counts"]["regenerated"],
                       "sha256": p.get("sha256", {}).get(DATA_DIR)} for p in parts], **extra}
     if complete:
