@@ -113,7 +113,7 @@ class Regenerator:
         log.info("rank %d: %d part(s) published, %d open%s, %d request(s) in flight; %d new tokens in %.0f s "
                  "(%.1f tokens/s)", self.cfg.rank, self.published, len(open_parts),
                  f" (the first, rows [{first.start}, {first.end}), waits on {first.live} row(s))" if first else "",
-                 in_flight, self.tokens, dt, self.tokens / dt)
+                 in_flight, self.tokens, dt, self.tokens / max(dt, 1e-9))
 
     def _may_open(self, open_parts: deque) -> bool:
         """Another part may open while the open ones hold fewer than ``4 * batch_size`` rows: a
