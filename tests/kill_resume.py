@@ -247,6 +247,7 @@ def kill_resume(work: Path, kills: int = 10, samples: int = 50, terms: int = 2, 
             _wait_for_new_shard(p, run, before, rng.uniform(0, (first_shard or 0) + t_shard))
         elif not _wait_for_new_shard(p, run, before, timeout=120):
             events.append({"event": what, "result": f"child exited first ({p.poll()})"})
+            log(json.dumps(events[-1]))
             break
         else:
             _wait_for_new_shard(p, run, _tars(run), rng.uniform(0, t_shard))
@@ -283,6 +284,7 @@ def kill_resume(work: Path, kills: int = 10, samples: int = 50, terms: int = 2, 
         "diffs": diffs[:20],
         "verify_ok": bool(rep and rep.ok), "verify_problems": rep.problems[:10] if rep else None,
         "seconds": round(time.monotonic() - t0, 1),
+        "undelivered": [e for e in events if not e.get("delivered", False)],
     }
     summary["ok"] = (kills_done >= kills and summary["interruptions_clean"] and final_code == 0
                      and not diffs and not summary["leftovers"] and summary["verify_ok"] and not orphans)

@@ -47,7 +47,7 @@ def test_kill_resume_script(tmp_path):
                         "50", "--work", str(tmp_path)], capture_output=True, text=True, timeout=400)
     assert r.stdout, r.stderr[-3000:]
     s = json.loads(r.stdout)
-    assert s["ok"] and r.returncode == 0, (s, r.stderr[-3000:])
+    assert s["ok"] and r.returncode == 0, json.dumps(s) + "\n" + r.stderr[-3000:]  # a string: shown whole
     assert s["kills"] >= 10 and s["interruptions"] == 2 and s["samples"] >= 50 and s["shards"] >= 5
 
 

@@ -1,5 +1,5 @@
 """``start_engine`` around ``sglang.Engine`` (a fake engine: what is tested is what happens around its
-start): GPU engines start one at a time per set of GPUs, and the KV pool each got is logged."""
+start): GPU engines start one at a time per GPU, and the KV pool each got is logged."""
 
 from __future__ import annotations
 
