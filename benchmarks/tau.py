@@ -46,6 +46,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -227,11 +228,21 @@ def regen(cfg: TauConfig) -> None:
     """
     n = cfg.regen_ranks
     cmds = [_regenerate_command(cfg) + (["--rank", str(r), "--world_size", str(n)] if n > 1 else []) for r in range(n)]
+    before, t0 = _regen_tokens(cfg), time.perf_counter()
     failed = [r for r, rc in enumerate(_run_all([(c, Path(cfg.out) / f"regen_{r}.log") for r, c in enumerate(cmds)]))
               if rc != 0]
+    new, wall = _regen_tokens(cfg) - before, time.perf_counter() - t0
+    print(f"regen: {new:,} new tokens in {wall:.1f} s with {n} rank(s) = {new / max(wall, 1e-9):,.0f} tokens/s (engine starts "
+          f"included; each rank's own rate is in its log)")
     if failed:
         raise TauPhaseFailed(f"regen: rank(s) {failed} failed (see {cfg.out}/regen_R.log); rerun to resume")
     print(f"{cfg.out}/regen")
+
+
+def _regen_tokens(cfg: TauConfig) -> int:
+    """New tokens of the parts every rank's progress file lists (the finished ones)."""
+    return sum(p["tokens"] for f in sorted((Path(cfg.out) / "regen").glob("progress-*.json"))
+               for p in json.loads(f.read_text())["parts"])
 
 
 def serve(cfg: TauConfig, mark: str) -> None:

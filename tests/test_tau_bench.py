@@ -7,6 +7,7 @@ checked on plain values; the tune phase on fake runs. The CPU smoke test of the 
 
 import json
 import math
+import re
 
 import pytest
 
@@ -140,14 +141,25 @@ def test_a_training_run_takes_the_extra_options_after_its_own_and_an_explicit_lr
     assert tune_variants(TauConfig(lrs=[1.0], variants=[[], ["--a", "1"]])) == [["--a", "1"]]
 
 
-def test_regen_runs_one_process_per_rank_and_names_a_failed_one(tmp_path, monkeypatch):
+def test_regen_runs_one_process_per_rank_and_names_a_failed_one(tmp_path, monkeypatch, capsys):
     import benchmarks.tau as tau
 
     jobs = []
-    monkeypatch.setattr(tau, "_run_all", lambda js: jobs.extend(js) or [0, 3, 0])
+    progress = tmp_path / "regen" / "progress-00001.json"
+    progress.parent.mkdir()
+    progress.write_text(json.dumps({"parts": [{"tokens": 5}]}))  # from an earlier run: not this one's
+
+    def run_all(js):
+        jobs.extend(js)
+        progress.write_text(json.dumps({"parts": [{"tokens": 5}, {"tokens": 1000}]}))
+        (tmp_path / "regen" / "progress-00000.json").write_text(json.dumps({"parts": [{"tokens": 234}]}))
+        return [0, 3, 0]
+
+    monkeypatch.setattr(tau, "_run_all", run_all)
     cfg = TauConfig(out=str(tmp_path), regen_ranks=3, regen_args=["--backend", "sglang"])
     with pytest.raises(TauPhaseFailed, match=r"regen: rank\(s\) \[1\] failed"):
         regen(cfg)
+    assert re.match(r"regen: 1,234 new tokens in [0-9.]+ s with 3 rank\(s\) = ", capsys.readouterr().out)
     assert [log.name for _, log in jobs] == ["regen_0.log", "regen_1.log", "regen_2.log"]
     for r, (cmd, _) in enumerate(jobs):
         assert cmd[-6:] == ["--backend", "sglang", "--rank", str(r), "--world_size", "3"]
