@@ -241,8 +241,10 @@ def regen(cfg: TauConfig) -> None:
 
 def _regen_tokens(cfg: TauConfig) -> int:
     """New tokens of the parts every rank's progress file lists (the finished ones)."""
-    return sum(p["tokens"] for f in sorted((Path(cfg.out) / "regen").glob("progress-*.json"))
-               for p in json.loads(f.read_text())["parts"])
+    from eagle_data.format.regen_layout import progress_path
+
+    files = [progress_path(Path(cfg.out) / "regen", r) for r in range(cfg.regen_ranks)]
+    return sum(p["tokens"] for f in files if f.is_file() for p in json.loads(f.read_text())["parts"])
 
 
 def serve(cfg: TauConfig, mark: str) -> None:
