@@ -15,6 +15,7 @@ import pytest
 sglang = pytest.importorskip("sglang")
 
 from eagle_data.engines import sglang_engine as se  # noqa: E402
+from eagle_data.engines import start_lock as sl  # noqa: E402
 
 
 def _locks(folder) -> dict[str, bool]:
@@ -55,12 +56,12 @@ def test_a_gpu_engine_starts_under_its_gpus_locks_and_a_cpu_engine_takes_none(fa
     0.25 each) held 23 GB together: each sized its KV pool from the same free memory, so the later
     ones got almost none (BENCHMARKS.md)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    with caplog.at_level("INFO", logger="eagle_data.engines.sglang_engine"):
+    with caplog.at_level("INFO", logger="eagle_data.engines"):
         se.start_engine({"model_path": "m", "device": "cuda"})
         se.start_engine({"model_path": "m", "device": "cuda", "base_gpu_id": 1})
         se.start_engine({"model_path": "m", "device": "cuda", "tp_size": 2})
         se.start_engine({"model_path": "m", "device": "cpu"})
-    a, b = se.start_lock_path("2").name, se.start_lock_path("3").name
+    a, b = sl.start_lock_path("2").name, sl.start_lock_path("3").name
     assert fake_engine == [{a: True}, {a: False, b: True}, {a: True, b: True}, {a: False, b: False}]
     assert caplog.text.count("SGLang engine started: KV pool 12345 tokens") == 4
 
@@ -74,7 +75,7 @@ def test_an_engines_gpus_are_named_as_cuda_visible_devices_names_them(monkeypatc
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    assert se.engine_gpus({"device": "cuda", **kw}) == gpus
+    assert sl.engine_gpus({"device": "cuda", **kw}) == gpus
 
 
 def test_start_locks_are_private_files_with_short_names_whatever_the_gpu_is_called(tmp_path, monkeypatch):
@@ -83,7 +84,7 @@ def test_start_locks_are_private_files_with_short_names_whatever_the_gpu_is_call
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     uuids = ",".join(f"GPU-8f3a{i}c2e-1111-2222-3333-444455556666/with slash" for i in range(6))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuids)
-    with se.gpu_start_lock({"device": "cuda", "tp_size": 6}):
+    with sl.gpu_start_lock({"device": "cuda", "tp_size": 6}):
         files = sorted(tmp_path.iterdir())
     assert len(files) == 6 and all(len(f.name) < 64 and str(os.getuid()) in f.name for f in files)
     assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
@@ -91,11 +92,11 @@ def test_start_locks_are_private_files_with_short_names_whatever_the_gpu_is_call
 
 def test_a_start_waits_while_another_engine_starts_on_the_same_gpu(fake_engine, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
-    path = se.start_lock_path("0")
+    path = sl.start_lock_path("0")
     assert path.parent == tmp_path
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)  # another engine is starting
-    with caplog.at_level("INFO", logger="eagle_data.engines.sglang_engine"):
+    with caplog.at_level("INFO", logger="eagle_data.engines"):
         t = threading.Thread(target=se.start_engine, args=({"model_path": "m", "device": "cuda", "base_gpu_id": 1},))
         t.start()
         time.sleep(0.5)
