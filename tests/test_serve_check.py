@@ -3,6 +3,7 @@ stand-in kernels + the ``intel_amx`` backend) against plain greedy and the offli
 
 import importlib.util
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -208,13 +209,14 @@ def _trained_drafter(tmp_path: Path, steps: int = 300) -> tuple[Path, torch.Tens
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="sglang's speculative path torch.compiles a function: needs a C++ compiler "
                            "(.ci/run checks that CI has one)")
-def test_sglang_speculative_decoding_equals_plain_greedy_and_the_offline_replay(tmp_path):
+def test_sglang_speculative_decoding_equals_plain_greedy_and_the_offline_replay(tmp_path, caplog):
     from eagle_train.serve_check import run_serve_check
 
+    caplog.set_level(logging.INFO, logger="eagle_train.serve_check")
     drafter, seq = _trained_drafter(tmp_path)
     prompts = [seq[i, :n].tolist() for i, n in enumerate((12, 17, 23))]  # the greedy text goes on from there
     res = run_serve_check(str(tiny_target_dir(tmp_path)), str(drafter), prompts, steps=3, max_new_tokens=32,
-                          speed_batches=[1, 2], ngram=True)
+                          speed_batches=[1, 2], ngram=True, partial=tmp_path / "partial.json")
     print(json.dumps({k: v for k, v in res.items() if k != "per_prompt"}))
     from eagle_data.cli.train import serve_check_summary
 
@@ -241,3 +243,14 @@ def test_sglang_speculative_decoding_equals_plain_greedy_and_the_offline_replay(
     assert f"SGLang NGRAM, the same 4 tokens verified per step: engine tau {ng['tau']:.3f}" in summary
     assert all(s["ngram_tokens_per_s"] > 0 and "NGRAM" in line
                for s, line in zip(res["speed"], summary.splitlines()[-2:]))
+    # what a run cut before its offline replay keeps: every engine's figures, the same as the result's
+    known = json.loads((tmp_path / "partial.json").read_text())
+    assert known["engines_done"] == ["plain", "speculative", "ngram"]
+    assert known["engine"] == json.loads(json.dumps(eng)) and known["ngram"] == json.loads(json.dumps(ng))
+    assert [v["batch"] for v in known["speed"]["ngram"]] == [1, 2] == [v["batch"] for v in known["speed"]["plain"]]
+    assert set(known["seconds"]) == {f"{n}_{w}" for n in ("plain", "speculative", "ngram") for w in ("start", "generate")}
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serve-check: ")]
+    assert [w.split()[1] for w in lines] == ["plain", "speculative", "ngram"], lines
+    assert f"engine tau {eng['tau']:.3f} [{eng['interval'][0]:.3f}, {eng['interval'][1]:.3f}], output equal to " \
+           "plain greedy 3/3; decode at batch 1: " in lines[1], lines
+    assert f"engine tau {ng['tau']:.3f}" in lines[2] and "decode at" not in lines[2], lines

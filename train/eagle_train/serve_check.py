@@ -26,11 +26,15 @@ on a GPU, stock SGLang.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def replay_chains(drafter, aux: torch.Tensor, seq: Sequence[int], prompt_len: int, steps: int) -> list[int]:
@@ -159,6 +163,33 @@ def engine_acceptance(plain: list[dict], spec: list[dict], steps: int) -> dict[s
             "equal_to_plain": sum(p["output_ids"] == s["output_ids"] for p, s in zip(plain, spec))}
 
 
+def engines_so_far(runs: dict[str, list[dict]], seconds: dict[str, float], speeds: dict[str, list[dict]],
+                   steps: int, path: Optional[Path]) -> dict[str, Any]:
+    """What the engines run so far tell (each speculative one's :func:`engine_acceptance` once the
+    plain run is there, start and generation seconds, decode speeds), written to ``path`` when
+    given: a serve-check cut short (a device's time limit) keeps its engines' figures."""
+    known: dict[str, Any] = {"engines_done": list(runs), "seconds": {k: round(v, 2) for k, v in seconds.items()},
+                             "speed": {k: v for k, v in speeds.items() if v}}
+    for name, key in (("speculative", "engine"), ("ngram", "ngram")):
+        if "plain" in runs and runs.get(name):
+            known[key] = engine_acceptance(runs["plain"], runs[name], steps)
+    if path is not None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(path)
+    return known
+
+
+def _engine_line(name: str, run: list[dict], seconds: dict[str, float], speeds: list[dict],
+                 acc: Optional[dict[str, Any]]) -> str:
+    iv = (acc or {}).get("interval")
+    return (f"{name} engine started in {seconds[f'{name}_start']:.1f} s, {sum(len(r['output_ids']) for r in run)} new "
+            f"tokens in {seconds[f'{name}_generate']:.1f} s"
+            + (f"; engine tau {acc['tau']:.3f}" + (f" [{iv[0]:.3f}, {iv[1]:.3f}]" if iv else "")
+               + f", output equal to plain greedy {acc['equal_to_plain']}/{len(run)}" if acc else "")
+            + "".join(f"; decode at batch {v['batch']}: {v['tokens_per_s']:.0f} tokens/s" for v in speeds))
+
+
 def compare_runs(plain: list[dict], spec: list[dict], replays: list[list[int]], steps: int) -> dict[str, Any]:
     """Per request and overall: outputs equal, verify steps and accepted drafts engine vs replay."""
     per, offline_steps = [], []
@@ -176,14 +207,16 @@ def compare_runs(plain: list[dict], spec: list[dict], replays: list[list[int]], 
 def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, steps: int = 7,
                     max_new_tokens: int = 64, dtype: str = "float32", device: str = "cpu",
                     engine_kw: Optional[dict[str, Any]] = None, exported: Optional[tuple] = None,
-                    speed_batches: Sequence[int] = (), ngram: bool = False) -> dict[str, Any]:
+                    speed_batches: Sequence[int] = (), ngram: bool = False,
+                    partial: Optional[Path] = None) -> dict[str, Any]:
     """Plain and speculative SGLang runs + the offline replay (module doc); returns
     :func:`compare_runs`'s summary plus ``seconds`` per phase and the settings, and ``speed`` (decode
     tokens/s plain vs speculative per batch size of ``speed_batches``). ``exported``: the
     ``(drafter, aux_layer_ids)`` of ``drafter_dir`` when the caller has read it already.
     ``ngram``: also SGLang's own NGRAM speculation (free: drafts from the text seen) with the same
     ``steps + 1`` tokens verified per step, as a chain, on a fresh engine (its speed at each batch size
-    on another fresh one: its trie learns what it generates): ``out["ngram"]``, :func:`engine_acceptance`."""
+    on another fresh one: its trie learns what it generates): ``out["ngram"]``, :func:`engine_acceptance`.
+    After each engine: :func:`engines_so_far` (written to ``partial`` when given)."""
     from eagle_data.checks import check_positive
     from eagle_data.engines.hf import HFBackend
     from eagle_data.engines.sglang_engine import (CPU_SPEC_ATTENTION, base_engine_kwargs, ngram_engine_kwargs,
@@ -207,9 +240,13 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
     for name, kw in engines:
         runs[name], seconds[f"{name}_start"], seconds[f"{name}_generate"], speeds[name] = run_engine_apart(
             kw, prompts, max_new_tokens, () if name == "ngram" else speed_batches)
+        known = engines_so_far(runs, seconds, speeds, steps, partial)
+        log.info("serve-check: %s", _engine_line(name, runs[name], seconds, speeds[name],
+                                                 known.get({"speculative": "engine"}.get(name, name))))
     if ngram:  # each batch size on a fresh engine too: the trie would have seen these prompts' outputs
         speeds["ngram"] = [run_engine_apart(engines[-1][1], prompts, max_new_tokens, [b], generate=False)[3][0]
                            for b in speed_batches]
+        engines_so_far(runs, seconds, speeds, steps, partial)
     t0 = time.perf_counter()
     hf = HFBackend(model=load_target(target, device), model_path=str(target), dtype="float32", aux_layer_ids=aux_ids,
                    device=device)
