@@ -6,10 +6,12 @@ regenerate``, as child processes):
   ``OUT/heldout.jsonl`` (kept when both exist already, e.g. carried to a machine without network);
 * ``regen`` (with ``--regenerate true``): SmolLM2 writes every assistant turn of the training rows
   itself (greedy) -> ``OUT/regen``, which extraction then reads instead of ``OUT/train.jsonl``
-  (``regen_ranks`` processes at once, logs ``OUT/regen_R.log``);
+  (``regen_ranks`` processes at once, logs ``OUT/regen_R.log``); with ``--own_heldout true`` also
+  those of the held-out rows (``serve_new_tokens`` per turn) -> ``OUT/regen_heldout``;
 * ``extract``: both sets with SmolLM2 (the training set stored as ``storage_dtype``, the held-out
   one as served; with ``mix`` the originals in ``OUT/train`` and the regenerated answers in
-  ``OUT/train_regen``), then the draft vocabulary of the training set (the regenerated one);
+  ``OUT/train_regen``; with ``own_heldout`` the held-out rows' own answers in ``OUT/heldout_own``),
+  then the draft vocabulary of the training set (the regenerated one);
 * ``tune`` (with ``variants`` or ``lrs``): a short run per variant side by side, cosine over
   ``sweep_seconds``; the lowest training loss (last fifth of the logged steps) ->
   ``OUT/train_args.txt`` and ``OUT/tune.json``, the options of the two phases below unless
@@ -19,7 +21,8 @@ regenerate``, as child processes):
 * ``control``: the same training with the target's features zeroed, up to the first mark
   (``OUT/run_zero``);
 * ``eval``: τ of each checkpoint on the first ``eval_samples`` held-out keys, 16 positions each,
-  K=7, beside the untrained drafter and prompt lookup (95 % intervals), all at once; then a table;
+  K=7, beside the untrained drafter and prompt lookup (95 % intervals), all at once; then a table
+  (with ``own_heldout`` a second one: the same on the target's own answers, ``OUT/eval_own_*``);
 * ``serve``: the last mark's checkpoint exported (``OUT/drafter``) and served by SGLang
   (``eagle-data serve-check``): EAGLE-3 with it vs SGLang's own NGRAM speculation vs plain decoding
   on the opening user turns of ``serve_prompts`` held-out conversations, K=7 chains, greedy: engine
@@ -37,7 +40,8 @@ CPU smoke test (~7 min on 2 cores; the GPU config's 65,536-token batches and 8 w
 Every phase but the tune and the control, regeneration by SGLang's CPU engine in two ranks included:
 add ``--regenerate true --regen_ranks 2 --regen_max_new_tokens 48 --regen_args '["--backend",
 "sglang"]' --phases prep,regen,extract,train,eval,serve --serve_prompts 3 --serve_new_tokens 24
---serve_speed_batches '[]'``.
+--serve_speed_batches '[]'``. The held-out rows' own answers: the first command with ``--own_heldout
+true --serve_new_tokens 24 --phases prep,regen,extract,train,eval`` (HF generates them; ~6 min).
 """
 
 from __future__ import annotations
@@ -73,8 +77,10 @@ def run_tau(cfg: TauConfig) -> None:
         prep(out, cfg.num_train, cfg.num_heldout)
     if "regen" in cfg.phases and cfg.regenerate:
         regen(cfg)
+    if "regen" in cfg.phases and cfg.own_heldout:
+        regen_heldout(cfg)
     if "extract" in cfg.phases:
-        for part in ("train", *(["train_regen"] if cfg.mix else []), "heldout"):
+        for part in ("train", *(["train_regen"] if cfg.mix else []), "heldout", *(["heldout_own"] if cfg.own_heldout else [])):
             _last_line("extract", _extract_command(cfg, part))
         _check("vocab", _eagle_data("vocab", train_sets(cfg)[-1], "--size", str(cfg.vocab_size),
                                     "--out", str(_vocab(cfg)), "--rebuild", "true"))
@@ -182,18 +188,23 @@ def evaluate(cfg: TauConfig, names: list[str]) -> None:
     evals = eval_targets(cfg, names)
     if not evals:
         raise FileNotFoundError(f"eval: no checkpoint to evaluate under {out}")
+    sets = [("heldout", "eval_"), *([("heldout_own", "eval_own_")] if cfg.own_heldout else [])]
+    runs = [(data, ckpt, prefix + name[len("eval_"):], compare) for data, prefix in sets for ckpt, name, compare in evals]
     jobs = []
-    for ckpt, name, compare in evals:
+    for data, ckpt, name, compare in runs:
         shutil.rmtree(out / name, ignore_errors=True)  # no result of an earlier call is shown as this one's
         jobs.append((_eagle_data(
-            "eval", str(out / "heldout"), str(out / ckpt), "--out", str(out / name), "--heldout_fraction", "1.0",
+            "eval", str(out / data), str(out / ckpt), "--out", str(out / name), "--heldout_fraction", "1.0",
             "--num_samples", str(cfg.eval_samples), "--positions_per_sample", "16", "--steps", "7",
             "--max_length", "2048", "--device", cfg.device, "--compare_untrained", str(compare).lower()),
             out / f"{name}.log"))
-    for (ckpt, name, _), rc in zip(evals, _run_all(jobs)):
+    for (_, ckpt, name, _), rc in zip(runs, _run_all(jobs)):
         if rc == 0:
             (out / name / "checkpoint.txt").write_text(ckpt + "\n")
-    print("\n".join(table([read_eval(out, name) for _, name, _ in evals])))
+    for data, prefix in sets:
+        if len(sets) > 1:
+            print(f"on {out / data}:")
+        print("\n".join(table([read_eval(out, n, prefix) for d, _, n, _ in runs if d == data])))
 
 
 def eval_targets(cfg: TauConfig, names: list[str]) -> list[tuple[str, str, bool]]:
@@ -227,7 +238,8 @@ def regen(cfg: TauConfig) -> None:
         TauPhaseFailed: a rank failed (the others ran to their end; rerun to resume).
     """
     n = cfg.regen_ranks
-    cmds = [_regenerate_command(cfg) + (["--rank", str(r), "--world_size", str(n)] if n > 1 else []) for r in range(n)]
+    out = Path(cfg.out)
+    cmds = [_regenerate_command(cfg, out / "train.jsonl", out / "regen", cfg.regen_max_new_tokens) + (["--rank", str(r), "--world_size", str(n)] if n > 1 else []) for r in range(n)]
     before, t0 = _regen_tokens(cfg), time.perf_counter()
     failed = [r for r, rc in enumerate(_run_all([(c, Path(cfg.out) / f"regen_{r}.log") for r, c in enumerate(cmds)]))
               if rc != 0]
@@ -237,6 +249,20 @@ def regen(cfg: TauConfig) -> None:
     if failed:
         raise TauPhaseFailed(f"regen: rank(s) {failed} failed (see {cfg.out}/regen_R.log); rerun to resume")
     print(f"{cfg.out}/regen")
+
+
+def regen_heldout(cfg: TauConfig) -> None:
+    """The target's own answers to the held-out rows (``own_heldout``): one regenerate process, log
+    ``OUT/regen_heldout.log``.
+
+    Raises:
+        TauPhaseFailed: it failed (rerun to resume).
+    """
+    out = Path(cfg.out)
+    cmd = _regenerate_command(cfg, out / "heldout.jsonl", out / "regen_heldout", cfg.serve_new_tokens)
+    if _run_all([(cmd, out / "regen_heldout.log")])[0] != 0:
+        raise TauPhaseFailed(f"regen: the held-out rows' regeneration failed (see {out}/regen_heldout.log); rerun to resume")
+    print(f"{out}/regen_heldout")
 
 
 def _regen_tokens(cfg: TauConfig) -> int:
@@ -272,20 +298,21 @@ def serve_command(cfg: TauConfig) -> list[str]:
                        *cfg.serve_args)
 
 
-def _regenerate_command(cfg: TauConfig) -> list[str]:
-    return _eagle_data("regenerate", "--out", f"{cfg.out}/regen", "--data", f"{cfg.out}/train.jsonl",
+def _regenerate_command(cfg: TauConfig, data: Path, out: Path, max_new_tokens: int) -> list[str]:
+    return _eagle_data("regenerate", "--out", str(out), "--data", str(data),
                        "--device", cfg.device, "--dtype", "bfloat16", "--mode", "all",
-                       "--max_new_tokens", str(cfg.regen_max_new_tokens), "--max_length", "2048",
+                       "--max_new_tokens", str(max_new_tokens), "--max_length", "2048",
                        *(["--batch_size", str(cfg.regen_batch_size)] if cfg.regen_batch_size else []),
                        "--rows_per_part", str(cfg.regen_rows_per_part), "--progress", "false", *cfg.regen_args)
 
 
 def _extract_command(cfg: TauConfig, part: str) -> list[str]:
     """``part``: "train" (from ``OUT/regen`` with ``regenerate`` and no ``mix``), "train_regen" (from
-    ``OUT/regen``), both stored as ``storage_dtype``; or "heldout" (as served: bf16)."""
+    ``OUT/regen``), both stored as ``storage_dtype``; or "heldout", "heldout_own" (from
+    ``OUT/regen_heldout``), as served: bf16."""
     regen = part == "train_regen" or (part == "train" and cfg.regenerate and not cfg.mix)
-    src = f"{cfg.out}/regen" if regen else f"{cfg.out}/{part}.jsonl"
-    store = ["--storage_dtype", cfg.storage_dtype, "--final_rows", cfg.final_rows] if part != "heldout" else []
+    src = {"heldout_own": f"{cfg.out}/regen_heldout"}.get(part, f"{cfg.out}/regen" if regen else f"{cfg.out}/{part}.jsonl")
+    store = ["--storage_dtype", cfg.storage_dtype, "--final_rows", cfg.final_rows] if part.startswith("train") else []
     if cfg.cuda_graphs:
         store += ["--backend_kwargs", '{"cuda_graphs": true}']
     return _eagle_data("extract", "--out", f"{cfg.out}/{part}", "--data", src, "--dataset_tag", part,

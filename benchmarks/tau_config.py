@@ -60,6 +60,13 @@ class TauConfig:
     """with ``regenerate``: train on the original rows (``OUT/train``) and their regenerated answers
     (``OUT/train_regen``) together; the draft vocabulary counts the regenerated set. Each arm
     (original, regenerated, mix) in its own ``out``: their extractions differ"""
+    own_heldout: bool = False
+    """also score every checkpoint on the target's own answers to the held-out conversations: the
+    regen phase has the target rewrite every assistant turn of ``OUT/heldout.jsonl`` (greedy,
+    ``serve_new_tokens`` per turn, ``regen_args`` -> ``OUT/regen_heldout``), extraction stores them as
+    ``OUT/heldout_own``, the eval phase scores there too (``OUT/eval_own_*``). A served drafter
+    continues the target's own text, not ShareGPT's: this τ (and prompt lookup's) is the offline
+    stand-in for the engine's accept length. Evaluation data only"""
     regen_max_new_tokens: int = 512
     """regenerate: most new tokens per answer"""
     regen_batch_size: Optional[int] = None

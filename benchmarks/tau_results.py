@@ -123,10 +123,11 @@ def table(results: Sequence[EvalResult]) -> list[str]:
     return lines
 
 
-def read_eval(out: Path, name: str) -> EvalResult:
-    """The evaluation ``OUT/NAME`` (``eval_4min``, ``eval_tune_v3``...): its checkpoint's steps and
-    its acceptance, or a failure when it wrote no ``checkpoint.txt``."""
-    label = name[len("eval_"):]
+def read_eval(out: Path, name: str, prefix: str = "eval_") -> EvalResult:
+    """The evaluation ``OUT/NAME`` (``eval_4min``, ``eval_tune_v3``, ``eval_own_4min`` with prefix
+    ``eval_own_``...): its checkpoint's steps and its acceptance, or a failure when it wrote no
+    ``checkpoint.txt``."""
+    label = name[len(prefix):]
     if label.startswith("tune_"):  # name the variant by its options
         label += f" ({(out / 'tune' / label[len('tune_'):] / 'args.txt').read_text().strip()})"
     done = out / name / "checkpoint.txt"

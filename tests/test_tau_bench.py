@@ -246,3 +246,53 @@ def test_regenerated_training_data_alone_or_mixed_with_the_originals(tmp_path, m
     opt = dict(zip(*[iter(train_command(cfg, tmp_path / "run", ["1"], None, False, [])[4:])] * 2))
     assert json.loads(opt["--data.train"]) == [o for _, o in want[:-1]]
     assert opt["--model.dataset_dir"] == vocab[0][4]  # the vocabulary's set (train checks it built the file)
+
+
+def test_own_heldout_regenerates_extracts_and_scores_the_targets_own_answers(tmp_path, monkeypatch, capsys):
+    """``own_heldout``: the held-out rows' answers rewritten by the target (``serve_new_tokens`` per
+    turn, one process, the training rows untouched), extracted as served, and every checkpoint scored
+    there too, in a table of its own."""
+    import torch
+
+    import benchmarks.tau as tau
+
+    jobs, ran = [], []
+
+    def run_all(js):
+        jobs.extend(js)
+        for cmd, _ in js:
+            if cmd[3] == "eval":  # an evaluation's result: tau = 2 on ShareGPT's held-out text, 3 on the own
+                own = "heldout_own" in cmd[4]
+                r = {"tau": 3.0 if own else 2.0, "tau_ci95": [1.5, 2.5], "num_chains": 7, "accept_at_least": [0.5]}
+                d = tmp_path / cmd[cmd.index("--out") + 1]
+                d.mkdir(parents=True)
+                (d / "acceptance.json").write_text(json.dumps({"trained": r, "prompt_lookup": {**r, "tau": 1.25}}))
+        return [0] * len(js)
+
+    monkeypatch.setattr(tau, "_run_all", run_all)
+    monkeypatch.setattr(tau, "_last_line", lambda phase, cmd: ran.append(cmd))
+    monkeypatch.setattr(tau, "_check", lambda phase, cmd: ran.append(cmd))
+    (tmp_path / "run").mkdir()
+    torch.save({"global_step": 12}, tmp_path / "run" / "at_1min.ckpt")
+    cfg = TauConfig(out=str(tmp_path), own_heldout=True, serve_new_tokens=99, minutes=[1], regen_max_new_tokens=7,
+                    phases="regen,extract,eval", device="cpu", regen_args=["--backend", "sglang"])
+    tau.run_tau(cfg)
+    regen_cmd, log = jobs[0]
+    opt = dict(zip(regen_cmd[4::2], regen_cmd[5::2]))
+    assert regen_cmd[3] == "regenerate" and log == tmp_path / "regen_heldout.log" and "--rank" not in regen_cmd
+    assert (opt["--data"], opt["--out"], opt["--max_new_tokens"], opt["--backend"]) == (
+        f"{tmp_path}/heldout.jsonl", f"{tmp_path}/regen_heldout", "99", "sglang")
+    extracts = [dict(zip(c[4::2], c[5::2])) for c in ran if c[3] == "extract"]
+    assert [(o["--data"], o["--out"]) for o in extracts] == [
+        (f"{tmp_path}/train.jsonl", f"{tmp_path}/train"), (f"{tmp_path}/heldout.jsonl", f"{tmp_path}/heldout"),
+        (f"{tmp_path}/regen_heldout", f"{tmp_path}/heldout_own")]
+    assert ["--storage_dtype" in o for o in extracts] == [True, False, False]  # held-out sets as served
+    evals = {c[c.index("--out") + 1]: c[4] for c, _ in jobs[1:]}
+    assert evals == {f"{tmp_path}/eval_1min": f"{tmp_path}/heldout", f"{tmp_path}/eval_own_1min": f"{tmp_path}/heldout_own"}
+    printed = capsys.readouterr().out
+    own = printed[printed.index(f"on {tmp_path}/heldout_own:"):]
+    assert "| trained 1min | 12 | 3.000 |" in own and "| prompt lookup | - | 1.250 |" in own
+    assert "| trained 1min | 12 | 2.000 |" in printed[printed.index(f"on {tmp_path}/heldout:"):printed.index(own)]
+    jobs.clear()
+    tau.run_tau(TauConfig(out=str(tmp_path), phases="regen", device="cpu"))  # neither: nothing regenerated
+    assert jobs == []
