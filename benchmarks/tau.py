@@ -80,7 +80,7 @@ def run_tau(cfg: TauConfig) -> None:
     if "regen" in cfg.phases and cfg.own_heldout:
         regen_heldout(cfg)
     if "extract" in cfg.phases:
-        for part in ("train", *(["train_regen"] if cfg.mix else []), "heldout", *(["heldout_own"] if cfg.own_heldout else [])):
+        for part in ("train", *(["train_regen"] if cfg.mix else []), "heldout", *(["heldout_own"] * cfg.own_heldout)):
             _last_line("extract", _extract_command(cfg, part))
         _check("vocab", _eagle_data("vocab", train_sets(cfg)[-1], "--size", str(cfg.vocab_size),
                                     "--out", str(_vocab(cfg)), "--rebuild", "true"))
@@ -237,12 +237,11 @@ def regen(cfg: TauConfig) -> None:
     Raises:
         TauPhaseFailed: a rank failed (the others ran to their end; rerun to resume).
     """
-    n = cfg.regen_ranks
-    out = Path(cfg.out)
-    cmds = [_regenerate_command(cfg, out / "train.jsonl", out / "regen", cfg.regen_max_new_tokens) + (["--rank", str(r), "--world_size", str(n)] if n > 1 else []) for r in range(n)]
+    n, out = cfg.regen_ranks, Path(cfg.out)
+    cmd = _regenerate_command(cfg, out / "train.jsonl", out / "regen", cfg.regen_max_new_tokens)
+    cmds = [cmd + (["--rank", str(r), "--world_size", str(n)] if n > 1 else []) for r in range(n)]
     before, t0 = _regen_tokens(cfg), time.perf_counter()
-    failed = [r for r, rc in enumerate(_run_all([(c, Path(cfg.out) / f"regen_{r}.log") for r, c in enumerate(cmds)]))
-              if rc != 0]
+    failed = [r for r, rc in enumerate(_run_all([(c, out / f"regen_{r}.log") for r, c in enumerate(cmds)])) if rc != 0]
     new, wall = _regen_tokens(cfg) - before, time.perf_counter() - t0
     print(f"regen: {new:,} new tokens in {wall:.1f} s with {n} rank(s) = {new / max(wall, 1e-9):,.0f} tokens/s (engine starts "
           f"included; each rank's own rate is in its log)")

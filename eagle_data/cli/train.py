@@ -256,8 +256,9 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
     writes OUT/serve_check.json: engine and offline tau with per-position acceptance, how many
     outputs equal plain greedy, and per prompt whether engine and replay agree within one chain.
     After each engine, what is known so far is logged and written to OUT/serve_check.partial.json
-    (removed at the end): a run cut short keeps its engines' figures. Needs the sglang extra; on CPU it runs with eagle-data's stand-in kernels (fp32 recommended:
-    in bf16 the verify pass rounds differently from one-token decode).
+    (removed at the end): a run cut short keeps its engines' figures. Needs the sglang extra; on
+    CPU it runs with eagle-data's stand-in kernels (fp32 recommended: in bf16 the verify pass
+    rounds differently from one-token decode).
 
     Args:
         drafter: folder written by `eagle-data export` (SGLang format).
@@ -296,6 +297,7 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
                                                            num_prompts, max_prompt_tokens, prompt_turn == "first")
     o = Path(out)
     o.mkdir(parents=True, exist_ok=True)
+    (o / "serve_check.partial.json").unlink(missing_ok=True)  # an earlier run's, cut short
     res = run_serve_check(target_path, drafter, prompts, steps=steps, max_new_tokens=max_new_tokens,
                           dtype=dtype, device=device, exported=exported, speed_batches=speed_batches or (), ngram=ngram,
                           engine_kw={"attention_backend": attention_backend} if attention_backend else None,
