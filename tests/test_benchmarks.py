@@ -324,3 +324,26 @@ def test_bench_writers_measures_each_variant_against_the_disk_and_leaves_nothing
         assert e.value.code == 2 and says in capsys.readouterr().err
     with pytest.raises(ValueError, match="gib must be > 0 and finite"):
         bench_writers(gib=float("inf"))
+
+
+def test_random_target_without_weights_is_a_config_an_engine_can_draw_weights_for(tmp_path):
+    """``--weights false``: config (shape, the tokenizer's vocabulary, bf16, ``architectures`` named:
+    SGLang's dummy loader picks its model class by it) and the tokenizer's files, no weights."""
+    import sys
+
+    from benchmarks.extract import SHAPES
+    from benchmarks.random_target import make_random_target
+    from transformers import AutoConfig, AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from templates import TEMPLATES_DIR, family_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    family_tokenizer(TEMPLATES_DIR / "smollm2.jinja").save_pretrained(tok_dir)
+    out = make_random_target(str(tmp_path / "m"), str(tok_dir), shape="llama3.1-8b", weights=False)
+    cfg = AutoConfig.from_pretrained(out)
+    assert cfg.architectures == ["LlamaForCausalLM"] and cfg.vocab_size == len(AutoTokenizer.from_pretrained(out))
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == tuple(
+        SHAPES["llama3.1-8b"][k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size"))
+    assert str(cfg.dtype).endswith("bfloat16")
+    assert not list(Path(out).glob("*.safetensors")) and (Path(out) / "tokenizer.json").is_file()

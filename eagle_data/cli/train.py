@@ -255,10 +255,8 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
     replay of the same chains with the folder read back into the project's drafter. Prints and
     writes OUT/serve_check.json: engine and offline tau with per-position acceptance, how many
     outputs equal plain greedy, and per prompt whether engine and replay agree within one chain.
-    After each engine, what is known so far is logged and written to OUT/serve_check.partial.json
-    (removed at the end): a run cut short keeps its engines' figures. Needs the sglang extra; on
-    CPU it runs with eagle-data's stand-in kernels (fp32 recommended: in bf16 the verify pass
-    rounds differently from one-token decode).
+    Needs the sglang extra; on CPU it runs with eagle-data's stand-in kernels (fp32 recommended:
+    in bf16 the verify pass rounds differently from one-token decode).
 
     Args:
         drafter: folder written by `eagle-data export` (SGLang format).
@@ -287,7 +285,7 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
             same steps + 1 tokens verified per step, as a chain) on the same prompts, each engine
             fresh: its engine tau with a 95 % interval over prompts beside the drafter's, and its
             decode speed at ``speed_batches``.
-        out: output folder for serve_check.json.
+        out: output folder for serve_check.json (serve_check.partial.json meanwhile: each engine's figures).
     """
     from eagle_train.serve_check import run_serve_check
 
@@ -295,18 +293,15 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
                       heldout_fraction, prompt_turn)
     target_path, exported, prompts, used = _serve_prompts(drafter, data, target, heldout_keys, heldout_fraction,
                                                            num_prompts, max_prompt_tokens, prompt_turn == "first")
-    o = Path(out)
+    o, partial = Path(out), Path(out) / "serve_check.partial.json"
     o.mkdir(parents=True, exist_ok=True)
-    (o / "serve_check.partial.json").unlink(missing_ok=True)  # an earlier run's, cut short
     res = run_serve_check(target_path, drafter, prompts, steps=steps, max_new_tokens=max_new_tokens,
                           dtype=dtype, device=device, exported=exported, speed_batches=speed_batches or (), ngram=ngram,
                           engine_kw={"attention_backend": attention_backend} if attention_backend else None,
-                          partial=o / "serve_check.partial.json")
-    res["prompt_keys"] = used
-    (o / "serve_check.json").write_text(json.dumps(res, indent=1))
-    (o / "serve_check.partial.json").unlink(missing_ok=True)
-    print(serve_check_summary(res))
-    print(o / "serve_check.json")
+                          partial=partial)
+    (o / "serve_check.json").write_text(json.dumps({**res, "prompt_keys": used}, indent=1))
+    partial.unlink(missing_ok=True)
+    print(serve_check_summary(res), o / "serve_check.json", sep="\n")
 
 
 def _check_serve_args(num_prompts: int, max_prompt_tokens: int, max_new_tokens: int, steps: int, dtype: str,

@@ -204,6 +204,23 @@ def compare_runs(plain: list[dict], spec: list[dict], replays: list[list[int]], 
             "num_prompts": len(per), "per_prompt": per}
 
 
+def offline_replays(target: str, device: str, drafter, aux_ids: list[int], prompts: list[list[int]],
+                    spec: list[dict], steps: int) -> list[list[int]]:
+    """:func:`replay_chains` of each prompt + its speculative output, on the target's aux states from
+    HF transformers (float32)."""
+    from eagle_data.engines.hf import HFBackend
+    from eagle_train.evaluate import load_target
+
+    hf = HFBackend(model=load_target(target, device), model_path=str(target), dtype="float32", aux_layer_ids=aux_ids,
+                   device=device)
+    replays = []
+    for i, (p, s) in enumerate(zip(prompts, spec)):
+        seq = list(p) + s["output_ids"]
+        aux = hf.capture([(f"p{i}", torch.tensor(seq))])[0].aux_hidden_states
+        replays.append(replay_chains(drafter, aux, seq, len(p), steps) if s["output_ids"] else [])
+    return replays
+
+
 def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, steps: int = 7,
                     max_new_tokens: int = 64, dtype: str = "float32", device: str = "cpu",
                     engine_kw: Optional[dict[str, Any]] = None, exported: Optional[tuple] = None,
@@ -216,12 +233,11 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
     ``ngram``: also SGLang's own NGRAM speculation (free: drafts from the text seen) with the same
     ``steps + 1`` tokens verified per step, as a chain, on a fresh engine (its speed at each batch size
     on another fresh one: its trie learns what it generates): ``out["ngram"]``, :func:`engine_acceptance`.
-    After each engine: :func:`engines_so_far` (written to ``partial`` when given)."""
+    After each engine: :func:`engines_so_far` (written to ``partial`` when given; an earlier run's
+    file there is removed first)."""
     from eagle_data.checks import check_positive
-    from eagle_data.engines.hf import HFBackend
     from eagle_data.engines.sglang_engine import (CPU_SPEC_ATTENTION, base_engine_kwargs, ngram_engine_kwargs,
                                                   spec_engine_kwargs)
-    from eagle_train.evaluate import load_target
     from eagle_train.export import load_exported_drafter
 
     check_positive(steps=steps, max_new_tokens=max_new_tokens, num_prompts=len(prompts) or None)
@@ -231,6 +247,8 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
     extra = dict(engine_kw or {})
     if device == "cpu":
         extra.setdefault("attention_backend", CPU_SPEC_ATTENTION)  # plain runs the same attention as speculative
+    if partial is not None:
+        partial.unlink(missing_ok=True)
     seconds: dict[str, float] = {}
     runs, speeds = {}, {}
     engines = [("plain", base_engine_kwargs(target, dtype, device, **extra)),
@@ -248,13 +266,7 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
                            for b in speed_batches]
         engines_so_far(runs, seconds, speeds, steps, partial)
     t0 = time.perf_counter()
-    hf = HFBackend(model=load_target(target, device), model_path=str(target), dtype="float32", aux_layer_ids=aux_ids,
-                   device=device)
-    replays = []
-    for i, (p, s) in enumerate(zip(prompts, runs["speculative"])):
-        seq = list(p) + s["output_ids"]
-        aux = hf.capture([(f"p{i}", torch.tensor(seq))])[0].aux_hidden_states
-        replays.append(replay_chains(drafter, aux, seq, len(p), steps) if s["output_ids"] else [])
+    replays = offline_replays(target, device, drafter, aux_ids, prompts, runs["speculative"], steps)
     seconds["offline_replay"] = time.perf_counter() - t0
     out = compare_runs(runs["plain"], runs["speculative"], replays, steps)
     if ngram:
