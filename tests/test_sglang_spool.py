@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from eagle_data.engines.sglang_hook import hook_specs, make_capture_hook, make_layer_hook
-from eagle_data.engines.sglang_spool import (SPOOL_PREFIX, Piece, Spool, StitchError, list_spool, read_error,
-                                              read_hook_stats, read_piece, remove_stale_spools, stitch, write_piece)
+from eagle_data.engines.sglang_spool import (HOOK_STATS, SPOOL_PREFIX, Piece, Spool, SpoolListing, StitchError,
+                                              list_spool, read_error, read_hook_stats, read_piece, remove_stale_spools,
+                                              stitch, write_error, write_piece)
 
 H, K = 4, 3
 
@@ -361,7 +362,8 @@ def _collector(tmp_path, timeout):
     """An SGLangBackend with no engine: enough for ``_collect`` (spool dir, timeout)."""
     from eagle_data.engines.sglang import SGLangBackend
     be = SGLangBackend.__new__(SGLangBackend)
-    be.spool, be.collect_timeout_s, be._chunks = SimpleNamespace(path=tmp_path), timeout, {}
+    be.spool = SimpleNamespace(path=tmp_path, files=SpoolListing(tmp_path).files)
+    be.collect_timeout_s, be._chunks = timeout, {}
     be.collect_stats = Counter()
     return be
 
@@ -393,6 +395,35 @@ def test_collect_reads_each_chunk_once_while_waiting_for_the_rest(tmp_path, monk
     assert torch.equal(got.aux_hidden_states, aux) and torch.equal(got.hidden_states, fin)
     assert sorted(reads) == sorted(set(reads)) and len(reads) == 2
     assert be.collect_stats["files_read"] == 2 and be.collect_stats["polls"] > 2
+
+
+def test_one_listing_of_the_spool_serves_every_waiting_request(tmp_path, monkeypatch):
+    """Each request gets its own finished files (chunks and error records, not temporaries, not
+    another request's whose rid it prefixes); 100 requests asking within one interval cost one
+    listing of the directory, a file written after it is seen once the interval has passed."""
+    ids, aux, fin = _rows(4)
+    for rid in ("ed1-7", "ed1-70"):
+        write_piece(tmp_path, rid, 0, 1, ids[:2], aux[:2], fin[:2])
+    write_piece(tmp_path, "ed1-7", 2, 2, ids[2:], aux[2:], fin[2:])
+    write_error(tmp_path, "ed1-8", 3, "mixed batch")
+    (tmp_path / "ed1-9@0000000000@0000000004.safetensors.tmp").write_bytes(b"partial")
+    (tmp_path / HOOK_STATS).write_text("{}")
+    lists = []
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: lists.append(p) or real(p))
+    sp = SpoolListing(tmp_path)
+    sp.EVERY_S = 60.0
+    got = {rid: sorted(p.name for p in sp.files(rid)) for rid in ("ed1-7", "ed1-70", "ed1-8", "ed1-9")}
+    assert got == {"ed1-7": ["ed1-7@0000000000@0000000001.safetensors", "ed1-7@0000000002@0000000002.safetensors"],
+                   "ed1-70": ["ed1-70@0000000000@0000000001.safetensors"],
+                   "ed1-8": ["ed1-8@ERROR@0000000003.json"], "ed1-9": []}
+    assert all(p.parent == tmp_path for p in sp.files("ed1-7"))
+    for i in range(100):
+        sp.files(f"ed1-{100 + i}")
+    write_piece(tmp_path, "ed1-9", 0, 4, ids, aux, fin)
+    assert sp.files("ed1-9") == [] and len(lists) == 1  # the listing of this interval
+    sp.EVERY_S = 0.0
+    assert [p.name for p in sp.files("ed1-9")] == ["ed1-9@0000000000@0000000004.safetensors"] and len(lists) == 2
 
 
 def test_collect_waits_while_the_spool_changes_and_gives_up_when_it_stops(tmp_path):

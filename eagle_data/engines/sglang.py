@@ -330,7 +330,7 @@ class SGLangBackend:
         t0 = time.perf_counter()
         while True:
             self.collect_stats["polls"] += 1
-            files = [p for p in self.spool.path.glob(f"{rid}@*") if not p.name.endswith(".tmp")]
+            files = self.spool.files(rid)
             try:
                 errs = [p for p in files if "@ERROR@" in p.name]
                 if errs:
