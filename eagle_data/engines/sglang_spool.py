@@ -285,9 +285,9 @@ class SpoolListing:
         if time.monotonic() - self._at >= self.EVERY_S:
             names: dict[str, list[str]] = {}
             for name in os.listdir(self.path):  # names alone: a Path or a regex match per file costs more
-                r, at, _ = name.partition("@")
-                if at and not name.endswith(".tmp"):
-                    names.setdefault(r, []).append(name)
+                parts = name.rsplit("@", 2)  # as _PIECE_RE reads a name: the rid is all before the last two @
+                if len(parts) == 3 and name.endswith((".safetensors", ".json")):
+                    names.setdefault(parts[0], []).append(name)
             self._names, self._at = names, time.monotonic()
         return [self.path / n for n in self._names.get(rid, ())]
 
