@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     its scratch folder is removed either way."""
     old = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        run_cli(COMMANDS, argv, "python -m benchmarks", RUNNERS, interrupted="interrupted (a benchmark does not resume)")
+        run_cli(COMMANDS, argv, "python -m benchmarks", RUNNERS,
+                interrupted="interrupted (a benchmark starts over, but for the τ benchmark's regen and extract "
+                            "phases: they resume)")
     finally:
         signal.signal(signal.SIGTERM, old)
 

@@ -1,6 +1,6 @@
 """``python -m benchmarks random_target``: a stand-in target for GPU benchmarks on machines that
 cannot download real weights: a random-weight Llama of a named shape, saved with a given
-tokenizer folder's files (e.g. the embedded SmolLM2's; its weights and config are not copied)::
+tokenizer (e.g. the embedded SmolLM2's; its weights, config and other files are not copied)::
 
     python -m benchmarks random_target OUT_DIR TOK_DIR [--shape llama3.1-8b] [--weights false]
 
@@ -11,7 +11,6 @@ engine that draws its own: SGLang's ``load_format="dummy"`` (``python -m benchma
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Literal
 
@@ -26,34 +25,34 @@ def make_random_target(out: str, tokenizer: str, shape: Literal["llama3.1-8b", "
 
     Args:
         out: the model folder to write.
-        tokenizer: a folder with a tokenizer (its files are copied beside the weights, but for
-            those the model wrote: ``config.json``, the weights).
+        tokenizer: a folder with a tokenizer (saved beside the weights by transformers: the
+            tokenizer's own files, nothing else of that folder).
         shape: the target shape.
         device: where the weights are drawn (bf16).
         weights: False: the config (bf16, ``architectures`` named) and tokenizer files alone.
 
     Returns:
         ``out``; its parameter count is printed (with weights).
+
+    Raises:
+        ValueError: ``out`` exists and is not empty (old weights would stay beside the new
+            config), or ``tokenizer`` is not a folder with a tokenizer.
     """
     from transformers import AutoTokenizer, LlamaConfig
 
+    if Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
+        raise ValueError(f"out: {out} exists and is not an empty folder; give a new one")
+    if not any((Path(tokenizer) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"tokenizer: {tokenizer} is not a folder with a tokenizer (tokenizer.json or "
+                         "tokenizer_config.json)")
     tok = AutoTokenizer.from_pretrained(tokenizer)
     if not weights:
-        cfg = LlamaConfig(**{**SHAPES[shape], "vocab_size": len(tok)}, architectures=["LlamaForCausalLM"],
-                          torch_dtype="bfloat16")
-        cfg.save_pretrained(out)
-        _copy_tokenizer(tokenizer, out)
-        print(out, "config only (load_format dummy)")
-        return out
-    model = build_model(shape, torch.bfloat16, device, vocab_size=len(tok))
-    model.save_pretrained(out)
-    _copy_tokenizer(tokenizer, out)
-    print(out, sum(p.numel() for p in model.parameters()) / 1e9, "B params")
+        LlamaConfig(**{**SHAPES[shape], "vocab_size": len(tok)}, architectures=["LlamaForCausalLM"],
+                    torch_dtype="bfloat16").save_pretrained(out)
+    else:
+        model = build_model(shape, torch.bfloat16, device, vocab_size=len(tok))
+        model.save_pretrained(out)
+    tok.save_pretrained(out)  # the tokenizer's own files, nothing else of its folder
+    print(out, f"{sum(p.numel() for p in model.parameters()) / 1e9} B params" if weights
+          else "config only (load_format dummy)")
     return out
-
-
-def _copy_tokenizer(tokenizer: str, out: str) -> None:
-    """The tokenizer folder's files beside the model's (not its weights; nothing the model wrote)."""
-    for f in Path(tokenizer).iterdir():
-        if not (Path(out) / f.name).exists() and f.suffix != ".safetensors" and f.is_file():
-            shutil.copy(f, Path(out) / f.name)

@@ -72,6 +72,7 @@ def run_tau(cfg: TauConfig) -> None:
         check_device(cfg.device)
     names = minute_names(cfg.minutes)
     out = Path(cfg.out)
+    _check_inputs(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     if "prep" in cfg.phases and not (_nonempty(out / "train.jsonl") and _nonempty(out / "heldout.jsonl")):
         prep(out, cfg.num_train, cfg.num_heldout)
@@ -97,6 +98,23 @@ def run_tau(cfg: TauConfig) -> None:
         evaluate(cfg, names)
     if "serve" in cfg.phases:
         serve(cfg, names[-1])
+
+
+def _check_inputs(cfg: TauConfig, out: Path) -> None:
+    """Refuse now what a later phase would fail on: a folder it reads that no phase of this run makes.
+
+    Raises:
+        ValueError: naming the folders and the phase that makes them.
+    """
+    need = []
+    if "extract" in cfg.phases and "regen" not in cfg.phases:
+        need += [("regen", cfg.regenerate), ("regen_heldout", cfg.own_heldout)]
+    if "eval" in cfg.phases and "extract" not in cfg.phases:
+        need += [("heldout", True), ("heldout_own", cfg.own_heldout)]
+    missing = [str(out / d) for d, used in need if used and not (out / d).is_dir()]
+    if missing:
+        raise ValueError(f"phases {','.join(cfg.phases)}: {', '.join(missing)} missing (the regen phase makes "
+                         "regen*, the extract phase the held-out sets): add that phase")
 
 
 def prep(out: Path, num_train: int, num_heldout: int) -> None:
@@ -246,7 +264,8 @@ def regen(cfg: TauConfig) -> None:
     print(f"regen: {new:,} new tokens in {wall:.1f} s with {n} rank(s) = {new / max(wall, 1e-9):,.0f} tokens/s (engine starts "
           f"included; each rank's own rate is in its log)")
     if failed:
-        raise TauPhaseFailed(f"regen: rank(s) {failed} failed (see {cfg.out}/regen_R.log); rerun to resume")
+        raise TauPhaseFailed(f"regen: rank(s) {failed} failed{_why(out / f'regen_{failed[0]}.log')} (see "
+                             f"{cfg.out}/regen_R.log); rerun to resume once its cause is mended")
     print(f"{cfg.out}/regen")
 
 
@@ -260,8 +279,15 @@ def regen_heldout(cfg: TauConfig) -> None:
     out = Path(cfg.out)
     cmd = _regenerate_command(cfg, out / "heldout.jsonl", out / "regen_heldout", cfg.serve_new_tokens)
     if _run_all([(cmd, out / "regen_heldout.log")])[0] != 0:
-        raise TauPhaseFailed(f"regen: the held-out rows' regeneration failed (see {out}/regen_heldout.log); rerun to resume")
+        raise TauPhaseFailed(f"regen: the held-out rows' regeneration failed{_why(out / 'regen_heldout.log')} (see "
+                             f"{out}/regen_heldout.log); rerun to resume once its cause is mended")
     print(f"{out}/regen_heldout")
+
+
+def _why(log: Path) -> str:
+    """``": <reason>"`` from the last ``error:`` line a command wrote to ``log`` (``""`` when none)."""
+    errs = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("error: ")] if log.is_file() else []
+    return f": {errs[-1][len('error: '):]}" if errs else ""
 
 
 def _regen_tokens(cfg: TauConfig) -> int:

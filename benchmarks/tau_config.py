@@ -66,7 +66,9 @@ class TauConfig:
     ``serve_new_tokens`` per turn, ``regen_args`` -> ``OUT/regen_heldout``), extraction stores them as
     ``OUT/heldout_own``, the eval phase scores there too (``OUT/eval_own_*``). A served drafter
     continues the target's own text, not ShareGPT's: this τ (and prompt lookup's) is the offline
-    stand-in for the engine's accept length. Evaluation data only"""
+    stand-in for the engine's accept length. Evaluation data only. A turn cut at the budget is
+    closed with an end-of-turn token, so later turns' contexts differ from a served conversation's
+    (τ's oracle stays the target's own greedy continuation)"""
     regen_max_new_tokens: int = 512
     """regenerate: most new tokens per answer"""
     regen_batch_size: Optional[int] = None

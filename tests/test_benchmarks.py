@@ -299,7 +299,8 @@ def test_a_benchmark_stopped_by_sigterm_removes_its_scratch_folder(tmp_path):
     # 130 from the handler's sys.exit, or (2-3 runs in 8, also before session 11) CPython ending the
     # process by SIGINT after that same handler ran: either way a shell reports 130
     assert p.returncode in (130, -signal.SIGINT), (p.returncode, err[-3000:])
-    assert err.strip().splitlines()[-1] == "interrupted (a benchmark does not resume)"
+    assert err.strip().splitlines()[-1] == ("interrupted (a benchmark starts over, but for the τ benchmark's regen and "
+                                            "extract phases: they resume)")
     assert list(out.iterdir()) == []
 
 
@@ -347,3 +348,10 @@ def test_random_target_without_weights_is_a_config_an_engine_can_draw_weights_fo
         SHAPES["llama3.1-8b"][k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size"))
     assert str(cfg.dtype).endswith("bfloat16")
     assert not list(Path(out).glob("*.safetensors")) and (Path(out) / "tokenizer.json").is_file()
+    (tok_dir / "model.safetensors").write_bytes(b"x")  # a model folder as the tokenizer: its weights stay there
+    out2 = make_random_target(str(tmp_path / "m2"), str(tok_dir), shape="tiny", weights=False)
+    assert not list(Path(out2).glob("*.safetensors"))
+    with pytest.raises(ValueError, match=r"out: .*/m exists and is not an empty folder"):
+        make_random_target(out, str(tok_dir), shape="tiny", weights=False)  # its old files would stay
+    with pytest.raises(ValueError, match=r"tokenizer: .* is not a folder with a tokenizer"):
+        make_random_target(str(tmp_path / "m3"), str(tmp_path), shape="tiny", weights=False)

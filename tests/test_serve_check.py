@@ -246,11 +246,28 @@ def test_sglang_speculative_decoding_equals_plain_greedy_and_the_offline_replay(
     # what a run cut before its offline replay keeps: every engine's figures, the same as the result's
     known = json.loads((tmp_path / "partial.json").read_text())
     assert known["engines_done"] == ["plain", "speculative", "ngram"]
+    assert {k: known[k] for k in ("drafter", "target", "steps", "max_new_tokens", "num_prompts")} == {
+        "drafter": str(drafter), "target": str(tiny_target_dir(tmp_path)), "steps": 3, "max_new_tokens": 32, "num_prompts": 3}
     assert known["engine"] == json.loads(json.dumps(eng)) and known["ngram"] == json.loads(json.dumps(ng))
     assert [v["batch"] for v in known["speed"]["ngram"]] == [1, 2] == [v["batch"] for v in known["speed"]["plain"]]
     assert set(known["seconds"]) == {f"{n}_{w}" for n in ("plain", "speculative", "ngram") for w in ("start", "generate")}
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serve-check: ")]
-    assert [w.split()[1] for w in lines] == ["plain", "speculative", "ngram"], lines
+    assert [w.split()[1] for w in lines] == ["plain", "speculative", "ngram", "ngram"], lines
     assert f"engine tau {eng['tau']:.3f} [{eng['interval'][0]:.3f}, {eng['interval'][1]:.3f}], output equal to " \
            "plain greedy 3/3; decode at batch 1: " in lines[1], lines
     assert f"engine tau {ng['tau']:.3f}" in lines[2] and "decode at" not in lines[2], lines
+    assert lines[3].startswith("serve-check: ngram decode speed (fresh engines); batch 1: "), lines
+
+
+def test_an_earlier_serve_checks_results_never_stay_beside_a_new_run(tmp_path):
+    """Before anything is read or started, the folder loses an earlier run's final and partial
+    results (a run cut short would otherwise leave its partial file beside the old final one) and
+    keeps everything else."""
+    from eagle_train.serve_check import SERVE_PARTIAL, fresh_serve_out
+
+    out = tmp_path / "sc"
+    out.mkdir()
+    for name in ("serve_check.json", SERVE_PARTIAL, "notes.txt"):
+        (out / name).write_text("{}")
+    assert fresh_serve_out(str(out)) == out and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert fresh_serve_out(str(tmp_path / "new" / "dir")).is_dir()

@@ -8,6 +8,7 @@ checked on plain values; the tune phase on fake runs. The CPU smoke test of the 
 import json
 import math
 import re
+import shutil
 
 import pytest
 
@@ -57,6 +58,7 @@ def test_phases_may_be_given_as_words():
 
 
 def test_phases_given_as_a_word_on_the_command_line_run_like_a_list(tmp_path, capsys):
+    (tmp_path / "tau" / "heldout").mkdir(parents=True)
     code, out, err = _run(tmp_path, capsys, "--phases", "eval", "--device", "cpu", "--minutes", "[1]")
     assert code == 1 and "at_1min.ckpt" in out and "no checkpoint to evaluate" in err, (code, out, err)
 
@@ -70,6 +72,7 @@ def test_a_device_this_machine_lacks_is_refused_before_any_phase(tmp_path, capsy
 
 
 def test_minutes_name_the_checkpoints_as_training_writes_them_and_no_checkpoint_fails(tmp_path, capsys):
+    (tmp_path / "tau" / "heldout").mkdir(parents=True)
     code, out, err = _run(tmp_path, capsys, "--phases", "[eval]", "--device", "cpu", "--minutes", "[0.050, 1e-1]")
     assert code == 1 and "eval: no checkpoint to evaluate" in err
     assert "at_0.05min.ckpt" in out and "at_0.1min.ckpt" in out and "0.050" not in out
@@ -153,11 +156,12 @@ def test_regen_runs_one_process_per_rank_and_names_a_failed_one(tmp_path, monkey
         jobs.extend(js)
         progress.write_text(json.dumps({"parts": [{"tokens": 5}, {"tokens": 1000}]}))
         (tmp_path / "regen" / "progress-00000.json").write_text(json.dumps({"parts": [{"tokens": 234}]}))
+        js[1][1].write_text("INFO x\nerror: data: rows changed since\n")  # what the CLI prints on a refusal
         return [0, 3, 0]
 
     monkeypatch.setattr(tau, "_run_all", run_all)
     cfg = TauConfig(out=str(tmp_path), regen_ranks=3, regen_args=["--backend", "sglang"])
-    with pytest.raises(TauPhaseFailed, match=r"regen: rank\(s\) \[1\] failed"):
+    with pytest.raises(TauPhaseFailed, match=r"regen: rank\(s\) \[1\] failed: data: rows changed since \(see "):
         regen(cfg)
     assert re.match(r"regen: 1,234 new tokens in [0-9.]+ s with 3 rank\(s\) = ", capsys.readouterr().out)
     assert [log.name for _, log in jobs] == ["regen_0.log", "regen_1.log", "regen_2.log"]
@@ -231,6 +235,9 @@ def test_regenerated_training_data_alone_or_mixed_with_the_originals(tmp_path, m
     with pytest.raises(ValueError, match="mix needs regenerate: true"):
         TauConfig(mix=True)
     cfg = TauConfig(out=str(tmp_path), regenerate=True, mix=mix, phases="extract", device="cpu")
+    with pytest.raises(ValueError, match=f"phases extract: {tmp_path}/regen missing .*add that phase"):
+        tau.run_tau(cfg)  # refused before anything is extracted
+    (tmp_path / "regen").mkdir()
     ran = []
     monkeypatch.setattr(tau, "_last_line", lambda phase, cmd: ran.append(cmd))
     monkeypatch.setattr(tau, "_check", lambda phase, cmd: ran.append(cmd))
@@ -296,3 +303,8 @@ def test_own_heldout_regenerates_extracts_and_scores_the_targets_own_answers(tmp
     jobs.clear()
     tau.run_tau(TauConfig(out=str(tmp_path), phases="regen", device="cpu"))  # neither: nothing regenerated
     assert jobs == []
+    (tmp_path / "heldout").mkdir()
+    for phases, folder in (("extract", "regen_heldout"), ("eval", "heldout_own")):  # what no phase of the run makes
+        shutil.rmtree(tmp_path / folder, ignore_errors=True)
+        with pytest.raises(ValueError, match=f"phases {phases}: {tmp_path}/{folder} missing"):
+            tau.run_tau(TauConfig(out=str(tmp_path), own_heldout=True, phases=phases, device="cpu"))

@@ -287,21 +287,21 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
             decode speed at ``speed_batches``.
         out: output folder for serve_check.json (serve_check.partial.json meanwhile: each engine's figures).
     """
-    from eagle_train.serve_check import run_serve_check
+    from eagle_train.serve_check import SERVE_PARTIAL, fresh_serve_out, run_serve_check
 
     _check_serve_args(num_prompts, max_prompt_tokens, max_new_tokens, steps, dtype, device, speed_batches, out,
                       heldout_fraction, prompt_turn)
+    o = fresh_serve_out(out)
     target_path, exported, prompts, used = _serve_prompts(drafter, data, target, heldout_keys, heldout_fraction,
                                                            num_prompts, max_prompt_tokens, prompt_turn == "first")
-    o, partial = Path(out), Path(out) / "serve_check.partial.json"
-    o.mkdir(parents=True, exist_ok=True)
     res = run_serve_check(target_path, drafter, prompts, steps=steps, max_new_tokens=max_new_tokens,
                           dtype=dtype, device=device, exported=exported, speed_batches=speed_batches or (), ngram=ngram,
                           engine_kw={"attention_backend": attention_backend} if attention_backend else None,
-                          partial=partial)
+                          partial=o / SERVE_PARTIAL)
     (o / "serve_check.json").write_text(json.dumps({**res, "prompt_keys": used}, indent=1))
-    partial.unlink(missing_ok=True)
+    (o / SERVE_PARTIAL).unlink(missing_ok=True)
     print(serve_check_summary(res), o / "serve_check.json", sep="\n")
+
 
 
 def _check_serve_args(num_prompts: int, max_prompt_tokens: int, max_new_tokens: int, steps: int, dtype: str,

@@ -36,6 +36,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
+#: serve-check's results so far, while it runs (:func:`engines_so_far`; ``serve_check.json`` at the end)
+SERVE_PARTIAL = "serve_check.partial.json"
+
 
 def replay_chains(drafter, aux: torch.Tensor, seq: Sequence[int], prompt_len: int, steps: int) -> list[int]:
     """Accepted drafts of each verify step of greedy chain drafting over a finished generation.
@@ -164,20 +167,30 @@ def engine_acceptance(plain: list[dict], spec: list[dict], steps: int) -> dict[s
 
 
 def engines_so_far(runs: dict[str, list[dict]], seconds: dict[str, float], speeds: dict[str, list[dict]],
-                   steps: int, path: Optional[Path]) -> dict[str, Any]:
+                   path: Optional[Path], settings: dict[str, Any]) -> dict[str, Any]:
     """What the engines run so far tell (each speculative one's :func:`engine_acceptance` once the
-    plain run is there, start and generation seconds, decode speeds), written to ``path`` when
-    given: a serve-check cut short (a device's time limit) keeps its engines' figures."""
+    plain run is there, start and generation seconds, decode speeds) and the run's ``settings``,
+    written to ``path`` when given: a serve-check cut short (a device's time limit) keeps its
+    engines' figures."""
     known: dict[str, Any] = {"engines_done": list(runs), "seconds": {k: round(v, 2) for k, v in seconds.items()},
-                             "speed": {k: v for k, v in speeds.items() if v}}
+                             "speed": {k: v for k, v in speeds.items() if v}, **settings}
     for name, key in (("speculative", "engine"), ("ngram", "ngram")):
         if "plain" in runs and runs.get(name):
-            known[key] = engine_acceptance(runs["plain"], runs[name], steps)
+            known[key] = engine_acceptance(runs["plain"], runs[name], settings["steps"])
     if path is not None:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(known, indent=1))
         tmp.replace(path)
     return known
+
+
+def fresh_serve_out(out: str | Path) -> Path:
+    """``out``, made; an earlier run's results removed (never left beside a run cut short)."""
+    o = Path(out)
+    o.mkdir(parents=True, exist_ok=True)
+    for name in ("serve_check.json", SERVE_PARTIAL):
+        (o / name).unlink(missing_ok=True)
+    return o
 
 
 def _engine_line(name: str, run: list[dict], seconds: dict[str, float], speeds: list[dict],
@@ -233,8 +246,7 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
     ``ngram``: also SGLang's own NGRAM speculation (free: drafts from the text seen) with the same
     ``steps + 1`` tokens verified per step, as a chain, on a fresh engine (its speed at each batch size
     on another fresh one: its trie learns what it generates): ``out["ngram"]``, :func:`engine_acceptance`.
-    After each engine: :func:`engines_so_far` (written to ``partial`` when given; an earlier run's
-    file there is removed first)."""
+    After each engine: :func:`engines_so_far` (written to ``partial`` when given)."""
     from eagle_data.checks import check_positive
     from eagle_data.engines.sglang_engine import (CPU_SPEC_ATTENTION, base_engine_kwargs, ngram_engine_kwargs,
                                                   spec_engine_kwargs)
@@ -247,8 +259,8 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
     extra = dict(engine_kw or {})
     if device == "cpu":
         extra.setdefault("attention_backend", CPU_SPEC_ATTENTION)  # plain runs the same attention as speculative
-    if partial is not None:
-        partial.unlink(missing_ok=True)
+    settings = dict(steps=steps, max_new_tokens=max_new_tokens, dtype=dtype, device=device, aux_layer_ids=aux_ids,
+                    target=str(target), drafter=str(drafter_dir), num_prompts=len(prompts))
     seconds: dict[str, float] = {}
     runs, speeds = {}, {}
     engines = [("plain", base_engine_kwargs(target, dtype, device, **extra)),
@@ -258,13 +270,15 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
     for name, kw in engines:
         runs[name], seconds[f"{name}_start"], seconds[f"{name}_generate"], speeds[name] = run_engine_apart(
             kw, prompts, max_new_tokens, () if name == "ngram" else speed_batches)
-        known = engines_so_far(runs, seconds, speeds, steps, partial)
+        known = engines_so_far(runs, seconds, speeds, partial, settings)
         log.info("serve-check: %s", _engine_line(name, runs[name], seconds, speeds[name],
                                                  known.get({"speculative": "engine"}.get(name, name))))
     if ngram:  # each batch size on a fresh engine too: the trie would have seen these prompts' outputs
         speeds["ngram"] = [run_engine_apart(engines[-1][1], prompts, max_new_tokens, [b], generate=False)[3][0]
                            for b in speed_batches]
-        engines_so_far(runs, seconds, speeds, steps, partial)
+        engines_so_far(runs, seconds, speeds, partial, settings)
+        log.info("serve-check: ngram decode speed (fresh engines)%s",
+                 "".join(f"; batch {v['batch']}: {v['tokens_per_s']:.0f} tokens/s" for v in speeds["ngram"]))
     t0 = time.perf_counter()
     replays = offline_replays(target, device, drafter, aux_ids, prompts, runs["speculative"], steps)
     seconds["offline_replay"] = time.perf_counter() - t0
@@ -278,8 +292,7 @@ def run_serve_check(target: str, drafter_dir: str, prompts: list[list[int]], *, 
                         for p, s in zip(speeds["plain"], speeds["speculative"])]
         for row, n in zip(out["speed"], speeds.get("ngram", ())):
             row.update(ngram_tokens_per_s=n["tokens_per_s"], ngram_speedup=round(n["tokens_per_s"] / row["plain_tokens_per_s"], 3))
-    out.update(seconds={k: round(v, 2) for k, v in seconds.items()}, steps=steps, max_new_tokens=max_new_tokens,
-               dtype=dtype, device=device, aux_layer_ids=aux_ids, target=str(target), drafter=str(drafter_dir))
+    out.update(seconds={k: round(v, 2) for k, v in seconds.items()}, **settings)
     return out
 
 
