@@ -49,11 +49,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Optional
 
+from benchmarks.tau_commands import (eagle_data_cmd, extract_command, regenerate_command, serve_command,
+                                     train_command, train_sets, vocab_path)
 from benchmarks.tau_config import TauConfig, TauPhaseFailed
 from benchmarks.tau_results import choose_tune, minute_names, read_eval, read_tune, table
 from eagle_data.checks import check_device
@@ -82,9 +83,9 @@ def run_tau(cfg: TauConfig) -> None:
         regen_heldout(cfg)
     if "extract" in cfg.phases:
         for part in ("train", *(["train_regen"] if cfg.mix else []), "heldout", *(["heldout_own"] * cfg.own_heldout)):
-            _last_line("extract", _extract_command(cfg, part))
-        _check("vocab", _eagle_data("vocab", train_sets(cfg)[-1], "--size", str(cfg.vocab_size),
-                                    "--out", str(_vocab(cfg)), "--rebuild", "true"))
+            _last_line("extract", extract_command(cfg, part))
+        _check("vocab", eagle_data_cmd("vocab", train_sets(cfg)[-1], "--size", str(cfg.vocab_size),
+                                    "--out", str(vocab_path(cfg)), "--rebuild", "true"))
     variants = tune_variants(cfg)
     if "tune" in cfg.phases and variants:
         tune(cfg, variants)
@@ -132,29 +133,6 @@ def tune_variants(cfg: TauConfig) -> list[list[str]]:
     if cfg.variants:
         return [v for v in cfg.variants if any(w.strip() for w in v)]
     return [["--model.lr", f"{lr:g}"] for lr in cfg.lrs]
-
-
-def train_sets(cfg: TauConfig) -> list[str]:
-    """The extracted training sets: ``OUT/train``, and with ``mix`` ``OUT/train_regen``."""
-    return [f"{cfg.out}/train", *([f"{cfg.out}/train_regen"] if cfg.mix else [])]
-
-
-def train_command(cfg: TauConfig, run_dir: Path, marks: list[str], lr: Optional[float], zero: bool,
-                  extra: list[str]) -> list[str]:
-    """One ``eagle-data train`` run with a checkpoint ``RUN_DIR/at_{m}min.ckpt`` per mark, the lr
-    cosine over the last; ``extra`` options after ours, and ``lr`` (when given) last, so an explicit
-    lr wins over them (e.g. over the tune's choice)."""
-    end = marks[-1]
-    callback = {"class_path": "eagle_train.callbacks.TimedCheckpoints",
-                "init_args": {"minutes": [float(m) for m in marks], "stop_after_last": True}}
-    return _eagle_data(
-        "train", "--config", cfg.train_config, "--model.dataset_dir", train_sets(cfg)[-1],  # the vocabulary's
-        "--model.draft_vocab", str(_vocab(cfg)), "--model.draft_vocab_size", str(cfg.vocab_size),
-        "--model.zero_features", str(zero).lower(), "--model.lr_schedule_minutes", end,
-        "--data.train", json.dumps(train_sets(cfg)), "--trainer.accelerator", cfg.accelerator,
-        "--trainer.precision", cfg.precision, "--trainer.max_time", json.dumps({"seconds": int(float(end) * 60 + 600)}),
-        "--trainer.default_root_dir", str(run_dir), "--trainer.callbacks", json.dumps([callback]),
-        *extra, *(["--model.lr", repr(lr)] if lr is not None else []))
 
 
 def tune(cfg: TauConfig, variants: list[list[str]]) -> None:
@@ -211,7 +189,7 @@ def evaluate(cfg: TauConfig, names: list[str]) -> None:
     jobs = []
     for data, ckpt, name, compare in runs:
         shutil.rmtree(out / name, ignore_errors=True)  # no result of an earlier call is shown as this one's
-        jobs.append((_eagle_data(
+        jobs.append((eagle_data_cmd(
             "eval", str(out / data), str(out / ckpt), "--out", str(out / name), "--heldout_fraction", "1.0",
             "--num_samples", str(cfg.eval_samples), "--positions_per_sample", "16", "--steps", "7",
             "--max_length", "2048", "--device", cfg.device, "--compare_untrained", str(compare).lower()),
@@ -256,7 +234,7 @@ def regen(cfg: TauConfig) -> None:
         TauPhaseFailed: a rank failed (the others ran to their end; rerun to resume).
     """
     n, out = cfg.regen_ranks, Path(cfg.out)
-    cmd = _regenerate_command(cfg, out / "train.jsonl", out / "regen", cfg.regen_max_new_tokens)
+    cmd = regenerate_command(cfg, out / "train.jsonl", out / "regen", cfg.regen_max_new_tokens)
     cmds = [cmd + (["--rank", str(r), "--world_size", str(n)] if n > 1 else []) for r in range(n)]
     before, t0 = _regen_tokens(cfg), time.perf_counter()
     failed = [r for r, rc in enumerate(_run_all([(c, out / f"regen_{r}.log") for r, c in enumerate(cmds)])) if rc != 0]
@@ -277,7 +255,7 @@ def regen_heldout(cfg: TauConfig) -> None:
         TauPhaseFailed: it failed (rerun to resume).
     """
     out = Path(cfg.out)
-    cmd = _regenerate_command(cfg, out / "heldout.jsonl", out / "regen_heldout", cfg.serve_new_tokens)
+    cmd = regenerate_command(cfg, out / "heldout.jsonl", out / "regen_heldout", cfg.serve_new_tokens)
     if _run_all([(cmd, out / "regen_heldout.log")])[0] != 0:
         raise TauPhaseFailed(f"regen: the held-out rows' regeneration failed{_why(out / 'regen_heldout.log')} (see "
                              f"{out}/regen_heldout.log); rerun to resume once its cause is mended")
@@ -308,49 +286,8 @@ def serve(cfg: TauConfig, mark: str) -> None:
     ckpt = out / "run" / f"at_{mark}min.ckpt"
     if not ckpt.is_file():
         raise TauPhaseFailed(f"serve: no checkpoint {ckpt} (train first)")
-    _check("serve", _eagle_data("export", str(ckpt), str(out / "drafter"), "--overwrite", "true"))
+    _check("serve", eagle_data_cmd("export", str(ckpt), str(out / "drafter"), "--overwrite", "true"))
     _check("serve", serve_command(cfg))
-
-
-def serve_command(cfg: TauConfig) -> list[str]:
-    """``eagle-data serve-check`` of ``OUT/drafter`` on the held-out set (bf16 on a GPU, fp32 on CPU)."""
-    return _eagle_data("serve-check", f"{cfg.out}/drafter", f"{cfg.out}/heldout", "--heldout_fraction", "1.0",
-                       "--prompt_turn", "first", "--ngram", "true", "--num_prompts", str(cfg.serve_prompts),
-                       "--max_prompt_tokens", "1024", "--max_new_tokens", str(cfg.serve_new_tokens),
-                       "--steps", "7", "--device", "cpu" if cfg.device == "cpu" else "cuda",
-                       "--dtype", "float32" if cfg.device == "cpu" else "bfloat16",
-                       "--speed_batches", json.dumps(cfg.serve_speed_batches), "--out", f"{cfg.out}/serve",
-                       *cfg.serve_args)
-
-
-def _regenerate_command(cfg: TauConfig, data: Path, out: Path, max_new_tokens: int) -> list[str]:
-    return _eagle_data("regenerate", "--out", str(out), "--data", str(data),
-                       "--device", cfg.device, "--dtype", "bfloat16", "--mode", "all",
-                       "--max_new_tokens", str(max_new_tokens), "--max_length", "2048",
-                       *(["--batch_size", str(cfg.regen_batch_size)] if cfg.regen_batch_size else []),
-                       "--rows_per_part", str(cfg.regen_rows_per_part), "--progress", "false", *cfg.regen_args)
-
-
-def _extract_command(cfg: TauConfig, part: str) -> list[str]:
-    """``part``: "train" (from ``OUT/regen`` with ``regenerate`` and no ``mix``), "train_regen" (from
-    ``OUT/regen``), both stored as ``storage_dtype``; or "heldout", "heldout_own" (from
-    ``OUT/regen_heldout``), as served: bf16."""
-    regen = part == "train_regen" or (part == "train" and cfg.regenerate and not cfg.mix)
-    src = {"heldout_own": f"{cfg.out}/regen_heldout"}.get(part, f"{cfg.out}/regen" if regen else f"{cfg.out}/{part}.jsonl")
-    store = ["--storage_dtype", cfg.storage_dtype, "--final_rows", cfg.final_rows] if part.startswith("train") else []
-    if cfg.cuda_graphs:
-        store += ["--backend_kwargs", '{"cuda_graphs": true}']
-    return _eagle_data("extract", "--out", f"{cfg.out}/{part}", "--data", src, "--dataset_tag", part,
-                       "--device", cfg.device, "--dtype", "bfloat16", "--max_length", "2048",
-                       "--batch_tokens", "65536", "--progress", "false", *store, *cfg.extract_args)
-
-
-def _eagle_data(*args: str) -> list[str]:
-    return [sys.executable, "-m", "eagle_data.cli.main", *args]
-
-
-def _vocab(cfg: TauConfig) -> Path:
-    return Path(cfg.out) / f"draft_vocab_{cfg.vocab_size}.safetensors"
 
 
 def _check(phase: str, cmd: list[str]) -> None:

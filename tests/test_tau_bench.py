@@ -13,7 +13,8 @@ import shutil
 import pytest
 
 from benchmarks.__main__ import main
-from benchmarks.tau import eval_targets, regen, serve, serve_command, train_command, tune, tune_variants
+from benchmarks.tau import eval_targets, regen, serve, tune, tune_variants
+from benchmarks.tau_commands import serve_command, train_command
 from benchmarks.tau_config import TauConfig, TauPhaseFailed
 from benchmarks.tau_results import EvalResult, TuneRun, choose_tune, minute_names, read_tune, table
 
