@@ -36,20 +36,20 @@ def train_command(cfg: TauConfig, run_dir: Path, marks: list[str], lr: Optional[
 def serve_command(cfg: TauConfig) -> list[str]:
     """``eagle-data serve-check`` of ``OUT/drafter`` on the held-out set (bf16 on a GPU, fp32 on CPU)."""
     return eagle_data_cmd("serve-check", f"{cfg.out}/drafter", f"{cfg.out}/heldout", "--heldout_fraction", "1.0",
-                       "--prompt_turn", "first", "--ngram", "true", "--num_prompts", str(cfg.serve_prompts),
-                       "--max_prompt_tokens", "1024", "--max_new_tokens", str(cfg.serve_new_tokens),
-                       "--steps", "7", "--device", "cpu" if cfg.device == "cpu" else "cuda",
-                       "--dtype", "float32" if cfg.device == "cpu" else "bfloat16",
-                       "--speed_batches", json.dumps(cfg.serve_speed_batches), "--out", f"{cfg.out}/serve",
-                       *cfg.serve_args)
+                          "--prompt_turn", "first", "--ngram", "true", "--num_prompts", str(cfg.serve_prompts),
+                          "--max_prompt_tokens", "1024", "--max_new_tokens", str(cfg.serve_new_tokens),
+                          "--steps", "7", "--device", "cpu" if cfg.device == "cpu" else "cuda",
+                          "--dtype", "float32" if cfg.device == "cpu" else "bfloat16",
+                          "--speed_batches", json.dumps(cfg.serve_speed_batches), "--out", f"{cfg.out}/serve",
+                          *cfg.serve_args)
 
 
 def regenerate_command(cfg: TauConfig, data: Path, out: Path, max_new_tokens: int) -> list[str]:
     return eagle_data_cmd("regenerate", "--out", str(out), "--data", str(data),
-                       "--device", cfg.device, "--dtype", "bfloat16", "--mode", "all",
-                       "--max_new_tokens", str(max_new_tokens), "--max_length", "2048",
-                       *(["--batch_size", str(cfg.regen_batch_size)] if cfg.regen_batch_size else []),
-                       "--rows_per_part", str(cfg.regen_rows_per_part), "--progress", "false", *cfg.regen_args)
+                          "--device", cfg.device, "--dtype", "bfloat16", "--mode", "all",
+                          "--max_new_tokens", str(max_new_tokens), "--max_length", "2048",
+                          *(["--batch_size", str(cfg.regen_batch_size)] if cfg.regen_batch_size else []),
+                          "--rows_per_part", str(cfg.regen_rows_per_part), "--progress", "false", *cfg.regen_args)
 
 
 def extract_command(cfg: TauConfig, part: str) -> list[str]:
@@ -62,8 +62,8 @@ def extract_command(cfg: TauConfig, part: str) -> list[str]:
     if cfg.cuda_graphs:
         store += ["--backend_kwargs", '{"cuda_graphs": true}']
     return eagle_data_cmd("extract", "--out", f"{cfg.out}/{part}", "--data", src, "--dataset_tag", part,
-                       "--device", cfg.device, "--dtype", "bfloat16", "--max_length", "2048",
-                       "--batch_tokens", "65536", "--progress", "false", *store, *cfg.extract_args)
+                          "--device", cfg.device, "--dtype", "bfloat16", "--max_length", "2048",
+                          "--batch_tokens", "65536", "--progress", "false", *store, *cfg.extract_args)
 
 
 def eagle_data_cmd(*args: str) -> list[str]:

@@ -303,7 +303,6 @@ def serve_check(drafter: str, data: str, target: Optional[str] = None, heldout_k
     print(serve_check_summary(res), o / "serve_check.json", sep="\n")
 
 
-
 def _check_serve_args(num_prompts: int, max_prompt_tokens: int, max_new_tokens: int, steps: int, dtype: str,
                       device: str, speed_batches: Optional[list[int]], out: str, heldout_fraction: float,
                       prompt_turn: str) -> None:

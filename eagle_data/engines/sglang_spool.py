@@ -271,8 +271,8 @@ class SpoolListing:
     """The finished files (chunks, errors) of each request in a spool directory, from a listing taken
     at most :attr:`EVERY_S` ago: one listing serves every request waiting on its files. A glob per
     request and poll cost O(files in the spool) each, O(requests x files) per round of polls, and
-    held the collector's event loop (4,000 requests of 32 tokens on CPU: capture 0.65 of plain
-    prefill with a glob per request, 0.85-0.98 with one listing; BENCHMARKS.md)."""
+    held the collector's event loop (BENCHMARKS.md, "SGLang backend on CPU"). Names are split by
+    hand, as :data:`_PIECE_RE` reads them: its match per name made a listing slower (BENCHMARKS.md, the same section)."""
 
     #: seconds one listing serves
     EVERY_S = 0.005
