@@ -272,7 +272,8 @@ class SpoolListing:
     at most :attr:`EVERY_S` ago: one listing serves every request waiting on its files. A glob per
     request and poll cost O(files in the spool) each, O(requests x files) per round of polls, and
     held the collector's event loop (BENCHMARKS.md, "SGLang backend on CPU"). Names are split by
-    hand, as :data:`_PIECE_RE` reads them: its match per name made a listing slower (BENCHMARKS.md, the same section)."""
+    hand, as :data:`_PIECE_RE` reads them: its match per name made a listing slower (the same
+    section)."""
 
     #: seconds one listing serves
     EVERY_S = 0.005
