@@ -14,6 +14,8 @@ from enum import Enum
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from eagle_data.engines.sglang_hook import hook_specs, make_capture_hook, make_layer_hook
@@ -492,3 +494,25 @@ def test_admission_keeps_the_stored_bytes_in_flight_within_the_budget():
     assert asyncio.run(be._run(items)) == [k for k, _, _ in items]
     assert all(n == 1 or tokens <= 100 for n, tokens in seen) and max(n for n, _ in seen) >= 3
     assert (1, 250) in seen  # the long one ran alone
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.sampled_from(["chunk", "error", "tmp"]), st.integers(0, 3)),
+                max_size=40))
+def test_the_listing_groups_files_by_rid_as_list_spool_does(files):
+    """Over generated spools (rids that prefix one another, chunks, error records, temporaries and
+    the hook's stats file): every rid's files are exactly the finished ones the pieces' regex reads
+    as that rid's (:func:`list_spool`), and a rid with none gets none."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / HOOK_STATS).write_text("{}")
+        for seq, (r, kind, off) in enumerate(files):
+            name = f"ed1-{r}@" + ("ERROR" if kind == "error" else f"{off:010d}") + f"@{seq:010d}"
+            name += ".json" if kind == "error" else ".safetensors" + (".tmp" if kind == "tmp" else "")
+            (Path(d) / name).write_bytes(b"x")
+        want = {rid: sorted(p.name for _, p in fs) for rid, fs in list_spool(d).items()}
+        listing = SpoolListing(Path(d))
+        for r in range(32):
+            assert sorted(p.name for p in listing.files(f"ed1-{r}")) == want.get(f"ed1-{r}", [])
