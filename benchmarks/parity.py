@@ -88,7 +88,8 @@ def bench_parity(a: str, b: str, noise: str | None = None, json_out: str | None 
 def bench_sglang_parity(kinds: Sequence[str] = ("llama", "deepseek_v3", "qwen3_moe"),
                         dtypes: Sequence[str] = ("float32", "bfloat16"), device: str = "cuda",
                         attention_backend: str | None = "triton", lengths: Sequence[int] = (5, 300, 17, 1000),
-                        chunked_prefill_size: int = 256, json_out: str | None = None) -> dict[str, Any]:
+                        chunked_prefill_size: int = 256, max_total_tokens: int | None = None,
+                        mem_fraction_static: float | None = None, json_out: str | None = None) -> dict[str, Any]:
     """Tiny random targets through SGLang vs HF: relative error of each dtype's SGLang capture vs HF
     fp32 beside HF of that dtype vs HF fp32 (the noise floor), per target and field.
 
@@ -99,6 +100,8 @@ def bench_sglang_parity(kinds: Sequence[str] = ("llama", "deepseek_v3", "qwen3_m
         attention_backend: SGLang attention backend (None: SGLang's choice).
         lengths: prompt lengths, one batch (longer than ``chunked_prefill_size``: several chunks).
         chunked_prefill_size: SGLang chunked prefill size.
+        max_total_tokens, mem_fraction_static: the engines' memory knobs (None: SGLang's own; on a GPU
+            that other processes share, e.g. ``4096`` and ``0.95``).
         json_out: also write the figures to this JSON file.
     """
     from benchmarks.tiny_targets import save_tiny_target
@@ -114,7 +117,8 @@ def bench_sglang_parity(kinds: Sequence[str] = ("llama", "deepseek_v3", "qwen3_m
             ref32 = HFBackend(path, aux, dtype="float32", device=device).capture(batch)
             for dtype in dtypes:
                 hf = HFBackend(path, aux, dtype=dtype, device=device).capture(batch)
-                kw = {"attention_backend": attention_backend} if attention_backend else {}
+                kw = {k: v for k, v in (("attention_backend", attention_backend), ("max_total_tokens", max_total_tokens),
+                                        ("mem_fraction_static", mem_fraction_static)) if v is not None}
                 sg = make_backend("sglang", model_path=path, aux_layer_ids=aux, dtype=dtype, device=device,
                                   chunked_prefill_size=chunked_prefill_size, **kw)
                 try:

@@ -7,7 +7,8 @@ regenerate``, as child processes):
 * ``regen`` (with ``--regenerate true``): SmolLM2 writes every assistant turn of the training rows
   itself (greedy) -> ``OUT/regen``, which extraction then reads instead of ``OUT/train.jsonl``
   (``regen_ranks`` processes at once, logs ``OUT/regen_R.log``); with ``--own_heldout true`` also
-  those of the held-out rows (``serve_new_tokens`` per turn) -> ``OUT/regen_heldout``;
+  those of the held-out rows (``serve_new_tokens`` per turn, one more process at the same time) ->
+  ``OUT/regen_heldout``;
 * ``extract``: both sets with SmolLM2 (the training set stored as ``storage_dtype``, the held-out
   one as served; with ``mix`` the originals in ``OUT/train`` and the regenerated answers in
   ``OUT/train_regen``; with ``own_heldout`` the held-out rows' own answers in ``OUT/heldout_own``),
@@ -77,10 +78,8 @@ def run_tau(cfg: TauConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if "prep" in cfg.phases and not (_nonempty(out / "train.jsonl") and _nonempty(out / "heldout.jsonl")):
         prep(out, cfg.num_train, cfg.num_heldout)
-    if "regen" in cfg.phases and cfg.regenerate:
+    if "regen" in cfg.phases and (cfg.regenerate or cfg.own_heldout):
         regen(cfg)
-    if "regen" in cfg.phases and cfg.own_heldout:
-        regen_heldout(cfg)
     if "extract" in cfg.phases:
         for part in ("train", *(["train_regen"] if cfg.mix else []), "heldout", *(["heldout_own"] * cfg.own_heldout)):
             _last_line("extract", extract_command(cfg, part))
@@ -228,38 +227,32 @@ def eval_targets(cfg: TauConfig, names: list[str]) -> list[tuple[str, str, bool]
 
 
 def regen(cfg: TauConfig) -> None:
-    """``regen_ranks`` regenerate processes at once over the training rows (logs ``OUT/regen_R.log``).
+    """With ``regenerate``, ``regen_ranks`` processes over the training rows (logs ``OUT/regen_R.log``);
+    with ``own_heldout``, one more over the held-out rows (``serve_new_tokens`` per turn, log
+    ``OUT/regen_heldout.log``); all at once (with SGLang, an engine starts while the others generate).
 
     Raises:
-        TauPhaseFailed: a rank failed (the others ran to their end; rerun to resume).
+        TauPhaseFailed: a process failed (the others ran to their end; rerun to resume).
     """
     n, out = cfg.regen_ranks, Path(cfg.out)
-    cmd = regenerate_command(cfg, out / "train.jsonl", out / "regen", cfg.regen_max_new_tokens)
-    cmds = [cmd + (["--rank", str(r), "--world_size", str(n)] if n > 1 else []) for r in range(n)]
+    jobs = []
+    if cfg.regenerate:
+        cmd = regenerate_command(cfg, out / "train.jsonl", out / "regen", cfg.regen_max_new_tokens)
+        jobs += [(cmd + (["--rank", str(r), "--world_size", str(n)] if n > 1 else []), out / f"regen_{r}.log")
+                 for r in range(n)]
+    if cfg.own_heldout:
+        jobs.append((regenerate_command(cfg, out / "heldout.jsonl", out / "regen_heldout", cfg.serve_new_tokens),
+                     out / "regen_heldout.log"))
     before, t0 = _regen_tokens(cfg), time.perf_counter()
-    failed = [r for r, rc in enumerate(_run_all([(c, out / f"regen_{r}.log") for r, c in enumerate(cmds)])) if rc != 0]
+    failed = [log for (_, log), rc in zip(jobs, _run_all(jobs)) if rc != 0]
     new, wall = _regen_tokens(cfg) - before, time.perf_counter() - t0
-    print(f"regen: {new:,} new tokens in {wall:.1f} s with {n} rank(s) = {new / max(wall, 1e-9):,.0f} tokens/s (engine starts "
-          f"included; each rank's own rate is in its log)")
+    if cfg.regenerate:
+        print(f"regen: {new:,} new tokens in {wall:.1f} s with {n} rank(s) = {new / max(wall, 1e-9):,.0f} tokens/s "
+              "(engine starts included; each rank's own rate is in its log)")
     if failed:
-        raise TauPhaseFailed(f"regen: rank(s) {failed} failed{_why(out / f'regen_{failed[0]}.log')} (see "
-                             f"{cfg.out}/regen_R.log); rerun to resume once its cause is mended")
-    print(f"{cfg.out}/regen")
-
-
-def regen_heldout(cfg: TauConfig) -> None:
-    """The target's own answers to the held-out rows (``own_heldout``): one regenerate process, log
-    ``OUT/regen_heldout.log``.
-
-    Raises:
-        TauPhaseFailed: it failed (rerun to resume).
-    """
-    out = Path(cfg.out)
-    cmd = regenerate_command(cfg, out / "heldout.jsonl", out / "regen_heldout", cfg.serve_new_tokens)
-    if _run_all([(cmd, out / "regen_heldout.log")])[0] != 0:
-        raise TauPhaseFailed(f"regen: the held-out rows' regeneration failed{_why(out / 'regen_heldout.log')} (see "
-                             f"{out}/regen_heldout.log); rerun to resume once its cause is mended")
-    print(f"{out}/regen_heldout")
+        raise TauPhaseFailed(f"regen: {', '.join(f.stem for f in failed)} failed{_why(failed[0])} (see {out}/"
+                             f"{failed[0].name}); rerun to resume once its cause is mended")
+    print("\n".join(str(out / d) for d, on in (("regen", cfg.regenerate), ("regen_heldout", cfg.own_heldout)) if on))
 
 
 def _why(log: Path) -> str:

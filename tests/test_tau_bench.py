@@ -161,8 +161,8 @@ def test_regen_runs_one_process_per_rank_and_names_a_failed_one(tmp_path, monkey
         return [0, 3, 0]
 
     monkeypatch.setattr(tau, "_run_all", run_all)
-    cfg = TauConfig(out=str(tmp_path), regen_ranks=3, regen_args=["--backend", "sglang"])
-    with pytest.raises(TauPhaseFailed, match=r"regen: rank\(s\) \[1\] failed: data: rows changed since \(see "):
+    cfg = TauConfig(out=str(tmp_path), regenerate=True, regen_ranks=3, regen_args=["--backend", "sglang"])
+    with pytest.raises(TauPhaseFailed, match=rf"regen: regen_1 failed: data: rows changed since \(see {tmp_path}/regen_1.log\)"):
         regen(cfg)
     assert re.match(r"regen: 1,234 new tokens in [0-9.]+ s with 3 rank\(s\) = ", capsys.readouterr().out)
     assert [log.name for _, log in jobs] == ["regen_0.log", "regen_1.log", "regen_2.log"]
@@ -170,10 +170,16 @@ def test_regen_runs_one_process_per_rank_and_names_a_failed_one(tmp_path, monkey
         assert cmd[-6:] == ["--backend", "sglang", "--rank", str(r), "--world_size", "3"]
     jobs.clear()
     monkeypatch.setattr(tau, "_run_all", lambda js: jobs.extend(js) or [0])
-    regen(TauConfig(out=str(tmp_path)))  # the engine's own number of requests in flight unless given
+    regen(TauConfig(out=str(tmp_path), regenerate=True))  # the engine's own number of requests in flight unless given
     assert "--rank" not in jobs[0][0] and "--batch_size" not in jobs[0][0] and jobs[0][0][3] == "regenerate"
-    regen(TauConfig(out=str(tmp_path), regen_batch_size=64))
+    regen(TauConfig(out=str(tmp_path), regenerate=True, regen_batch_size=64))
     assert jobs[1][0][jobs[1][0].index("--batch_size") + 1] == "64"
+    batches = []
+    monkeypatch.setattr(tau, "_run_all", lambda js: batches.append(js) or [0] * len(js))
+    regen(TauConfig(out=str(tmp_path), regenerate=True, own_heldout=True, regen_ranks=2))  # all at once
+    assert [[log.name for _, log in b] for b in batches] == [["regen_0.log", "regen_1.log", "regen_heldout.log"]]
+    assert [dict(zip(c[4::2], c[5::2]))["--out"] for c, _ in batches[0]] == [
+        f"{tmp_path}/regen", f"{tmp_path}/regen", f"{tmp_path}/regen_heldout"]
 
 
 def test_serve_exports_the_last_mark_and_runs_a_serve_check_the_cli_accepts(tmp_path, monkeypatch, capsys):
