@@ -1,4 +1,4 @@
-"""``python -m benchmarks loader|extract|stages|final_rows|codec|pipeline|train|train_step|sglang|sglang_parity|parity|tar_walk|writers|tau|ddp|random_target``: benchmarks that print numbers.
+"""``python -m benchmarks loader|extract|stages|final_rows|codec|pipeline|train|train_step|sglang|sglang_parity|spool|parity|tar_walk|writers|tau|ddp|random_target``: benchmarks that print numbers.
 
 Run from a checkout (this folder is not installed). Each command is the benchmark function
 itself: its signature and docstring make the command line (jsonargparse); ``tau`` is the
@@ -19,6 +19,7 @@ from benchmarks.parity import bench_parity, bench_sglang_parity
 from benchmarks.pipeline import bench_pipeline
 from benchmarks.random_target import make_random_target
 from benchmarks.sglang import bench_sglang
+from benchmarks.spool import bench_spool
 from benchmarks.stages import bench_stages
 from benchmarks.tau import run_tau
 from benchmarks.tau_config import TauConfig
@@ -29,7 +30,7 @@ from benchmarks.writers import bench_writers
 from eagle_data.cli.main import run_cli
 
 COMMANDS = {"loader": bench_loader, "extract": bench_extract, "train": bench_train, "sglang": bench_sglang,
-            "train_step": bench_train_step, "tar_walk": bench_tar_walk,
+            "train_step": bench_train_step, "tar_walk": bench_tar_walk, "spool": bench_spool,
             "pipeline": bench_pipeline, "codec": bench_codec, "stages": bench_stages, "final_rows": bench_final_rows,
             "writers": bench_writers, "parity": bench_parity, "sglang_parity": bench_sglang_parity,
             "tau": TauConfig, "ddp": bench_ddp, "random_target": make_random_target}

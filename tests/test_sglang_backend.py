@@ -18,7 +18,7 @@ if importlib.util.find_spec("sglang") is None:
 
 from eagle_data.engines import make_backend  # noqa: E402
 from eagle_data.engines.hf import HFBackend  # noqa: E402
-from eagle_data.engines.sglang_spool import HOOK_STATS  # noqa: E402
+from eagle_data.engines.sglang_spool import list_spool  # noqa: E402
 from tiny import save_tiny_target  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -155,7 +155,7 @@ def test_capture_iter_with_prefetch_equals_capture(pair):
     gen = sg.capture_iter(batches, prefetch=2)
     next(gen)
     gen.close()
-    assert not [p for p in sg.spool.path.iterdir() if p.name != HOOK_STATS]
+    assert list_spool(sg.spool.path) == {}  # no chunk or error record left
     # an interrupt while batches are being fetched cancels without waiting; the backend stays usable
     def interrupted():
         yield batches[0]
@@ -182,7 +182,7 @@ def test_info_and_bad_input(pair):
     # longer than the context (max_position_embeddings=2048): SGLang refuses; the error names the sample
     with pytest.raises(RuntimeError, match="too_long"):
         sg.capture([("ok", torch.arange(4)), ("too_long", torch.zeros(2100, dtype=torch.long))])
-    assert not [p for p in sg.spool.path.iterdir() if p.name != HOOK_STATS]  # nothing left behind after an error
+    assert list_spool(sg.spool.path) == {}  # nothing left behind after an error
     (c,) = sg.capture([("after_error", torch.arange(9))])  # engine still usable
     assert c.hidden_states.shape == (9, H)
 

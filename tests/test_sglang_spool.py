@@ -364,7 +364,8 @@ def _collector(tmp_path, timeout):
     """An SGLangBackend with no engine: enough for ``_collect`` (spool dir, timeout)."""
     from eagle_data.engines.sglang import SGLangBackend
     be = SGLangBackend.__new__(SGLangBackend)
-    be.spool = SimpleNamespace(path=tmp_path, files=SpoolListing(tmp_path).files)
+    be.spool = Spool.__new__(Spool)  # the files of tmp_path, no ring
+    be.spool.path, be.spool._listing, be.spool.arena = tmp_path, SpoolListing(tmp_path), None
     be.collect_timeout_s, be._chunks = timeout, {}
     be.collect_stats = Counter()
     return be
@@ -378,11 +379,11 @@ def _collect(be, ids):
 def test_collect_reads_each_chunk_once_while_waiting_for_the_rest(tmp_path, monkeypatch):
     """Rows [0, 4) arrive first, [4, 6) after many polls: each chunk file is read once, and the
     joined rows are the writer's."""
-    import eagle_data.engines.sglang as sg
+    import eagle_data.engines.sglang_spool as spool_mod
 
     ids, aux, fin = _rows(6)
     reads = []
-    monkeypatch.setattr(sg, "read_piece", lambda p: reads.append(p.name) or read_piece(p))
+    monkeypatch.setattr(spool_mod, "read_piece", lambda p: reads.append(p.name) or read_piece(p))
     write_piece(tmp_path, "ed1-7", 0, 1, ids[:4], aux[:4], fin[:4])
 
     def late_writer():
@@ -494,6 +495,54 @@ def test_admission_keeps_the_stored_bytes_in_flight_within_the_budget():
     assert asyncio.run(be._run(items)) == [k for k, _, _ in items]
     assert all(n == 1 or tokens <= 100 for n, tokens in seen) and max(n for n, _ in seen) >= 3
     assert (1, 250) in seen  # the long one ran alone
+
+
+@pytest.mark.parametrize("prefetch, lengths, taken_at_first", [
+    (1, [30] * 6, 5),  # while b0 is held: b1..b3 = 90 tokens under the budget of 100, so b4 too
+    (1, [120] * 4, 3),  # each batch past the budget alone: the one later batch of prefetch
+    (4, [30] * 8, 6),  # prefetch asks for more than the budget would take
+    (1, [10] * 3, 3),  # all of them fit
+])
+def test_capture_iter_takes_batches_ahead_while_their_rows_fit_the_budget(prefetch, lengths, taken_at_first):
+    """While the caller holds a batch, the later batches already taken from it are ``prefetch`` and
+    more while their rows stay under ``max_inflight_bytes`` (one batch past it at most); every batch
+    comes back, in order, each request asked once."""
+    import asyncio
+
+    from eagle_data.engines.sglang import SGLangBackend
+
+    be = SGLangBackend.__new__(SGLangBackend)
+    be.max_inflight, be.max_inflight_bytes, be.row_bytes, be._budget = 100, 1000, 10, None  # 100 tokens
+    be._orphans, be._chunks, be._counter, be._prefix = set(), {}, 0, "ed0-"
+    asked = []
+
+    class Engine:
+        loop = asyncio.new_event_loop()
+
+        async def async_generate(self, input_ids, rid, sampling_params):
+            asked.append(rid)
+            return {"rid": rid}
+
+    async def collect(key, ids, rid, out):
+        return key
+
+    be.engine, be._collect = Engine(), collect
+    taken = []
+
+    def batches():
+        for b, n in enumerate(lengths):
+            taken.append(b)
+            yield [(f"b{b}", torch.zeros(n, dtype=torch.long))]
+
+    try:
+        it = be.capture_iter(batches(), prefetch=prefetch)
+        first = next(it)
+        assert (first, len(taken)) == (["b0"], taken_at_first)
+        assert [first, *it] == [[f"b{b}"] for b in range(len(lengths))]
+        assert sorted(asked) == sorted(set(asked)) and len(asked) == len(lengths)
+    finally:
+        it.close()
+        Engine.loop.close()
 
 
 @settings(max_examples=60, deadline=None)

@@ -59,7 +59,7 @@ from eagle_data.engines.sglang_engine import (CPU_KERNEL_DIR, SGLangOptions, bas
                                               model_facts, prepare_cpu_environment, scoped_shutdown, start_engine)
 from eagle_data.engines.sglang_hook import hook_specs
 from eagle_data.engines.sglang_spool import (Piece, RowsMissing, Spool, StitchError, list_spool, read_error,
-                                            read_hook_stats, read_piece, stitch, stored_row_bytes)
+                                            read_hook_stats, stitch, stored_row_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ class SGLangBackend:
         self.spool = Spool(o.spool_dir)
         free = shutil.disk_usage(self.spool.path).free  # e.g. a container's 64 MB /dev/shm: half of it
         self.max_inflight, self.max_inflight_bytes = int(o.max_inflight), min(int(o.max_inflight_bytes), free // 2)
+        self.spool.open_arena(self.max_inflight_bytes * 9 // 8)  # the rows in flight + alignment and wraps
         self._prefix = f"ed{uuid.uuid4().hex[:8]}-"
         self._counter = 0
         self.last_chunks: dict[str, int] = {}  # key -> prefill chunks stitched, last capture()
@@ -194,9 +195,11 @@ class SGLangBackend:
                      prefetch: int = 1) -> Iterator[list[Captured]]:
         """Like :meth:`capture` over many batches, keeping the engine busy between them.
 
-        Up to ``prefetch`` later batches are already submitted (within the in-flight budget)
-        while the caller handles the current one, so the scheduler keeps computing while
-        the caller writes shards. Yields one list per batch, in order. Call from one thread.
+        At least ``prefetch`` later batches are already submitted while the caller handles the
+        current one, and more while the rows of the batches submitted and not yet yielded fit in
+        ``max_inflight_bytes`` (the spool and the finished rows held for their batch together): the
+        scheduler keeps computing while the caller writes shards and while a batch's last rows are
+        read back. Yields one list per batch, in order. Call from one thread.
 
         Raises: as :meth:`capture`, at the failing batch; batches already submitted are
         drained and their spool files removed before the error propagates (also on an early
@@ -210,9 +213,7 @@ class SGLangBackend:
             self._drop_files(self._orphans)
         loop, it, pending = self.engine.loop, iter(batches), []
         try:
-            for _ in range(prefetch + 1):
-                if not self._submit(it, pending):
-                    break
+            more = self._fill(it, pending, prefetch)
             while pending:
                 items, task = pending[0]
                 if isinstance(task, Exception):
@@ -228,7 +229,7 @@ class SGLangBackend:
                     if isinstance(e, (RuntimeError, KeyboardInterrupt)):
                         raise e
                     raise RuntimeError(f"capture failed: {e!r}") from e
-                self._submit(it, pending)
+                more = more and self._fill(it, pending, prefetch)
                 yield results
         except (Exception, GeneratorExit):
             if pending:  # error or early stop: let submitted requests finish, then drop their rows
@@ -237,6 +238,17 @@ class SGLangBackend:
         finally:
             if pending:  # interrupt (Ctrl-C / SIGTERM exception): cancel, do not wait
                 self._finish_pending(pending, cancel=True)
+
+    def _fill(self, it: Iterator[Sequence[tuple[str, torch.Tensor]]], pending: list, prefetch: int) -> bool:
+        """Submit batches until ``prefetch + 1`` are pending and their rows reach ``max_inflight_bytes``
+        (a batch past that bound waits for the next call); False once ``it`` is exhausted."""
+        def rows_bytes() -> int:
+            return sum(int(ids.shape[0]) for items, _ in pending for _, ids, _ in items) * self.row_bytes
+
+        while len(pending) < prefetch + 1 or rows_bytes() < self.max_inflight_bytes:
+            if not self._submit(it, pending):
+                return False
+        return True
 
     def _submit(self, it: Iterator[Sequence[tuple[str, torch.Tensor]]], pending: list) -> bool:
         """Submit ``it``'s next batch to the engine, appended to ``pending`` as ``(items, task)`` (a
@@ -270,7 +282,7 @@ class SGLangBackend:
         self._drop_files(rids)
 
     def _drop_files(self, rids: set[str]) -> None:
-        Spool.remove(p for rid, fs in list_spool(self.spool.path).items() if rid in rids for _, p in fs)
+        self.spool.remove(p for rid, fs in list_spool(self.spool.path).items() if rid in rids for _, p in fs)
 
     async def _run(self, items):
         if self._budget is None:  # shared by all batches in flight: bounds the spool
@@ -324,7 +336,7 @@ class SGLangBackend:
         pieces: dict[Path, Piece] = {}  # each file read once, however often the rows are found incomplete
 
         def read_and_stitch(files: list[Path]) -> dict[str, torch.Tensor]:  # (in a worker thread)
-            pieces.update((p, read_piece(p)) for p in files if p not in pieces)
+            pieces.update((p, self.spool.read(p)) for p in files if p not in pieces)
             return stitch(key, ids, [pieces[p] for p in files])
 
         t0 = time.perf_counter()
@@ -337,7 +349,7 @@ class SGLangBackend:
                     raise RuntimeError(f"sample {key!r}: capture hook refused a forward pass: {read_error(errs[0])}")
                 # read and joined in a thread: the engine's event loop keeps sending and receiving meanwhile
                 got = await asyncio.to_thread(read_and_stitch, files)
-                Spool.remove(files)
+                self.spool.remove(files)
                 self._chunks[rid] = len(files)
                 self.collect_stats.update(collect_s=time.perf_counter() - t0, files_read=len(pieces))  # (loop thread)
                 return Captured(key, got["aux"], got["final"], got.get("aux_scale"), got.get("final_scale"),
@@ -347,10 +359,10 @@ class SGLangBackend:
                 if changed != seen:
                     deadline, seen = time.monotonic() + self.collect_timeout_s, changed
                 elif time.monotonic() > deadline:
-                    Spool.remove(files)
+                    self.spool.remove(files)
                     raise RowsMissing(f"{e} (waited {self.collect_timeout_s:g} s with no change in the spool)") from None
             except StitchError:
-                Spool.remove(files)
+                self.spool.remove(files)
                 raise
             await asyncio.sleep(0.01)
 

@@ -28,14 +28,16 @@ the same in both versions), one spec per aux layer and one on the logits process
   this pass ([N, K*H] after concatenation), and for every request whose rid starts with
   ``rid_prefix`` in a plain ``ForwardMode.EXTEND`` pass hands rows
   ``[extend_prefix_len, extend_prefix_len + extend_seq_len)`` to the :class:`_Writer`, which
-  writes one chunk file per request (:func:`eagle_data.engines.sglang_spool.write_piece`).
+  copies each request's chunk into the spool's shared-memory ring and writes its record
+  (:mod:`eagle_data.engines.sglang_arena`; a file, :func:`eagle_data.engines.sglang_spool.write_piece`,
+  when there is no ring or no room in it).
 
 The rows leave in their storage dtypes (``out_dtype`` / ``final_out_dtype``: the model dtype, or fp8
 with per-(token, layer) scales, :func:`eagle_data.format.fp8.quantize`, on the device, as the HF
 backend does), with ``ok`` [N]: every stored value of the row finite, checked on the device.
 Nothing stalls the scheduler on a GPU: the pass's rows are cast into fresh device tensors, copied
 to pinned host memory on a side stream, and a writer thread waits for that copy's event and
-writes the files; the bytes in flight are bounded (``max_pending_bytes``; the hook waits only
+writes the chunks; the bytes in flight are bounded (``max_pending_bytes``; the hook waits only
 when the bound is reached). DECODE and IDLE passes are ignored; any other extend-like mode holding
 one of our requests (MIXED, SPLIT_PREFILL, TARGET_VERIFY, ...), a missing or doubled aux slot or an
 inconsistent batch writes an error file for each of our rids, which the backend raises naming the
@@ -59,7 +61,8 @@ from typing import Any
 
 import torch
 
-from eagle_data.engines.sglang_spool import write_error, write_hook_stats, write_piece
+from eagle_data.engines.sglang_arena import ArenaWriter
+from eagle_data.engines.sglang_spool import piece_name, write_error, write_hook_stats, write_piece
 from eagle_data.format.fp8 import finite_rows, to_storage
 from eagle_data.format.schema import storage_dtype_of
 
@@ -244,7 +247,8 @@ def stored_rows(input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
 
 
 class _Writer:
-    """Copies a pass's rows off the device and writes their chunk files in a thread.
+    """Copies a pass's rows off the device and hands each request's chunk to the spool (its ring,
+    else a file) in a thread.
 
     GPU: the rows in their storage dtypes (:func:`stored_rows`) are copied to pinned host memory on a
     side stream; the thread waits for the copy's event, then writes. At most ``max_bytes`` of passes
@@ -262,8 +266,9 @@ class _Writer:
         self.busy, self.cond = 0, threading.Condition()
         self.q: queue.Queue = queue.Queue()
         self.stream = None
+        self.arena = ArenaWriter.open(spool)  # the backend's ring, when it made one
         self.stats: Counter = Counter(dict.fromkeys(  # every key now: the writer thread copies it meanwhile
-            ("put_s", "pin_s", "bound_s", "copy_wait_s", "write_s", "passes", "pieces", "bytes"), 0))
+            ("put_s", "pin_s", "bound_s", "copy_wait_s", "write_s", "passes", "pieces", "file_pieces", "bytes"), 0))
         threading.Thread(target=self._run, name="eagle-data-spool-writer", daemon=True).start()
 
     def next_seq(self) -> int:
@@ -306,14 +311,19 @@ class _Writer:
                 if event is not None:
                     event.synchronize()
                 t1 = time.perf_counter()
+                files = 0
                 for rid, off, seq, start, n in rows:
-                    sl = slice(start, start + n)
-                    extra = {k: x[sl] for k, x in t.items() if k not in ("input_ids", "aux", "final")}
+                    rows_of = {k: x[start:start + n] for k, x in t.items()}
                     try:
-                        write_piece(self.spool, rid, off, seq, t["input_ids"][sl], t["aux"][sl], t["final"][sl], extra)
+                        if self.arena is None or self.arena.put(piece_name(rid, off, seq, "arena"), {
+                                "rid": rid, "offset": off, "seq": seq}, rows_of) is None:  # no ring, or no room
+                            files += 1
+                            write_piece(self.spool, rid, off, seq, rows_of.pop("input_ids"), rows_of.pop("aux"),
+                                        rows_of.pop("final"), rows_of)
                     except Exception as e:  # the backend raises it naming the sample
                         write_error(self.spool, rid, seq, f"capture hook failed to write rows: {e!r}")
-                self.stats.update(copy_wait_s=t1 - t0, write_s=time.perf_counter() - t1, pieces=len(rows))
+                self.stats.update(copy_wait_s=t1 - t0, write_s=time.perf_counter() - t1, pieces=len(rows),
+                                  file_pieces=files)
                 try:
                     write_hook_stats(self.spool, dict(self.stats))
                 except OSError:  # diagnostics only: a full spool is reported by the pieces' own writes

@@ -6,8 +6,10 @@ by the backend in the parent; never imports sglang.
 Spool layout (one directory per backend instance, default under ``/dev/shm``)::
 
     eagle-data-sglang-<pid>-<hex>/
-        <rid>@<offset:010d>@<seq:010d>.safetensors   one prefill chunk of one request
+        <rid>@<offset:010d>@<seq:010d>.arena         one prefill chunk of one request, in the ring
+        <rid>@<offset:010d>@<seq:010d>.safetensors   the same in a file (no ring, or no room in it)
         <rid>@ERROR@<seq:010d>.json                   the hook refused a forward pass
+        arena.bin                                      the ring (:mod:`eagle_data.engines.sglang_arena`)
         hook-stats.json                                the hook's timings so far (:data:`HOOK_STATS`)
 
 A chunk file holds ``input_ids`` [n] int64, ``aux`` [n, K*H] and ``final`` [n, H] in their
@@ -43,7 +45,7 @@ from eagle_data.host import pid_alive
 SPOOL_PREFIX = "eagle-data-sglang-"
 #: the capture hook's running timings (seconds and counts, rewritten after each pass; diagnostics only)
 HOOK_STATS = "hook-stats.json"
-_PIECE_RE = re.compile(r"^(?P<rid>.+)@(?P<off>\d{10}|ERROR)@(?P<seq>\d{10})\.(?P<ext>safetensors|json)$")
+_PIECE_RE = re.compile(r"^(?P<rid>.+)@(?P<off>\d{10}|ERROR)@(?P<seq>\d{10})\.(?P<ext>safetensors|arena|json)$")
 
 
 class StitchError(RuntimeError):
@@ -141,8 +143,8 @@ def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
 
 # ----------------------------------------------------------------------------- files
 
-def piece_name(rid: str, offset: int, seq: int) -> str:
-    return f"{rid}@{offset:010d}@{seq:010d}.safetensors"
+def piece_name(rid: str, offset: int, seq: int, ext: str = "safetensors") -> str:
+    return f"{rid}@{offset:010d}@{seq:010d}.{ext}"
 
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64",
@@ -287,7 +289,7 @@ class SpoolListing:
             names: dict[str, list[str]] = {}
             for name in os.listdir(self.path):  # names alone: a Path or a regex match per file costs more
                 parts = name.rsplit("@", 2)  # as _PIECE_RE reads a name: the rid is all before the last two @
-                if len(parts) == 3 and name.endswith((".safetensors", ".json")):
+                if len(parts) == 3 and name.endswith((".safetensors", ".arena", ".json")):
                     names.setdefault(parts[0], []).append(name)
             self._names, self._at = names, time.monotonic()
         return [self.path / n for n in self._names.get(rid, ())]
@@ -313,6 +315,7 @@ class Spool:
         self.path = base / f"{SPOOL_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.path.mkdir(mode=0o700)
         self._listing = SpoolListing(self.path)
+        self.arena = None  # no ring: chunks come as files
         Spool._live.add(self.path)
         if not Spool._atexit:
             Spool._atexit = True
@@ -322,18 +325,33 @@ class Spool:
         """The finished files of request ``rid`` (:class:`SpoolListing`)."""
         return self._listing.files(rid)
 
-    def close(self) -> None:
-        """Delete the directory and everything in it (idempotent)."""
-        shutil.rmtree(self.path, ignore_errors=True)
-        Spool._live.discard(self.path)
+    def open_arena(self, size: int) -> None:
+        """Make the ring of ``size`` bytes the capture hook copies chunks into (before the engine starts)."""
+        from eagle_data.engines.sglang_arena import ArenaReader
+        self.arena = ArenaReader(self.path, size)
 
-    @staticmethod
-    def remove(paths: Iterable[Path]) -> None:
+    def read(self, path: Path) -> Piece:
+        """One chunk: a ring record (``.arena``) or a file (:func:`read_piece`)."""
+        if path.suffix != ".arena":
+            return read_piece(path)
+        t, r = self.arena.read(path)
+        return Piece(int(r["offset"]), t.pop("input_ids"), t.pop("aux"), t.pop("final"), int(r["seq"]), t)
+
+    def remove(self, paths: Iterable[Path]) -> None:
+        """Delete spool files; a ring record's region is given back first."""
         for p in paths:
             try:
+                if p.suffix == ".arena" and self.arena is not None:
+                    self.arena.free(p)
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+    def close(self) -> None:
+        """Delete the directory and everything in it (idempotent); the ring's mapping goes with it."""
+        self.arena = None
+        shutil.rmtree(self.path, ignore_errors=True)
+        Spool._live.discard(self.path)
 
     @classmethod
     def _cleanup_all(cls) -> None:

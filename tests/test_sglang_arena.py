@@ -1,0 +1,125 @@
+"""The spool's shared-memory ring (:mod:`eagle_data.engines.sglang_arena`): chunks come back bit-exact
+whatever the order they are read and freed in, the writer never overwrites a region not yet freed,
+a chunk that does not fit goes to a file, and the reader's frees reach a writer in another process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import eagle_data.engines.sglang_arena as arena_mod
+from eagle_data.engines.sglang_arena import ArenaWriter
+from eagle_data.engines.sglang_spool import Spool, list_spool, piece_name
+
+
+def _chunk(n: int, seed: int) -> dict[str, torch.Tensor]:
+    """Rows as the hook stores them: ids int64, fp8 aux with float32 scales, bf16 final, bool ok."""
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, 1 << 40, (n,), generator=g),
+            "aux": (torch.randn(n, 12, generator=g) * 50).to(torch.float8_e4m3fn),
+            "final": torch.randn(n, 4, generator=g).to(torch.bfloat16),
+            "aux_scale": torch.rand(n, 3, generator=g), "ok": torch.rand(n, generator=g) > 0.3}
+
+
+def _same(piece, want: dict[str, torch.Tensor]) -> bool:
+    got = {"input_ids": piece.input_ids, "aux": piece.aux, "final": piece.final, **piece.extra}
+    return got.keys() == want.keys() and all(
+        got[k].dtype == w.dtype and got[k].shape == w.shape
+        and torch.equal(got[k].reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8)) for k, w in want.items())
+
+
+@pytest.fixture
+def spool(tmp_path):
+    s = Spool(tmp_path)
+    yield s
+    s.close()
+
+
+def _put(w: ArenaWriter, rid: int, rows: dict[str, torch.Tensor]):
+    return w.put(piece_name(f"ed1-{rid}", 0, rid, "arena"), {"rid": f"ed1-{rid}", "offset": 0, "seq": rid}, rows)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just("put"), st.integers(1, 40)), st.tuples(st.just("take"), st.integers(0, 99))),
+                min_size=1, max_size=60))
+def test_chunks_come_back_exact_in_any_read_and_free_order(tmp_path_factory, ops):
+    """A small ring (2 KiB), chunks of 1-40 rows (~50 B a row), read and freed in a generated order:
+    every chunk reads back bit-exact after any later puts (so none was overwritten before its free),
+    a refused put is a full ring (or a chunk larger than the ring), and at the end every byte handed
+    out is freed."""
+    spool, wait = Spool(tmp_path_factory.mktemp("ring")), arena_mod.WAIT_S
+    arena_mod.WAIT_S = 0.0  # a full ring refuses at once (single-threaded here)
+    try:
+        spool.open_arena(2048)
+        w, held = ArenaWriter.open(spool.path), []
+        for i, (op, x) in enumerate(ops):
+            if op == "put":
+                rows = _chunk(x, i)
+                before = (w.head, int(spool.arena.tail[0]))
+                path = _put(w, i, rows)
+                if path is None:  # refused: too large, or bytes still held where it would go
+                    need = sum(-(-t.nbytes // 8) * 8 for t in rows.values())
+                    assert w.head == before[0] and (need > 2048 or held), (need, before)
+                else:
+                    held.append((path, rows))
+            elif held:
+                path, rows = held.pop(x % len(held))
+                assert _same(spool.read(path), rows)
+                spool.remove([path])
+        for path, rows in held:
+            assert _same(spool.read(path), rows)
+        spool.remove(p for p, _ in held)
+        assert int(spool.arena.tail[0]) == w.head and list_spool(spool.path) == {}
+    finally:
+        arena_mod.WAIT_S = wait
+        spool.close()
+
+
+def test_a_chunk_the_ring_cannot_take_goes_to_a_file(spool):
+    """Through the hook's writer: a chunk larger than the ring, and one that finds it full, are files;
+    the others ring records; every one reads back exact through the spool."""
+    from eagle_data.engines.sglang_hook import _Writer, stored_rows
+
+    spool.open_arena(4096)
+    w = _Writer(str(spool.path), 1 << 30, (torch.float8_e4m3fn, torch.bfloat16))
+    ids, aux, fin = torch.randint(0, 1000, (210,)), torch.randn(210, 12), torch.randn(210, 4)
+    stored = stored_rows(ids, aux, fin, w.dtypes)  # what the writer hands on: transport is under test here
+    big, small = ({k: x[a:b] for k, x in stored.items()} for a, b in ((0, 200), (200, 210)))
+    w.put(ids, aux, fin, [("ed1-1", 0, 0, 0, 200), ("ed1-2", 0, 1, 200, 10)])
+    w.drain()
+    files = {rid: fs[0][1] for rid, fs in list_spool(spool.path).items()}
+    assert (files["ed1-1"].suffix, files["ed1-2"].suffix) == (".safetensors", ".arena")
+    assert w.stats["file_pieces"] == 1 and w.stats["pieces"] == 2
+    assert _same(spool.read(files["ed1-1"]), big) and _same(spool.read(files["ed1-2"]), small)
+    spool.remove(files.values())
+    assert list_spool(spool.path) == {} and int(spool.arena.tail[0]) == w.arena.head
+
+
+def _writer_process(path: str, n: int) -> None:
+    w = ArenaWriter.open(path)
+    for i in range(n):
+        assert _put(w, i, _chunk(30, i)) is not None, f"chunk {i}: no room within WAIT_S"
+
+
+def test_frees_reach_a_writer_in_another_process(spool):
+    """The writer in a spawned process puts 10x what the ring holds; it goes on only as this
+    process reads and frees (the tail in shared memory), and every chunk arrives exact."""
+    spool.open_arena(8 * 1024)
+    n = 10 * 8 * 1024 // sum(t.nbytes for t in _chunk(30, 0).values())
+    proc = multiprocessing.get_context("spawn").Process(target=_writer_process, args=(str(spool.path), n))
+    proc.start()
+    seen, deadline = 0, time.monotonic() + 120
+    while seen < n and time.monotonic() < deadline:
+        path = spool.path / piece_name(f"ed1-{seen}", 0, seen, "arena")
+        if path.exists():
+            assert _same(spool.read(path), _chunk(30, seen))
+            spool.remove([path])
+            seen += 1
+        else:
+            time.sleep(0.001)
+    proc.join(30)
+    assert (seen, proc.exitcode) == (n, 0)
