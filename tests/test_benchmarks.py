@@ -355,3 +355,17 @@ def test_random_target_without_weights_is_a_config_an_engine_can_draw_weights_fo
         make_random_target(out, str(tok_dir), shape="tiny", weights=False)  # its old files would stay
     with pytest.raises(ValueError, match=r"tokenizer: .* is not a folder with a tokenizer"):
         make_random_target(str(tmp_path / "m3"), str(tmp_path), shape="tiny", weights=False)
+
+
+def test_bench_spool_times_both_routes_and_leaves_nothing(tmp_path, capsys):
+    """``python -m benchmarks spool``: each shape's chunk through a file and through the ring, both
+    read back through the spool (a wrong read would raise), and no spool left behind."""
+    from benchmarks.__main__ import main
+
+    main(["spool", "--shapes", "[smollm2]", "--chunks", "3", "--spool_dir", str(tmp_path),
+          "--json_out", str(tmp_path / "r.json")])
+    out = json.loads((tmp_path / "r.json").read_text())["smollm2"]
+    assert out["chunk_mb"] == pytest.approx(512 * (8 + 4 * 576 + 4 * 3 + 4 + 1) / 1e6)
+    assert all(out[r][k] > 0 for r in ("file", "ring") for k in ("write_ms", "read_ms"))
+    assert "ring / file: write" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
