@@ -123,3 +123,45 @@ def test_frees_reach_a_writer_in_another_process(spool):
             time.sleep(0.001)
     proc.join(30)
     assert (seen, proc.exitcode) == (n, 0)
+
+
+def test_a_ring_held_full_costs_one_wait_then_files_at_once(spool, monkeypatch):
+    """Regions nobody frees (e.g. a cancelled request's, until its records are dropped): the first
+    chunk that finds no room waits ``WAIT_S`` in vain, the next ones are refused at once, and once
+    room comes the writer waits again."""
+    monkeypatch.setattr(arena_mod, "WAIT_S", 0.3)
+    spool.open_arena(4096)
+    w = ArenaWriter.open(spool.path)
+    held = [_put(w, i, _chunk(30, i)) for i in range(3)]  # ~1.2 KiB each: the ring is full
+    took = []
+    for i in (3, 4):
+        t0 = time.monotonic()
+        assert _put(w, i, _chunk(30, i)) is None
+        took.append(time.monotonic() - t0)
+    assert took[0] >= 0.3 and took[1] < 0.1 and not w.patient
+    spool.remove(held)
+    assert _put(w, 5, _chunk(30, 5)) is not None and w.patient
+
+
+def test_no_room_for_the_ring_means_files_said(spool, monkeypatch, caplog):
+    """``/dev/shm`` without room for the ring's bytes: no ring (nothing half-made left), a warning
+    naming the size, and the hook's chunks go to files that read back exact."""
+    import errno
+    import logging
+
+    from eagle_data.engines.sglang_hook import _Writer, stored_rows
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(arena_mod.os, "posix_fallocate", full)
+    with caplog.at_level(logging.WARNING):
+        spool.open_arena(1 << 20)
+    assert spool.arena is None and not (spool.path / arena_mod.ARENA).exists()
+    assert "no room for a ring of 1048576 bytes" in caplog.text
+    w = _Writer(str(spool.path), 1 << 30)
+    ids, aux, fin = torch.arange(7), torch.randn(7, 12), torch.randn(7, 4)
+    w.put(ids, aux, fin, [("ed1-1", 0, 0, 0, 7)])
+    w.drain()
+    (path,) = [p for _, p in list_spool(spool.path)["ed1-1"]]
+    assert path.suffix == ".safetensors" and _same(spool.read(path), stored_rows(ids, aux, fin, (None, None)))

@@ -16,7 +16,9 @@ small JSON record ``<rid>@<offset>@<seq>.arena`` (tmp + rename, after the copy) 
 and each tensor's dtype, shape and place. The reader copies the tensors out and frees the region
 when the record is removed; the tail moves over regions freed in any order once they are
 contiguous. A chunk larger than the ring, or a ring still full after ``WAIT_S``, goes to a file
-instead (:func:`~eagle_data.engines.sglang_spool.write_piece`): never a wait without end.
+instead (:func:`~eagle_data.engines.sglang_spool.write_piece`): never a wait without end (and after
+a wait in vain none until the ring has room at once). The ring's bytes are reserved when it is
+made (``posix_fallocate``): a ``/dev/shm`` too small fails there, and the spool goes on with files.
 """
 
 from __future__ import annotations
@@ -47,8 +49,12 @@ class _Ring:
     def __init__(self, path: Path, size: int | None = None):
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0), 0o600)
         try:
-            if size is not None:
-                os.ftruncate(fd, _HEAD + size)
+            if size is not None:  # reserved now: a full /dev/shm fails here, not as a SIGBUS in the scheduler
+                try:
+                    os.posix_fallocate(fd, 0, _HEAD + size)
+                except OSError:
+                    os.unlink(path)
+                    raise
             self._mm = mmap.mmap(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
@@ -90,6 +96,7 @@ class ArenaWriter(_Ring):
     def __init__(self, spool: Path):
         super().__init__(Path(spool) / ARENA)
         self.spool, self.head = Path(spool), 0
+        self.patient = True  # wait for room; after a wait in vain, not again until room comes at once
 
     @classmethod
     def open(cls, spool: str | os.PathLike) -> "ArenaWriter | None":
@@ -123,10 +130,15 @@ class ArenaWriter(_Ring):
         return path
 
     def _freed_up_to(self, pos: int) -> bool:
-        """Wait (up to :data:`WAIT_S`) until the reader has freed every byte before ``pos``."""
-        deadline = time.monotonic() + WAIT_S
+        """Whether the reader has freed every byte before ``pos``, waiting up to :data:`WAIT_S` for it
+        unless the last wait was in vain (a ring held by regions nobody frees soon costs one wait)."""
+        if int(self.tail[0]) >= pos:
+            self.patient = True
+            return True
+        deadline = time.monotonic() + (WAIT_S if self.patient else 0.0)
         while int(self.tail[0]) < pos:
             if time.monotonic() > deadline:
+                self.patient = False
                 return False
             time.sleep(0.0002)
         return True

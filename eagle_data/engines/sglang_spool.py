@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import math
 import os
 import re
@@ -41,6 +42,8 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_data.host import pid_alive
+
+log = logging.getLogger(__name__)
 
 SPOOL_PREFIX = "eagle-data-sglang-"
 #: the capture hook's running timings (seconds and counts, rewritten after each pass; diagnostics only)
@@ -326,9 +329,14 @@ class Spool:
         return self._listing.files(rid)
 
     def open_arena(self, size: int) -> None:
-        """Make the ring of ``size`` bytes the capture hook copies chunks into (before the engine starts)."""
+        """Make the ring of ``size`` bytes the capture hook copies chunks into (before the engine
+        starts); where its bytes cannot be reserved, none (the chunks come as files), said."""
         from eagle_data.engines.sglang_arena import ArenaReader
-        self.arena = ArenaReader(self.path, size)
+        try:
+            self.arena = ArenaReader(self.path, size)
+        except OSError as e:
+            log.warning("spool %s: no room for a ring of %d bytes (%s); captured rows go through files", self.path,
+                        size, e)
 
     def read(self, path: Path) -> Piece:
         """One chunk: a ring record (``.arena``) or a file (:func:`read_piece`)."""
