@@ -165,3 +165,20 @@ def test_no_room_for_the_ring_means_files_said(spool, monkeypatch, caplog):
     w.drain()
     (path,) = [p for _, p in list_spool(spool.path)["ed1-1"]]
     assert path.suffix == ".safetensors" and _same(spool.read(path), stored_rows(ids, aux, fin, (None, None)))
+
+
+def test_a_record_that_cannot_be_written_gives_its_region_back(spool, monkeypatch):
+    """The region of a chunk whose record fails to be written (e.g. a full ``/dev/shm``) is taken
+    back: nothing would ever free it, and the ring would stay blocked behind it."""
+    spool.open_arena(4096)
+    w = ArenaWriter.open(spool.path)
+    real = arena_mod.os.replace
+    monkeypatch.setattr(arena_mod.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(OSError, match="No space left"):
+        _put(w, 0, _chunk(30, 0))
+    assert w.head == 0
+    monkeypatch.setattr(arena_mod.os, "replace", real)
+    path = _put(w, 1, _chunk(30, 1))
+    assert _same(spool.read(path), _chunk(30, 1))
+    spool.remove([path])
+    assert int(spool.arena.tail[0]) == w.head > 0

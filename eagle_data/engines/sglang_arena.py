@@ -2,17 +2,17 @@
 copies them out (:class:`~eagle_data.engines.sglang_spool.Spool` holds the reading end).
 
 A file per chunk in ``/dev/shm`` costs the kernel a page allocation per 4 KiB on every write and
-a free on every unlink: ~1 GB/s per core each way, below what a GPU's prefill produces
-(BENCHMARKS.md, "SGLang backend on CPU"). The ring's pages are allocated once and reused, so a
-chunk costs two ``memcpy`` s. Its layout, one file ``ARENA`` in the spool dir::
+a free on every unlink: ~1.3 GB/s per core each way, about the rate of fp8 rows SmolLM2's prefill
+makes on an H100 (BENCHMARKS.md, "SGLang backend on CPU"). The ring's pages are allocated once and
+reused, so a chunk costs two ``memcpy`` s. Its layout, one file ``ARENA`` in the spool dir::
 
     [0, 8)          int64 tail: bytes of the ring freed so far (written by the reader only)
     [64, 64 + N)    the ring: chunk regions at positions head mod N, 64-byte aligned
 
 The writer (one thread of the scheduler process, TP rank 0) keeps ``head`` (bytes handed out so
 far) and takes a region only once the reader has freed the bytes of the previous lap it covers; a
-region never wraps (the bytes to the ring's end are skipped and freed with it). It copies the chunk's tensors in, then writes a
-small JSON record ``<rid>@<offset>@<seq>.arena`` (tmp + rename, after the copy) naming the region
+region never wraps (the bytes to the ring's end are skipped and freed with it). It copies the
+chunk's tensors in, then writes a small JSON record ``<rid>@<offset>@<seq>.arena`` (tmp + rename, after the copy) naming the region
 and each tensor's dtype, shape and place. The reader copies the tensors out and frees the region
 when the record is removed; the tail moves over regions freed in any order once they are
 contiguous. A chunk larger than the ring, or a ring still full after ``WAIT_S``, goes to a file
@@ -64,7 +64,7 @@ class _Ring:
 
 
 class ArenaReader(_Ring):
-    """The backend's end: creates the ring (``size`` bytes, sparse until used), reads records, frees."""
+    """The backend's end: creates the ring (``size`` bytes, reserved), reads records, frees regions."""
 
     def __init__(self, spool: Path, size: int):
         super().__init__(Path(spool) / ARENA, max(_HEAD, size // _HEAD * _HEAD))
@@ -119,14 +119,18 @@ class ArenaWriter(_Ring):
             return None
         start, pos = self.head, (pos + skip) % self.size
         self.head += need + skip
-        for k, t in tensors.items():
-            _, _, at, nb = places[k]
-            self.data[pos + at:pos + at + nb].copy_(t.reshape(-1).view(torch.uint8))
-        record = {**meta, "start": start, "end": self.head, "pos": pos, "tensors": places}
-        path = self.spool / name
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(record, separators=(",", ":")))
-        os.replace(tmp, path)
+        try:
+            for k, t in tensors.items():
+                _, _, at, nb = places[k]
+                self.data[pos + at:pos + at + nb].copy_(t.reshape(-1).view(torch.uint8))
+            record = {**meta, "start": start, "end": self.head, "pos": pos, "tensors": places}
+            path = self.spool / name
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(record, separators=(",", ":")))
+            os.replace(tmp, path)
+        except BaseException:  # no record names the region: take it back, or nobody would ever free it
+            self.head = start
+            raise
         return path
 
     def _freed_up_to(self, pos: int) -> bool:
