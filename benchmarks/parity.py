@@ -100,8 +100,9 @@ def bench_sglang_parity(kinds: Sequence[str] = ("llama", "deepseek_v3", "qwen3_m
         attention_backend: SGLang attention backend (None: SGLang's choice).
         lengths: prompt lengths, one batch (longer than ``chunked_prefill_size``: several chunks).
         chunked_prefill_size: SGLang chunked prefill size.
-        max_total_tokens, mem_fraction_static: the engines' memory knobs (None: SGLang's own; on a GPU
-            that other processes share, e.g. ``4096`` and ``0.95``).
+        max_total_tokens: the engines' KV pool in tokens (None: SGLang's own; on a GPU other
+            processes share, e.g. ``8192``).
+        mem_fraction_static: the engines' memory fraction (None: SGLang's own; shared GPU: e.g. ``0.95``).
         json_out: also write the figures to this JSON file.
     """
     from benchmarks.tiny_targets import save_tiny_target

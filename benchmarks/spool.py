@@ -45,6 +45,9 @@ def bench_spool(shapes: tuple[str, ...] = ("smollm2", "llama3.1-8b"), chunks: in
         try:
             spool.open_arena(8 * nbytes + 512)  # 8 chunks: the warm-up laps fault its pages in, as a long run does
             ring = ArenaWriter.open(spool.path)
+            if ring is None:
+                raise ValueError(f"spool_dir: no room for a ring of 8 {shape} chunks ({8 * nbytes / 1e6:.0f} MB) in "
+                                 f"{spool.path.parent}")
 
             def by_file(i):
                 return write_piece(spool.path, f"r{i}", 0, i, rows["input_ids"], rows["aux"], rows["final"],
