@@ -182,3 +182,31 @@ def test_a_record_that_cannot_be_written_gives_its_region_back(spool, monkeypatc
     assert _same(spool.read(path), _chunk(30, 1))
     spool.remove([path])
     assert int(spool.arena.tail[0]) == w.head > 0
+
+
+def test_the_writer_thread_survives_a_spool_too_full_for_an_error_record(spool, monkeypatch):
+    """Neither the rows nor their error record can be written (a full ``/dev/shm``): the writer
+    thread logs it and goes on with the next pass, whose rows arrive."""
+    import eagle_data.engines.sglang_hook as hook_mod
+    from eagle_data.engines.sglang_hook import _Writer
+
+    w = _Writer(str(spool.path), 1 << 30)
+    calls = {"n": 0}
+    real = hook_mod.write_piece
+
+    def full_once(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(28, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(hook_mod, "write_piece", full_once)
+    monkeypatch.setattr(hook_mod, "write_error", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    ids, aux, fin = torch.arange(4), torch.randn(4, 12), torch.randn(4, 4)
+    w.put(ids, aux, fin, [("ed1-1", 0, 0, 0, 4)])
+    w.put(ids, aux, fin, [("ed1-2", 0, 1, 0, 4)])
+    import threading
+    done = threading.Thread(target=w.drain, daemon=True)  # a dead writer thread would never drain
+    done.start()
+    done.join(20)
+    assert not done.is_alive() and sorted(list_spool(spool.path)) == ["ed1-2"]

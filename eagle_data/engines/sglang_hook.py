@@ -321,7 +321,10 @@ class _Writer:
                             write_piece(self.spool, rid, off, seq, rows_of.pop("input_ids"), rows_of.pop("aux"),
                                         rows_of.pop("final"), rows_of)
                     except Exception as e:  # the backend raises it naming the sample
-                        write_error(self.spool, rid, seq, f"capture hook failed to write rows: {e!r}")
+                        try:
+                            write_error(self.spool, rid, seq, f"capture hook failed to write rows: {e!r}")
+                        except OSError:  # e.g. a full spool: the thread goes on; the backend's wait times out
+                            log.exception("eagle-data: rows of %s and their error record could not be written", rid)
                 self.stats.update(copy_wait_s=t1 - t0, write_s=time.perf_counter() - t1, pieces=len(rows),
                                   file_pieces=files)
                 try:
