@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from eagle_data.engines.sglang_spool import publish_json
+
 #: the ring's file in the spool dir
 ARENA = "arena.bin"
 #: header bytes before the ring; regions are aligned to this too
@@ -124,10 +126,7 @@ class ArenaWriter(_Ring):
                 _, _, at, nb = places[k]
                 self.data[pos + at:pos + at + nb].copy_(t.reshape(-1).view(torch.uint8))
             record = {**meta, "start": start, "end": self.head, "pos": pos, "tensors": places}
-            path = self.spool / name
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(record, separators=(",", ":")))
-            os.replace(tmp, path)
+            path = publish_json(self.spool / name, record)
         except BaseException:  # no record names the region: take it back, or nobody would ever free it
             self.head = start
             raise

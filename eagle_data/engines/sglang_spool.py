@@ -189,13 +189,18 @@ def write_piece(spool: str | os.PathLike, rid: str, offset: int, seq: int, input
     return path
 
 
-def write_error(spool: str | os.PathLike, rid: str, seq: int, message: str) -> Path:
-    """Record that the hook refused a forward pass containing ``rid``."""
-    path = Path(spool) / f"{rid}@ERROR@{seq:010d}.json"
+def publish_json(path: Path, obj: dict) -> Path:
+    """Write ``obj`` as JSON to ``path`` whole or not at all (tmp + rename: the reader lists only
+    finished names). No fsync: the spool is in memory and dies with the run."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"rid": rid, "error": message}))
+    tmp.write_text(json.dumps(obj, separators=(",", ":"), sort_keys=True))
     os.replace(tmp, path)
     return path
+
+
+def write_error(spool: str | os.PathLike, rid: str, seq: int, message: str) -> Path:
+    """Record that the hook refused a forward pass containing ``rid``."""
+    return publish_json(Path(spool) / f"{rid}@ERROR@{seq:010d}.json", {"rid": rid, "error": message})
 
 
 def stored_row_bytes(n_aux: int, hidden: int, aux_dtype: torch.dtype, final_dtype: torch.dtype) -> int:
@@ -208,10 +213,7 @@ def stored_row_bytes(n_aux: int, hidden: int, aux_dtype: torch.dtype, final_dtyp
 
 def write_hook_stats(spool: str | os.PathLike, stats: dict[str, float]) -> None:
     """Replace the hook's timings file (:data:`HOOK_STATS`) with ``stats``."""
-    path = Path(spool) / HOOK_STATS
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(stats, sort_keys=True))
-    os.replace(tmp, path)
+    publish_json(Path(spool) / HOOK_STATS, stats)
 
 
 def read_hook_stats(spool: str | os.PathLike) -> dict[str, float]:
