@@ -101,10 +101,11 @@ def run_tau(cfg: TauConfig) -> None:
 
 
 def _check_inputs(cfg: TauConfig, out: Path) -> None:
-    """Refuse now what a later phase would fail on: a folder it reads that no phase of this run makes.
+    """Refuse now what a later phase would fail on: a folder it reads that no phase of this run makes;
+    kept rows (``train.jsonl``, ``heldout.jsonl``) of another ``num_train`` or ``num_heldout``.
 
     Raises:
-        ValueError: naming the folders and the phase that makes them.
+        ValueError: naming the folders and the phase that makes them, or the file and the setting.
     """
     need = []
     if "extract" in cfg.phases and "regen" not in cfg.phases:
@@ -115,6 +116,12 @@ def _check_inputs(cfg: TauConfig, out: Path) -> None:
     if missing:
         raise ValueError(f"phases {','.join(cfg.phases)}: {', '.join(missing)} missing (the regen phase makes "
                          "regen*, the extract phase the held-out sets): add that phase")
+    kept = [("train.jsonl", cfg.num_train, "num_train"), ("heldout.jsonl", cfg.num_heldout, "num_heldout")]
+    if {"regen", "extract"} & set(cfg.phases) and all(_nonempty(out / name) for name, _, _ in kept):
+        for name, want, flag in kept:  # the prep keeps them: another run's rows would be read unsaid
+            if (have := _count_lines(out / name)) != want:
+                raise ValueError(f"{out / name} holds {have} rows, {flag} is {want}: pass --{flag} {have}, "
+                                 "or remove it and run the prep phase")
 
 
 def prep(out: Path, num_train: int, num_heldout: int) -> None:
@@ -311,6 +318,11 @@ def _run_all(jobs: list[tuple[list[str], Path]]) -> list[int]:
             if p.poll() is None:
                 p.terminate()
                 p.wait()
+
+
+def _count_lines(p: Path) -> int:
+    with open(p, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
 
 
 def _nonempty(p: Path) -> bool:

@@ -315,3 +315,18 @@ def test_own_heldout_regenerates_extracts_and_scores_the_targets_own_answers(tmp
         shutil.rmtree(tmp_path / folder, ignore_errors=True)
         with pytest.raises(ValueError, match=f"phases {phases}: {tmp_path}/{folder} missing"):
             tau.run_tau(TauConfig(out=str(tmp_path), own_heldout=True, phases=phases, device="cpu"))
+
+
+def test_kept_rows_of_another_size_are_refused_before_any_phase(tmp_path, capsys):
+    """Rows kept from a run with another ``num_train`` were regenerated and extracted unsaid."""
+    out = tmp_path / "tau"
+    out.mkdir()
+    (out / "train.jsonl").write_text('{"conversations": []}\n' * 5)
+    (out / "heldout.jsonl").write_text('{"conversations": []}\n' * 2)
+    code, _, err = _run(tmp_path, capsys, "--phases", "prep,extract", "--device", "cpu", "--num_train", "4",
+                        "--num_heldout", "2")
+    assert code == 2 and "train.jsonl holds 5 rows, num_train is 4: pass --num_train 5" in err, err
+    code, _, err = _run(tmp_path, capsys, "--phases", "extract", "--device", "cpu", "--num_train", "5",
+                        "--num_heldout", "3")
+    assert code == 2 and "heldout.jsonl holds 2 rows, num_heldout is 3" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["heldout.jsonl", "train.jsonl"]
