@@ -75,3 +75,35 @@ def test_sglang_shards_equal_hf_shards(tmp_path):
 def _read_run(out, base, backend, kw):
     run_extract(ExtractConfig(out=str(out), backend=backend, backend_kwargs=kw, **base))
     return _read(out)
+
+
+def test_sigterm_stops_at_a_safe_point_and_the_rerun_completes(tmp_path, kr):
+    """SGLang's engine took SIGTERM over (an asyncio handler draining requests, as a server does),
+    and the spool's handler deleted the spool under the running extraction: it failed with
+    "No such file or directory" on the spool (or went on to its end). Now the extraction stops as
+    without the engine (the shard in progress discarded, then the signal re-raised), and the rerun completes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model, data = kr.make_fixture(tmp_path, samples=2000)
+    out, spool = tmp_path / "out", tmp_path / "spool"
+    spool.mkdir()
+    cmd = [sys.executable, "-m", "eagle_data.cli.main", "extract", "--model", str(model), "--data", str(data),
+           "--out", str(out), "--backend", "sglang", "--device", "cpu", "--dtype", "float32", "--progress", "false",
+           "--batch_tokens", "256", "--backend_kwargs", json.dumps({"spool_dir": str(spool)})]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not list(out.glob("*.tar")) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == -signal.SIGTERM, (p.returncode, err[-2000:])  # re-raised once cleaned up
+    assert "interrupted by signal 15" in err and "No such file" not in err, err[-2000:]
+    assert list(spool.iterdir()) == [] and kr.leftovers(out) == []
+    assert not (out / "manifest.json").exists()  # stopped before its end
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    samples, rows, m = kr.read_dataset(out)
+    assert len(samples) == len(rows) == m["num_samples"] == 2000 and m["skip_counts"]  # every good row once

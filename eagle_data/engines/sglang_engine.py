@@ -11,7 +11,9 @@ import inspect
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -153,6 +155,7 @@ def start_engine(kw: dict[str, Any]):
     root = logging.getLogger()
     level, handlers = root.level, list(root.handlers)
     amx = kw.get("device") == "cpu" and kw.get("attention_backend") == CPU_SPEC_ATTENTION
+    caller_sigterm = signal.getsignal(signal.SIGTERM)
     try:
         if amx:
             from sglang.srt.runtime_context import override_platform
@@ -165,12 +168,28 @@ def start_engine(kw: dict[str, Any]):
         root.handlers[:] = handlers
         root.setLevel(level)
     log.info("SGLang engine started: KV pool %s tokens", kv_pool_tokens(engine))
+    _reclaim_sigterm(engine, caller_sigterm)
     want, got = kw.get("attention_backend"), getattr(engine.server_args, "attention_backend", None)
     if want is not None and got != want:
         engine.shutdown()
         raise RuntimeError(f"sglang resolved attention_backend={got!r}, not the {want!r} asked for (sglang "
                            f"{sglang.__version__})")
     return engine
+
+
+def _reclaim_sigterm(engine, handler) -> None:
+    """Give SIGTERM back to ``handler``, the caller's. SGLang's engine answers it as a server does:
+    an asyncio handler (made with the engine's event loop, at its first request) drains the requests
+    in flight and then kills the process tree, while a client submitting more never drains: an
+    extraction went on to its end, or failed on its deleted spool. A batch job stops at its own safe
+    point instead (extraction's :class:`~eagle_data.extract.signals.Signals`; by default, the
+    process ends). Main thread only (elsewhere SGLang adds no handler)."""
+    if threading.current_thread() is not threading.main_thread() or handler is None:
+        return
+    tm = engine.tokenizer_manager
+    tm.auto_create_handle_loop()  # no-op when the loop is there; else it would add the handler later
+    tm.event_loop.remove_signal_handler(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, handler)
 
 
 def kv_pool_tokens(engine) -> Optional[int]:

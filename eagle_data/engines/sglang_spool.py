@@ -371,9 +371,13 @@ class Spool:
 
     @classmethod
     def install_signal_handlers(cls) -> bool:
-        """Clean all live spools on SIGTERM/SIGHUP, then run the previous handler (or the
-        default action: the process still dies). Call it after the engine has installed
-        its own handlers. Only possible from the main thread; returns whether installed."""
+        """Clean all live spools on SIGTERM/SIGHUP when the signal ends the process (default
+        action: the process still dies). A previous handler that takes the signal (extraction's
+        :class:`~eagle_data.extract.signals.Signals`) runs instead, the spools untouched: the run
+        unwinds and closes them (the engine's writer and the reader still use them until then; a
+        process that ends without closing leaves them to :func:`remove_stale_spools`). Call it
+        after the engine has installed its own handlers. Only possible from the main thread;
+        returns whether installed."""
         import threading
         if cls._signals or threading.current_thread() is not threading.main_thread():
             return cls._signals
@@ -382,11 +386,11 @@ class Spool:
             prev = signal.getsignal(sig)
 
             def handler(signum, frame, _prev=prev):
-                cls._cleanup_all()
                 if callable(_prev):
                     return _prev(signum, frame)
                 if _prev == signal.SIG_IGN:
                     return None
+                cls._cleanup_all()
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
             signal.signal(sig, handler)
