@@ -360,7 +360,10 @@ class SGLangBackend:
                     deadline, seen = time.monotonic() + self.collect_timeout_s, changed
                 elif time.monotonic() > deadline:
                     self.spool.remove(files)
-                    raise RowsMissing(f"{e} (waited {self.collect_timeout_s:g} s with no change in the spool)") from None
+                    free = shutil.disk_usage(self.spool.path).free
+                    raise RowsMissing(f"{e} (waited {self.collect_timeout_s:g} s with no change in the spool "
+                                      f"{self.spool.path}, {free} bytes free there; where the hook could not write "
+                                      "the rows, the engine's log says why)") from None
             except StitchError:
                 self.spool.remove(files)
                 raise
