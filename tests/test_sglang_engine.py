@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -39,10 +40,16 @@ def fake_engine(monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     seen: list[dict[str, bool]] = []
 
+    class Loop:  # sglang's event loop, made at the engine's first request, with its SIGTERM handler
+        def remove_signal_handler(self, sig):
+            signal.signal(sig, signal.SIG_DFL)  # as asyncio's does
+
     class Engine:
         def __init__(self, **kw):
             seen.append(_locks(tmp_path))
             self.server_args = SimpleNamespace(attention_backend=kw.get("attention_backend"))
+            self.tokenizer_manager = SimpleNamespace(event_loop=None)
+            self.tokenizer_manager.auto_create_handle_loop = lambda: setattr(self.tokenizer_manager, "event_loop", Loop())
 
         def get_server_info(self):
             return {"max_total_num_tokens": 12345}
@@ -56,6 +63,10 @@ def test_a_gpu_engine_starts_under_its_gpus_locks_and_a_cpu_engine_takes_none(fa
     0.25 each) held 23 GB together: each sized its KV pool from the same free memory, so the later
     ones got almost none (BENCHMARKS.md)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    mine = lambda signum, frame: None  # noqa: E731 (the caller's SIGTERM handler: it stays)
+    monkeypatch.setattr(signal, "getsignal", lambda sig: mine if sig == signal.SIGTERM else signal.SIG_DFL)
+    installed = {}
+    monkeypatch.setattr(signal, "signal", lambda sig, h: installed.__setitem__(sig, h))
     with caplog.at_level("INFO", logger="eagle_data.engines"):
         se.start_engine({"model_path": "m", "device": "cuda"})
         se.start_engine({"model_path": "m", "device": "cuda", "base_gpu_id": 1})
@@ -64,6 +75,7 @@ def test_a_gpu_engine_starts_under_its_gpus_locks_and_a_cpu_engine_takes_none(fa
     a, b = sl.start_lock_path("2").name, sl.start_lock_path("3").name
     assert fake_engine == [{a: True}, {a: False, b: True}, {a: True, b: True}, {a: False, b: False}]
     assert caplog.text.count("SGLang engine started: KV pool 12345 tokens") == 4
+    assert installed == {signal.SIGTERM: mine}  # the engine's loop handler removed, the caller's back
 
 
 @pytest.mark.parametrize("visible, kw, gpus", [
