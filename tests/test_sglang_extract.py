@@ -92,7 +92,8 @@ def test_sigterm_stops_at_a_safe_point_and_the_rerun_completes(tmp_path, kr):
     spool.mkdir()
     cmd = [sys.executable, "-m", "eagle_data.cli.main", "extract", "--model", str(model), "--data", str(data),
            "--out", str(out), "--backend", "sglang", "--device", "cpu", "--dtype", "float32", "--progress", "false",
-           "--batch_tokens", "256", "--backend_kwargs", json.dumps({"spool_dir": str(spool)})]
+           "--batch_tokens", "256", "--shard_max_samples", "50",  # the first of 40 shards: the signal comes early
+           "--backend_kwargs", json.dumps({"spool_dir": str(spool)})]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
     while not list(out.glob("*.tar")) and p.poll() is None and time.monotonic() < deadline:
