@@ -193,7 +193,7 @@ def publish_json(path: Path, obj: dict) -> Path:
     """Write ``obj`` as JSON to ``path`` whole or not at all (tmp + rename: the reader lists only
     finished names). No fsync: the spool is in memory and dies with the run."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, separators=(",", ":"), sort_keys=True))
+    tmp.write_text(json.dumps(obj, separators=(",", ":")))
     os.replace(tmp, path)
     return path
 
